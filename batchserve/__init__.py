@@ -1,0 +1,3 @@
+"""batchserve: turns a batch function into an HTTP API that batches single requests."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,187 @@
+"""The batching loop: a thin coroutine that asks the policy when to send, and sends.
+
+The batcher owns the queue of accepted requests (oldest first) and the one task that forms
+batches. It wakes only when something could change the answer: a request arrives while a
+device is free, a device frees, or the policy's own wake-up time comes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .errors import BatchserveError, DeadlineExceeded, Overloaded
+from .gpu_pool import GpuPool
+from .item import QueuedRequest
+from .policy import Decision, Policy, QueueView
+
+
+@dataclass(frozen=True, slots=True)
+class BatcherStats:
+    queued: int
+    in_flight: int
+    free_devices: int
+    batches: int
+    completed: int
+
+
+class Batcher:
+    def __init__(self, policy: Policy, pool: GpuPool, *, max_batch_size: int, max_queue: int):
+        self._policy = policy
+        self._pool = pool
+        self._max_batch_size = max_batch_size
+        self._max_queue = max_queue
+        self._queue: OrderedDict[str, QueuedRequest] = OrderedDict()
+        self._wakeup = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._watchers: list[tuple[Callable[[BatcherStats], bool], asyncio.Future[None]]] = []
+        self._batches = 0
+        self._completed = 0
+        self._drain_rate = DecayedRate()
+
+    def __repr__(self) -> str:
+        s = self.stats()
+        return f"<Batcher queued={s.queued} in_flight={s.in_flight} batches={s.batches}>"
+
+    def stats(self) -> BatcherStats:
+        return BatcherStats(
+            queued=len(self._queue),
+            in_flight=self._pool.in_flight_requests,
+            free_devices=self._pool.free_count,
+            batches=self._batches,
+            completed=self._completed,
+        )
+
+    async def __aenter__(self) -> Batcher:
+        self._task = asyncio.create_task(self._run(), name="batchserve-batcher")
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        assert self._task is not None
+        self._task.cancel()
+        # gather reports the loop's own cancellation as a result, yet still raises if the
+        # task closing us is itself cancelled.
+        await asyncio.gather(self._task, return_exceptions=True)
+
+    def submit(self, request: QueuedRequest) -> None:
+        if len(self._queue) >= self._max_queue:
+            raise Overloaded(
+                f"the queue holds its limit of {self._max_queue} requests",
+                retry_after_s=self._drain_time_s(),
+            )
+        self._queue[request.request_id] = request
+        if self._pool.free_count:
+            self._wakeup.set()
+        self._changed()
+
+    def discard(self, request_id: str) -> None:
+        """Forgets a request that was answered before dispatch (timeout, disconnect)."""
+        if self._queue.pop(request_id, None) is not None:
+            self._changed()
+
+    def fail_queued(self, error: BatchserveError) -> None:
+        for request in self._queue.values():
+            if not request.future.done():
+                request.future.set_exception(error)
+        self._queue.clear()
+        self._changed()
+
+    async def wait_until(self, predicate: Callable[[BatcherStats], bool]) -> None:
+        """Returns once `predicate(stats())` holds: for draining, and for tests."""
+        if predicate(self.stats()):
+            return
+        future = asyncio.get_running_loop().create_future()
+        watcher = (predicate, future)
+        self._watchers.append(watcher)
+        try:
+            await future
+        finally:
+            if watcher in self._watchers:
+                self._watchers.remove(watcher)
+
+    def _changed(self) -> None:
+        if not self._watchers:
+            return
+        stats = self.stats()
+        for watcher in [w for w in self._watchers if w[0](stats)]:
+            self._watchers.remove(watcher)
+            if not watcher[1].done():
+                watcher[1].set_result(None)
+
+    def _drain_time_s(self) -> float:
+        rate = self._drain_rate.at(asyncio.get_running_loop().time())
+        return len(self._queue) / rate if rate > 0 else 1.0
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            self._wakeup.clear()
+            now = loop.time()
+            decision = self._decide(now)
+            if decision.dispatch:
+                batch = self._take(decision.dispatch, now)
+                if batch:
+                    self._batches += 1
+                    self._pool.dispatch(batch, self._on_batch_done)
+                self._changed()
+                continue
+            try:
+                async with asyncio.timeout_at(decision.wake_at):
+                    await self._wakeup.wait()
+            except TimeoutError:
+                pass
+
+    def _decide(self, now: float) -> Decision:
+        free = self._pool.free_count
+        if not self._queue or not free:
+            return self._policy.decide(now, QueueView(len(self._queue)), free, [])
+        head = list(itertools.islice(self._queue.values(), self._max_batch_size))
+        view = QueueView(
+            size=len(self._queue),
+            oldest_arrival=head[0].arrival,
+            earliest_deadline=min(request.deadline for request in head),
+        )
+        return self._policy.decide(now, view, free, self._pool.busy_since)
+
+    def _take(self, count: int, now: float) -> list[QueuedRequest]:
+        """The oldest `count` requests still waiting; expired ones are answered 504 instead."""
+        batch: list[QueuedRequest] = []
+        while self._queue and len(batch) < count:
+            _, request = self._queue.popitem(last=False)
+            if request.future.done():
+                continue
+            if request.deadline <= now:
+                request.future.set_exception(
+                    DeadlineExceeded("the deadline passed before a device was free")
+                )
+                continue
+            batch.append(request)
+        return batch
+
+    def _on_batch_done(self, duration_s: float, answered: int) -> None:
+        now = asyncio.get_running_loop().time()
+        self._completed += answered
+        self._drain_rate.add(now, answered)
+        self._policy.on_batch_done(duration_s)
+        self._wakeup.set()
+        self._changed()
+
+
+class DecayedRate:
+    """Events per second, exponentially decayed: an O(1) estimate of the drain rate."""
+
+    def __init__(self, horizon_s: float = 2.0) -> None:
+        self._horizon_s = horizon_s
+        self._rate = 0.0
+        self._updated = 0.0
+
+    def add(self, now: float, count: int) -> None:
+        self._rate = self.at(now) + count / self._horizon_s
+        self._updated = now
+
+    def at(self, now: float) -> float:
+        return self._rate * math.exp(-(now - self._updated) / self._horizon_s)

@@ -1,0 +1,155 @@
+"""Command line: flags (each also read from BATCHSERVE_<FLAG>) -> Config, and the serve loop."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from collections.abc import Sequence
+
+from aiohttp import web
+
+from .backends import (
+    DeviceFactory,
+    per_device_factory,
+    shared_fn_factory,
+    simulated_factory,
+)
+from .config import BACKEND_BATCH_LIMIT, POLICIES, Config
+from .devices import parse_devices
+from .errors import StartupError
+from .server import SERVER_KEY, create_app
+
+log = logging.getLogger("batchserve")
+
+_FLAGS: list[tuple[str, type, str]] = [
+    ("host", str, "address to listen on; 0.0.0.0 for every interface"),
+    ("port", int, "TCP port; 0 picks a free one"),
+    (
+        "devices",
+        str,
+        "sim:N (N simulated devices), cpu, cuda (every GPU torch sees) or a list like"
+        " cuda:0,cuda:2; one thread per device runs one batch at a time",
+    ),
+    ("fn", str, "your batch function, package.module:attr, shared by every device"),
+    (
+        "fn-per-device",
+        str,
+        "a factory package.module:attr called once per device with its name ('cuda:1')"
+        " that returns that device's batch function (load weights there)",
+    ),
+    (
+        "policy",
+        str,
+        f"when a batch leaves: {' or '.join(POLICIES)}. adaptive sends at once while devices"
+        " are free and staggers them under load; fixed is the textbook size-or-linger rule",
+    ),
+    ("max-batch-size", int, f"most requests in one batch call (1 to {BACKEND_BATCH_LIMIT})"),
+    (
+        "max-linger-ms",
+        float,
+        "longest the oldest queued request waits for its batch to fill while a device is free",
+    ),
+    ("timeout-ms", float, "default and largest per-request deadline; later answers are 504"),
+    ("max-queue", int, "requests waiting at most; beyond it new ones get 503 OVERLOADED"),
+    ("max-input-bytes", int, "largest input (UTF-8 bytes); larger gets 413 INPUT_TOO_LARGE"),
+    (
+        "drain-timeout-s",
+        float,
+        "on SIGTERM/SIGINT, how long accepted requests may take to finish before 503",
+    ),
+    ("sim-latency-ms", float, "duration of one simulated batch call, whatever its size"),
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m batchserve",
+        description="Serve a batch function over HTTP: one input per request, batched inside.",
+        epilog="Every flag also reads from the environment: --max-queue from"
+        " BATCHSERVE_MAX_QUEUE, and so on. A flag given on the command line wins.",
+    )
+    defaults = Config()
+    for flag, kind, text in _FLAGS:
+        dest = flag.replace("-", "_")
+        default = getattr(defaults, dest)
+        env = f"BATCHSERVE_{dest.upper()}"
+        parser.add_argument(
+            f"--{flag}",
+            type=kind,
+            default=os.environ.get(env, default),
+            choices=POLICIES if flag == "policy" else None,
+            help=f"{text} (default: {default}; env {env})",
+        )
+    parser.add_argument(
+        "--log-level",
+        default=os.environ.get("BATCHSERVE_LOG_LEVEL", "INFO"),
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="logging verbosity (default: INFO; env BATCHSERVE_LOG_LEVEL)",
+    )
+    return parser
+
+
+def config_from_args(argv: Sequence[str] | None = None) -> tuple[Config, str]:
+    args = vars(build_parser().parse_args(argv))
+    log_level = args.pop("log_level")
+    return Config(**args), log_level
+
+
+def backend_factory(config: Config, device_names: list[str]) -> DeviceFactory:
+    if config.fn is not None:
+        return shared_fn_factory(config.fn)
+    if config.fn_per_device is not None:
+        return per_device_factory(config.fn_per_device)
+    if not all(name.startswith("sim:") for name in device_names):
+        raise StartupError(
+            f"--devices {config.devices} needs a model: give --fn or --fn-per-device"
+            " (the simulated backend runs on sim:N devices)"
+        )
+    return simulated_factory(config.sim_latency_ms / 1e3, BACKEND_BATCH_LIMIT)
+
+
+async def serve(config: Config) -> None:
+    """Runs until SIGTERM or SIGINT, then drains: readiness fails, accepted work finishes."""
+    device_names = parse_devices(config.devices)
+    app = create_app(config, device_names, backend_factory(config, device_names))
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, config.host, config.port, backlog=4096)
+        await site.start()
+        host, port = runner.addresses[0][:2]
+        print(
+            f"batchserve listening on http://{host}:{port} devices={','.join(device_names)}"
+            f" policy={config.policy} max_batch_size={config.max_batch_size}"
+            f" max_linger_ms={config.max_linger_ms:g}",
+            flush=True,
+        )
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, stop.set)
+        await stop.wait()
+        log.info("stopping: draining %d accepted requests", len(app[SERVER_KEY].pending))
+        await app[SERVER_KEY].drain()
+    finally:
+        await runner.cleanup()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import uvloop
+
+    try:
+        config, log_level = config_from_args(argv)
+        logging.basicConfig(
+            level=log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s"
+        )
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            runner.run(serve(config))
+    except StartupError as error:
+        print(f"batchserve: error: {error}", file=sys.stderr)
+        return 1
+    return 0

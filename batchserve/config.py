@@ -1,0 +1,59 @@
+"""The server's settings: one frozen object, checked once, built by the CLI or by tests."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from .errors import StartupError
+
+BACKEND_BATCH_LIMIT = 100
+"""The batch-function contract: at most this many inputs per call."""
+
+PolicyName = Literal["adaptive", "fixed"]
+POLICIES: tuple[PolicyName, ...] = ("adaptive", "fixed")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    devices: str = "sim:4"
+    fn: str | None = None
+    fn_per_device: str | None = None
+    policy: PolicyName = "adaptive"
+    max_batch_size: int = BACKEND_BATCH_LIMIT
+    max_linger_ms: float = 50.0
+    timeout_ms: float = 5000.0
+    max_queue: int = 10_000
+    max_input_bytes: int = 1 << 20
+    drain_timeout_s: float = 30.0
+    sim_latency_ms: float = 100.0
+
+    def __post_init__(self) -> None:
+        rules: list[tuple[bool, str]] = [
+            (0 <= self.port <= 65535, "port must be between 0 and 65535"),
+            (
+                1 <= self.max_batch_size <= BACKEND_BATCH_LIMIT,
+                f"max_batch_size must be between 1 and {BACKEND_BATCH_LIMIT}",
+            ),
+            (self.max_linger_ms >= 0, "max_linger_ms must be 0 or more"),
+            (self.timeout_ms > 0, "timeout_ms must be more than 0"),
+            (self.max_queue >= 1, "max_queue must be 1 or more"),
+            (self.max_input_bytes >= 1, "max_input_bytes must be 1 or more"),
+            (self.drain_timeout_s >= 0, "drain_timeout_s must be 0 or more"),
+            (self.sim_latency_ms >= 0, "sim_latency_ms must be 0 or more"),
+            (self.policy in POLICIES, f"policy must be one of {', '.join(POLICIES)}"),
+            (
+                self.fn is None or self.fn_per_device is None,
+                "give --fn or --fn-per-device, not both",
+            ),
+        ]
+        broken = [message for ok, message in rules if not ok]
+        if broken:
+            raise StartupError("; ".join(broken))
+
+    @property
+    def max_body_bytes(self) -> int:
+        """JSON escaping can make one input byte six body bytes (\\u0000); leave room for it."""
+        return self.max_input_bytes * 6 + 4096

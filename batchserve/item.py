@@ -1,0 +1,30 @@
+"""What travels from the HTTP handler through the batcher to a device, and back."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    output: str
+    queue_s: float
+    compute_s: float
+    batch_size: int
+
+
+@dataclass(slots=True, eq=False)
+class QueuedRequest:
+    """One accepted request; its future is resolved exactly once, by whoever gets there first.
+
+    The handler owns the future (it created it and awaits it); the pool or the batcher only
+    resolve it, and always check `done()` first, because a timeout or a client disconnect may
+    already have cancelled it.
+    """
+
+    request_id: str
+    input: str
+    arrival: float
+    deadline: float
+    future: asyncio.Future[Result]

@@ -1,0 +1,134 @@
+"""When a batch leaves and how big it is: pure decisions on plain numbers (sans-IO).
+
+The batcher feeds a policy what happened (arrivals, finished batches) and asks it, with `now`
+passed in, what to do. Nothing here reads a clock or awaits, so the same objects drive the
+live server, the virtual-time simulator in benchmarks/ and property tests.
+
+Both policies bind late: a batch is formed only when a device is free to take it, so a
+batch keeps growing while every device is busy.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from .config import Config
+
+
+@dataclass(frozen=True, slots=True)
+class QueueView:
+    """What the policy may know of the queue: its size and its most urgent times."""
+
+    size: int
+    oldest_arrival: float = math.inf
+    earliest_deadline: float = math.inf
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """Send the `dispatch` oldest requests now (0: none), else decide again at `wake_at`.
+
+    `wake_at` None means nothing changes until a request arrives or a device frees.
+    """
+
+    dispatch: int
+    wake_at: float | None = None
+
+
+WAIT = Decision(0)
+
+MIN_HOLD_S = 0.0005
+"""A shorter hold saves less than the wake-up costs (and could round to no time at all)."""
+
+
+class Policy(Protocol):
+    def on_batch_done(self, duration_s: float) -> None: ...
+
+    def decide(
+        self, now: float, queue: QueueView, free_devices: int, busy_since: Sequence[float]
+    ) -> Decision: ...
+
+
+class AdaptivePolicy:
+    """Keeps devices staggered, so a new request never waits long for the next free device.
+
+    With two or more devices free, sending now costs nothing: the next arrival still finds a
+    free device. With one free and the others busy, sending now leaves every later arrival
+    waiting until a busy device finishes (`next_free`). Holding the batch until `h` makes the
+    oldest request wait `h - oldest_arrival` and the next arrival at most `next_free - h`; the
+    worst of the two is least at the midpoint, which spreads the devices' start times evenly
+    over one batch time. A lone device has nobody to stagger with, so it never holds. Holds
+    never pass the oldest request's linger budget or leave less than one batch time before a
+    queued request's deadline.
+    """
+
+    def __init__(self, *, max_batch_size: int, max_linger_s: float) -> None:
+        self.max_batch_size = max_batch_size
+        self.max_linger_s = max_linger_s
+        self.service_s: float | None = None
+
+    @classmethod
+    def from_config(cls, config: Config) -> AdaptivePolicy:
+        return cls(max_batch_size=config.max_batch_size, max_linger_s=config.max_linger_ms / 1e3)
+
+    def on_batch_done(self, duration_s: float) -> None:
+        if self.service_s is None:
+            self.service_s = duration_s
+        else:
+            self.service_s += 0.2 * (duration_s - self.service_s)
+
+    def decide(
+        self, now: float, queue: QueueView, free_devices: int, busy_since: Sequence[float]
+    ) -> Decision:
+        if queue.size == 0 or free_devices == 0:
+            return WAIT
+        if queue.size >= self.max_batch_size:
+            return Decision(self.max_batch_size)
+        service = self.service_s
+        if service is None or free_devices > 1 or not busy_since:
+            return Decision(queue.size)
+        next_free = min(busy_since) + service
+        latest = min(
+            (queue.oldest_arrival + next_free) / 2,
+            queue.oldest_arrival + self.max_linger_s,
+            queue.earliest_deadline - service,
+        )
+        if latest - now < MIN_HOLD_S:
+            return Decision(queue.size)
+        return Decision(0, latest)
+
+
+class FixedPolicy:
+    """The textbook rule, for comparison: send at `max_batch_size` or after the linger time."""
+
+    def __init__(self, *, max_batch_size: int, max_linger_s: float) -> None:
+        self.max_batch_size = max_batch_size
+        self.max_linger_s = max_linger_s
+
+    @classmethod
+    def from_config(cls, config: Config) -> FixedPolicy:
+        return cls(max_batch_size=config.max_batch_size, max_linger_s=config.max_linger_ms / 1e3)
+
+    def on_batch_done(self, duration_s: float) -> None:
+        pass
+
+    def decide(
+        self, now: float, queue: QueueView, free_devices: int, busy_since: Sequence[float]
+    ) -> Decision:
+        if queue.size == 0:
+            return WAIT
+        due = queue.oldest_arrival + self.max_linger_s
+        if queue.size < self.max_batch_size and now < due:
+            return Decision(0, due)
+        if free_devices == 0:
+            return WAIT
+        return Decision(min(queue.size, self.max_batch_size))
+
+
+def make_policy(config: Config) -> Policy:
+    if config.policy == "fixed":
+        return FixedPolicy.from_config(config)
+    return AdaptivePolicy.from_config(config)
