@@ -1,0 +1,79 @@
+"""User backends that the tests load by path, as `--fn` and `--fn-per-device` would."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+
+def shout(inputs: list[str]) -> list[str]:
+    return [text.upper() for text in inputs]
+
+
+def tagged(device: str):
+    """A per-device factory: each device's outputs name the device that made them."""
+
+    def run(inputs: list[str]) -> list[str]:
+        return [f"{device}:{text}" for text in inputs]
+
+    return run
+
+
+def broken(device: str):
+    raise RuntimeError("no weights found")
+
+
+def not_a_function(device: str):
+    return 42
+
+
+class TinyModel(torch.nn.Module):
+    """A real torch model: scores each input's bytes, answers with the best class index."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        generator = torch.Generator().manual_seed(0)
+        self.linear = torch.nn.Linear(16, 4)
+        with torch.no_grad():
+            self.linear.weight.copy_(torch.randn(4, 16, generator=generator))
+            self.linear.bias.zero_()
+
+    def forward(self, batch: torch.Tensor) -> torch.Tensor:
+        return self.linear(batch).argmax(dim=1)
+
+
+def encode(inputs: list[str]) -> torch.Tensor:
+    rows = [list(text.encode()[:16].ljust(16, b"\0")) for text in inputs]
+    return torch.tensor(rows, dtype=torch.float32) / 255.0
+
+
+def torch_model(device: str):
+    """Loads the model once onto `device`; each call runs one batched forward pass."""
+    model = TinyModel().to(device).eval()
+
+    def run(inputs: list[str]) -> list[str]:
+        with torch.inference_mode():
+            classes = model(encode(inputs).to(device))
+        return [str(int(label)) for label in classes.cpu()]
+
+    return run
+
+
+def fifo_gated(device: str):
+    """Each call says 'entered' on one FIFO, then waits for a line on another.
+
+    Lets a test that runs the real process know a batch is inside the device, without
+    sleeping, and decide when it finishes.
+    """
+    folder = Path(os.environ["BATCHSERVE_TEST_FIFOS"])
+
+    def run(inputs: list[str]) -> list[str]:
+        with open(folder / "entered", "w") as entered:
+            entered.write(f"{len(inputs)}\n")
+        with open(folder / "release") as release:
+            release.readline()
+        return [text[::-1] for text in inputs]
+
+    return run

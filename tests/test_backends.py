@@ -1,0 +1,103 @@
+"""Loading user backends by path, the simulated backend's contract, and device specs."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from batchserve.backends import (
+    SimulatedDevice,
+    per_device_factory,
+    shared_fn_factory,
+    simulate,
+)
+from batchserve.devices import parse_devices
+from batchserve.errors import StartupError
+
+from . import sample_models
+
+
+def test_simulated_device_reverses_each_input_in_order():
+    device = SimulatedDevice("sim:0", 0.0, 100)
+    assert device(["abc", "", "héllo"]) == ["cba", "", "olléh"]
+    assert simulate("abc") == "cba"
+
+
+@pytest.mark.parametrize("size", [0, 101])
+def test_simulated_device_rejects_batches_outside_the_limit(size):
+    with pytest.raises(ValueError, match="limit is 1 to 100"):
+        SimulatedDevice("sim:0", 0.0, 100)(["x"] * size)
+
+
+def test_simulated_device_rejects_a_concurrent_call():
+    device = SimulatedDevice("sim:0", 0.0, 100)
+    device._busy.acquire()  # another batch call is inside the device
+    with pytest.raises(RuntimeError, match="two batch calls at once"):
+        device(["x"])
+
+
+def test_shared_fn_is_the_same_on_every_device():
+    factory = shared_fn_factory("tests.sample_models:shout")
+    assert factory("sim:0") is factory("sim:1") is sample_models.shout
+
+
+def test_per_device_factory_is_called_with_each_device_name():
+    factory = per_device_factory("tests.sample_models:tagged")
+    assert factory("cpu")(["a"]) == ["cpu:a"]
+    assert factory("sim:3")(["a"]) == ["sim:3:a"]
+
+
+@pytest.mark.parametrize(
+    ("path", "fragment"),
+    [
+        ("no_colon", "expected package.module:attribute"),
+        ("tests.no_such_module:fn", "cannot import tests.no_such_module"),
+        ("tests.sample_models:missing", "has no attribute missing"),
+        ("tests.sample_models:TinyModel.nope", "has no attribute TinyModel.nope"),
+    ],
+)
+def test_bad_paths_stop_start_up_with_one_line(path, fragment):
+    with pytest.raises(StartupError, match=fragment) as caught:
+        shared_fn_factory(path)
+    assert "\n" not in str(caught.value)
+
+
+def test_a_factory_returning_a_non_callable_is_refused():
+    with pytest.raises(StartupError, match="returned int for cpu"):
+        per_device_factory("tests.sample_models:not_a_function")("cpu")
+
+
+def test_a_torch_model_runs_batched_on_cpu():
+    run = sample_models.torch_model("cpu")
+    inputs = ["alpha", "beta", "gamma"]
+    expected = [str(int(sample_models.TinyModel()(sample_models.encode([t]))[0])) for t in inputs]
+    assert run(inputs) == expected
+
+
+def test_device_specs():
+    assert parse_devices("sim:3") == ["sim:0", "sim:1", "sim:2"]
+    assert parse_devices("cpu") == ["cpu"]
+
+
+@pytest.mark.parametrize("spec", ["sim:0", "gpu", "cuda:x", "cpu,cpu", ""])
+def test_bad_device_specs(spec):
+    with pytest.raises(StartupError):
+        parse_devices(spec)
+
+
+@pytest.mark.parametrize("spec", ["cuda", "cuda:0", "cuda:0,cuda:1"])
+def test_cuda_without_a_visible_gpu_says_so(spec):
+    pytest.importorskip("torch")
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(StartupError, match="torch is installed but sees no CUDA device"):
+        parse_devices(spec)
+
+
+def test_cuda_without_torch_says_so(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch", None)  # import torch now raises ImportError
+    with pytest.raises(StartupError, match="needs torch, which is not installed"):
+        parse_devices("cuda")

@@ -1,0 +1,117 @@
+"""The command line, and the real `python -m batchserve` process as a user runs it."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from batchserve.cli import _FLAGS, build_parser, config_from_args
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "batchserve", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
+        timeout=60,
+    )
+
+
+def test_help_explains_every_flag():
+    text = build_parser().format_help()
+    for flag, _, _ in _FLAGS:
+        assert f"--{flag}" in text
+        assert f"BATCHSERVE_{flag.replace('-', '_').upper()}" in text
+
+
+def test_flags_read_the_environment_and_the_command_line_wins(monkeypatch):
+    monkeypatch.setenv("BATCHSERVE_MAX_BATCH_SIZE", "7")
+    monkeypatch.setenv("BATCHSERVE_POLICY", "fixed")
+    config, _ = config_from_args([])
+    assert config.max_batch_size == 7
+    assert config.policy == "fixed"
+    config, _ = config_from_args(["--max-batch-size", "9"])
+    assert config.max_batch_size == 9
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--max-batch-size", "101"], "max_batch_size must be between 1 and 100"),
+        (["--devices", "cuda"], "--devices cuda: torch is installed but sees no CUDA device"),
+        (["--devices", "cpu"], "needs a model: give --fn or --fn-per-device"),
+        (["--fn", "tests.sample_models:nope"], "has no attribute nope"),
+        (
+            ["--fn-per-device", "tests.sample_models:broken"],
+            "device sim:0 failed to load: RuntimeError: no weights found",
+        ),
+    ],
+)
+def test_start_up_errors_are_one_line_and_exit_1(args, message):
+    result = run_cli("--port", "0", *args)
+    assert result.returncode == 1
+    assert result.stderr.count("\n") == 1
+    assert message in result.stderr
+
+
+def test_cuda_without_torch_is_a_one_line_error():
+    code = (
+        "import sys; sys.modules['torch'] = None; from batchserve.cli import main; "
+        "sys.exit(main(['--devices', 'cuda']))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60
+    )
+    assert result.returncode == 1
+    assert "needs torch, which is not installed" in result.stderr
+
+
+async def test_real_process_serves_then_drains_on_sigterm(tmp_path):
+    os.mkfifo(tmp_path / "entered")
+    os.mkfifo(tmp_path / "release")
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "batchserve", "--port", "0", "--devices", "sim:1",
+        "--fn-per-device", "tests.sample_models:fifo_gated",
+        cwd=ROOT,
+        env={**os.environ, "BATCHSERVE_TEST_FIFOS": str(tmp_path)},
+        stdout=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        assert process.stdout is not None
+        banner = (await process.stdout.readline()).decode()
+        assert "devices=sim:0" in banner
+        assert "policy=adaptive" in banner
+        url = banner.split()[3]
+        async with aiohttp.ClientSession(url) as session:
+            in_flight = asyncio.ensure_future(session.post("/api/inference", json={"input": "abc"}))
+            entered = await asyncio.to_thread((tmp_path / "entered").read_text)
+            assert entered == "1\n"
+            process.send_signal(signal.SIGTERM)
+            for _ in range(10_000):  # the signal is handled on the server's own loop
+                if (await session.get("/readyz")).status == 503:
+                    break
+            else:
+                pytest.fail("readiness never went 503 after SIGTERM")
+            refused = await session.post("/api/inference", json={"input": "new"})
+            assert refused.status == 503
+            assert (await refused.json())["error"] == "NOT_READY"
+            await asyncio.to_thread((tmp_path / "release").write_text, "go\n")
+            answer = await in_flight
+            assert answer.status == 200
+            assert (await answer.json())["output"] == "cba"
+        assert await asyncio.wait_for(process.wait(), 30) == 0
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()

@@ -1,0 +1,144 @@
+"""The batching decision on plain numbers: each flush rule, then properties over any input."""
+
+from __future__ import annotations
+
+import math
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from batchserve.policy import AdaptivePolicy, Decision, FixedPolicy, QueueView
+
+SERVICE = 0.1
+
+
+def adaptive(max_batch_size: int = 100, max_linger_s: float = 0.05) -> AdaptivePolicy:
+    policy = AdaptivePolicy(max_batch_size=max_batch_size, max_linger_s=max_linger_s)
+    policy.on_batch_done(SERVICE)
+    return policy
+
+
+def queue(size: int, oldest: float = 0.0, deadline: float = math.inf) -> QueueView:
+    return QueueView(size=size, oldest_arrival=oldest, earliest_deadline=deadline)
+
+
+def test_nothing_leaves_without_a_request_or_a_free_device():
+    policy = adaptive()
+    assert policy.decide(1.0, QueueView(0), 4, []) == Decision(0)
+    assert policy.decide(1.0, queue(50), 0, [0.9] * 4) == Decision(0)
+
+
+def test_a_full_batch_leaves_at_once_and_no_bigger():
+    assert adaptive(max_batch_size=8).decide(1.0, queue(30, 1.0), 1, [0.99]) == Decision(8)
+
+
+def test_with_two_free_devices_a_partial_batch_leaves_at_once():
+    assert adaptive().decide(1.0, queue(3, 1.0), 2, [0.95]) == Decision(3)
+
+
+def test_a_lone_device_never_holds():
+    assert adaptive().decide(1.0, queue(1, 1.0), 1, []) == Decision(1)
+
+
+def test_before_any_batch_is_timed_the_policy_is_greedy():
+    policy = AdaptivePolicy(max_batch_size=100, max_linger_s=0.05)
+    assert policy.decide(1.0, queue(1, 1.0), 1, [0.99]) == Decision(1)
+
+
+def test_last_free_device_holds_until_midway_to_the_next_free_device():
+    # Busy device started at 0.96, so it frees at 1.06; the oldest arrived at 1.0.
+    decision = adaptive().decide(1.0, queue(1, 1.0), 1, [0.96])
+    assert decision.dispatch == 0
+    assert decision.wake_at is not None
+    assert math.isclose(decision.wake_at, 1.03)
+
+
+def test_hold_ends_at_the_linger_budget():
+    decision = adaptive(max_linger_s=0.01).decide(1.0, queue(1, 1.0), 1, [0.96])
+    assert decision.wake_at is not None
+    assert math.isclose(decision.wake_at, 1.01)
+
+
+def test_linger_spent_sends_the_batch():
+    assert adaptive(max_linger_s=0.01).decide(1.011, queue(2, 1.0), 1, [0.96]) == Decision(2)
+
+
+def test_hold_leaves_a_batch_time_before_the_earliest_deadline():
+    decision = adaptive().decide(1.0, queue(1, 1.0, deadline=1.12), 1, [0.96])
+    assert decision.wake_at is not None
+    assert math.isclose(decision.wake_at, 1.02)
+    assert adaptive().decide(1.0, queue(1, 1.0, deadline=1.1), 1, [0.96]) == Decision(1)
+
+
+def test_when_the_busy_device_is_about_to_free_the_batch_leaves_now():
+    assert adaptive().decide(1.0, queue(4, 0.99), 1, [0.9]) == Decision(4)
+
+
+def test_service_estimate_follows_observed_batches():
+    policy = adaptive()
+    for _ in range(50):
+        policy.on_batch_done(0.2)
+    assert policy.service_s is not None
+    assert math.isclose(policy.service_s, 0.2, rel_tol=1e-3)
+
+
+def test_fixed_waits_for_size_or_linger_then_a_free_device():
+    policy = FixedPolicy(max_batch_size=32, max_linger_s=0.05)
+    assert policy.decide(1.0, queue(5, 1.0), 4, []) == Decision(0, 1.05)
+    assert policy.decide(1.05, queue(5, 1.0), 4, []) == Decision(5)
+    assert policy.decide(1.0, queue(40, 1.0), 4, []) == Decision(32)
+    assert policy.decide(1.2, queue(40, 1.0), 0, [1.0] * 4) == Decision(0)
+
+
+busy_lists = st.lists(st.floats(0.0, 10.0), max_size=16)
+
+
+@given(
+    now=st.floats(0.0, 10.0),
+    size=st.integers(0, 500),
+    age=st.floats(0.0, 1.0),
+    slack=st.floats(-1.0, 10.0),
+    free=st.integers(0, 16),
+    busy=busy_lists,
+    max_batch=st.integers(1, 100),
+    linger=st.floats(0.0, 0.2),
+    service=st.floats(0.001, 1.0),
+)
+def test_adaptive_decisions_are_always_sound(
+    now, size, age, slack, free, busy, max_batch, linger, service
+):
+    policy = AdaptivePolicy(max_batch_size=max_batch, max_linger_s=linger)
+    policy.on_batch_done(service)
+    view = queue(size, oldest=now - age, deadline=now + slack) if size else QueueView(0)
+    busy_since = [min(start, now) for start in busy]
+    decision = policy.decide(now, view, free, busy_since)
+    assert 0 <= decision.dispatch <= min(size, max_batch)
+    if size == 0 or free == 0:
+        assert decision.dispatch == 0
+    if size and free and size >= max_batch:
+        assert decision.dispatch == max_batch
+    if decision.dispatch == 0 and size and free:
+        # A hold always ends, strictly later, inside the linger budget and before the
+        # point where the earliest deadline could no longer be met.
+        assert decision.wake_at is not None
+        assert now < decision.wake_at <= view.oldest_arrival + linger
+        assert decision.wake_at <= view.earliest_deadline - service + 1e-12
+
+
+@given(
+    now=st.floats(0.0, 10.0),
+    size=st.integers(1, 500),
+    age=st.floats(0.0, 1.0),
+    free=st.integers(0, 16),
+    max_batch=st.integers(1, 100),
+    linger=st.floats(0.0, 0.2),
+)
+def test_fixed_decisions_are_always_sound(now, size, age, free, max_batch, linger):
+    policy = FixedPolicy(max_batch_size=max_batch, max_linger_s=linger)
+    decision = policy.decide(now, queue(size, oldest=now - age), free, [])
+    assert 0 <= decision.dispatch <= min(size, max_batch)
+    due = now - age + linger
+    if free and (size >= max_batch or now >= due):
+        assert decision.dispatch == min(size, max_batch)
+    if decision.dispatch == 0 and decision.wake_at is not None:
+        assert decision.wake_at > now

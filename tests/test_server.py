@@ -1,0 +1,321 @@
+"""The HTTP contract end to end, in-process: answers, errors, ordering, lifecycle."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import threading
+from collections.abc import AsyncIterator
+
+import pytest
+
+from batchserve.backends import simulate, simulated_factory
+
+from .conftest import GatedBackend
+
+
+async def test_answers_with_output_and_timings(start_server):
+    client, _ = await start_server(simulated_factory(0.001, 100))
+    response = await client.post(
+        "/api/inference", json={"input": "hello"}, headers={"X-Request-Id": "abc-1"}
+    )
+    assert response.status == 200
+    body = await response.json()
+    assert body["output"] == "olleh"
+    assert body["request_id"] == "abc-1"
+    assert response.headers["X-Request-Id"] == "abc-1"
+    assert body["batch_size"] == 1
+    assert body["latency_ms"] >= body["compute_ms"] >= 0
+    assert body["queue_ms"] >= 0
+    assert response.headers["Server-Timing"].startswith("queue;dur=")
+    assert "compute;dur=" in response.headers["Server-Timing"]
+
+
+async def test_two_thousand_concurrent_requests_each_get_their_own_output(start_server):
+    client, server = await start_server(simulated_factory(0.002, 100), devices=4)
+    inputs = [f"request-{index}-{'x' * (index % 7)}" for index in range(2000)]
+
+    async def ask(text: str) -> tuple[str, dict[str, object]]:
+        response = await client.post("/api/inference", json={"input": text})
+        assert response.status == 200, await response.text()
+        return text, await response.json()
+
+    answers = await asyncio.gather(*(ask(text) for text in inputs))
+    assert [body["output"] for _, body in answers] == [simulate(text) for text in inputs]
+    assert len({body["request_id"] for _, body in answers}) == len(inputs)
+    assert max(body["batch_size"] for _, body in answers) > 1  # it really batched
+    assert server.pending == {}
+    assert server.batcher.stats().queued == 0
+
+
+async def test_a_device_never_runs_two_batches_and_batches_respect_the_limit(start_server):
+    backend = GatedBackend()
+    backend.gate.set()
+    client, _server = await start_server(backend, devices=3, max_batch_size=7)
+    responses = await asyncio.gather(
+        *(client.post("/api/inference", json={"input": f"in-{n}"}) for n in range(300))
+    )
+    assert all(response.status == 200 for response in responses)
+    assert set(backend.max_concurrent.values()) == {1}
+    assert all(1 <= len(inputs) <= 7 for _, inputs in backend.calls)
+    assert sorted(backend.seen_inputs()) == sorted(f"in-{n}" for n in range(300))
+
+
+async def test_a_batch_grows_while_every_device_is_busy(start_server, gated):
+    client, server = await start_server(gated, devices=1)
+    first = asyncio.ensure_future(client.post("/api/inference", json={"input": "first"}))
+    await server.batcher.wait_until(lambda s: s.in_flight == 1)
+    rest = [
+        asyncio.ensure_future(client.post("/api/inference", json={"input": f"r{n}"}))
+        for n in range(5)
+    ]
+    await server.batcher.wait_until(lambda s: s.queued == 5)
+    gated.gate.set()
+    bodies = [await (await task).json() for task in [first, *rest]]
+    assert [body["batch_size"] for body in bodies] == [1, 5, 5, 5, 5, 5]
+    assert [inputs for _, inputs in gated.calls] == [["first"], [f"r{n}" for n in range(5)]]
+
+
+@pytest.mark.parametrize(
+    ("body", "fragment"),
+    [
+        (b"not json", "not valid UTF-8 JSON"),
+        (b'["a list"]', "JSON object"),
+        (b"{}", '"input"'),
+        (b'{"input": 5}', '"input"'),
+        (b'{"input": null}', '"input"'),
+        (b'{"input": "x", "extra": 1}', "unknown field(s): extra"),
+        (b'{"input": "x", "timeout_ms": "soon"}', "timeout_ms"),
+        (b'{"input": "x", "timeout_ms": -1}', "timeout_ms"),
+        (b'{"input": "x", "timeout_ms": true}', "timeout_ms"),
+        (b'{"input": "\xff\xfe"}', "UTF-8"),
+        (b'{"input": "\\ud800"}', "UTF-8"),
+    ],
+)
+async def test_bad_bodies_get_400_invalid_input(start_server, body, fragment):
+    client, server = await start_server(simulated_factory(0.0, 100))
+    response = await client.post("/api/inference", data=body)
+    assert response.status == 400
+    answer = await response.json()
+    assert answer["error"] == "INVALID_INPUT"
+    assert fragment in answer["message"]
+    assert answer["request_id"]
+    assert server.pending == {}
+
+
+async def test_bad_timeout_header_and_overlong_request_id_get_400(start_server):
+    client, _ = await start_server(simulated_factory(0.0, 100))
+    response = await client.post(
+        "/api/inference", json={"input": "x"}, headers={"X-Request-Timeout-Ms": "abc"}
+    )
+    assert response.status == 400
+    response = await client.post(
+        "/api/inference", json={"input": "x"}, headers={"X-Request-Id": "i" * 500}
+    )
+    assert response.status == 400
+    assert (await response.json())["request_id"] != "i" * 500
+
+
+async def test_ten_megabyte_body_gets_413(start_server):
+    client, server = await start_server(simulated_factory(0.0, 100), max_input_bytes=1024)
+    response = await client.post("/api/inference", data=io.BytesIO(b"x" * (10 << 20)))
+    assert response.status == 413
+    assert (await response.json())["error"] == "INPUT_TOO_LARGE"
+    ok = await client.post("/api/inference", json={"input": "fine"})
+    assert ok.status == 200
+    assert server.pending == {}
+
+
+async def test_ten_megabyte_chunked_body_without_length_gets_413(start_server):
+    client, _ = await start_server(simulated_factory(0.0, 100), max_input_bytes=1024)
+
+    async def chunks() -> AsyncIterator[bytes]:
+        for _ in range(10):
+            yield b"x" * (1 << 20)
+
+    response = await client.post("/api/inference", data=chunks())
+    assert response.status == 413
+    assert (await response.json())["error"] == "INPUT_TOO_LARGE"
+
+
+async def test_input_over_the_byte_limit_gets_413(start_server):
+    client, _ = await start_server(simulated_factory(0.0, 100), max_input_bytes=10)
+    response = await client.post("/api/inference", json={"input": "é" * 6})  # 12 bytes
+    assert response.status == 413
+    assert "12 bytes" in (await response.json())["message"]
+    assert (await client.post("/api/inference", json={"input": "é" * 5})).status == 200
+
+
+async def test_full_queue_gets_503_overloaded_with_retry_after(start_server, gated):
+    client, server = await start_server(gated, max_batch_size=1, max_queue=1)
+    running = asyncio.ensure_future(client.post("/api/inference", json={"input": "a"}))
+    await server.batcher.wait_until(lambda s: s.in_flight == 1)
+    queued = asyncio.ensure_future(client.post("/api/inference", json={"input": "b"}))
+    await server.batcher.wait_until(lambda s: s.queued == 1)
+    response = await client.post("/api/inference", json={"input": "c"})
+    assert response.status == 503
+    body = await response.json()
+    assert body["error"] == "OVERLOADED"
+    assert body["retry_after_ms"] >= 1
+    assert int(response.headers["Retry-After"]) >= 1
+    gated.gate.set()
+    assert [(await task).status for task in (running, queued)] == [200, 200]
+    assert "c" not in gated.seen_inputs()
+
+
+async def test_duplicate_request_id_in_flight_gets_409(start_server, gated):
+    client, server = await start_server(gated)
+    headers = {"X-Request-Id": "same"}
+    first = asyncio.ensure_future(
+        client.post("/api/inference", json={"input": "a"}, headers=headers)
+    )
+    await server.batcher.wait_until(lambda s: s.in_flight == 1)
+    response = await client.post("/api/inference", json={"input": "b"}, headers=headers)
+    assert response.status == 409
+    assert (await response.json())["error"] == "DUPLICATE_REQUEST_ID"
+    gated.gate.set()
+    assert (await (await first).json())["output"] == "a"
+
+
+async def test_expired_request_gets_504_and_never_reaches_a_device(start_server, gated):
+    client, server = await start_server(gated)
+    running = asyncio.ensure_future(client.post("/api/inference", json={"input": "slow"}))
+    await server.batcher.wait_until(lambda s: s.in_flight == 1)
+    response = await client.post("/api/inference", json={"input": "late", "timeout_ms": 20})
+    assert response.status == 504
+    assert (await response.json())["error"] == "DEADLINE_EXCEEDED"
+    assert server.batcher.stats().queued == 0
+    gated.gate.set()
+    assert (await running).status == 200
+    await server.batcher.wait_until(lambda s: s.in_flight == 0)
+    assert "late" not in gated.seen_inputs()
+    assert server.pending == {}
+
+
+async def test_timeout_header_is_used_and_capped_by_the_server(start_server, gated):
+    client, _server = await start_server(gated, timeout_ms=30)
+    # Asks for a minute; the server's 30 ms cap still applies while the device is stuck.
+    response = await client.post(
+        "/api/inference", json={"input": "x"}, headers={"X-Request-Timeout-Ms": "60000"}
+    )
+    assert response.status == 504
+    gated.gate.set()
+
+
+async def test_backend_exception_gets_500_with_its_type_and_message(start_server):
+    def factory(device: str):
+        def fail(inputs: list[str]) -> list[str]:
+            raise ValueError("the model is broken")
+
+        return fail
+
+    client, _server = await start_server(factory)
+    response = await client.post("/api/inference", json={"input": "x"})
+    assert response.status == 500
+    body = await response.json()
+    assert body["error"] == "BACKEND_ERROR"
+    assert "ValueError: the model is broken" in body["message"]
+    assert "Traceback" not in body["message"]
+
+
+@pytest.mark.parametrize(
+    ("returned", "fragment"),
+    [
+        ("not a list", "returned str, not a list"),
+        ([], "returned 0 outputs for 1 inputs"),
+        (["a", "b"], "returned 2 outputs for 1 inputs"),
+        ([None], "NoneType output"),
+        ([b"bytes"], "bytes output"),
+    ],
+)
+async def test_malformed_results_resolve_nobody_and_get_500(start_server, returned, fragment):
+    def factory(device: str):
+        return lambda inputs: returned
+
+    client, _ = await start_server(factory)
+    response = await client.post("/api/inference", json={"input": "x"})
+    assert response.status == 500
+    assert fragment in (await response.json())["message"]
+
+
+async def test_client_disconnect_removes_the_queued_request(start_server, gated):
+    client, server = await start_server(gated)
+    running = asyncio.ensure_future(client.post("/api/inference", json={"input": "kept"}))
+    await server.batcher.wait_until(lambda s: s.in_flight == 1)
+    _reader, writer = await asyncio.open_connection(client.host, client.port)
+    body = b'{"input": "gone"}'
+    writer.write(
+        b"POST /api/inference HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
+    await writer.drain()
+    await server.batcher.wait_until(lambda s: s.queued == 1)
+    writer.close()
+    await writer.wait_closed()
+    await server.batcher.wait_until(lambda s: s.queued == 0)
+    gated.gate.set()
+    assert (await running).status == 200
+    await server.batcher.wait_until(lambda s: s.in_flight == 0)
+    assert "gone" not in gated.seen_inputs()
+    assert server.pending == {}
+
+
+async def test_drain_answers_everything_accepted_and_refuses_new_work(start_server, gated):
+    client, server = await start_server(gated, max_batch_size=1)
+    accepted = [
+        asyncio.ensure_future(client.post("/api/inference", json={"input": f"a{n}"}))
+        for n in range(3)
+    ]
+    await server.batcher.wait_until(lambda s: s.in_flight == 1 and s.queued == 2)
+    draining = asyncio.ensure_future(server.drain())
+    await asyncio.sleep(0)
+    assert (await client.get("/readyz")).status == 503
+    assert (await client.get("/healthz")).status == 200
+    refused = await client.post("/api/inference", json={"input": "new"})
+    assert refused.status == 503
+    assert (await refused.json())["error"] == "NOT_READY"
+    gated.gate.set()
+    outputs = [(await (await task).json())["output"] for task in accepted]
+    await draining
+    assert outputs == ["0a", "1a", "2a"]
+    assert server.pending == {}
+
+
+async def test_drain_timeout_answers_the_rest_503(start_server, gated):
+    client, server = await start_server(gated, max_batch_size=1, drain_timeout_s=0.01)
+    accepted = [
+        asyncio.ensure_future(client.post("/api/inference", json={"input": f"a{n}"}))
+        for n in range(2)
+    ]
+    await server.batcher.wait_until(lambda s: s.in_flight == 1 and s.queued == 1)
+    await server.drain()
+    statuses = [(await task).status for task in accepted]
+    assert statuses == [503, 503]
+    assert server.pending == {}
+    gated.gate.set()
+
+
+async def test_readiness_and_health(start_server):
+    client, _ = await start_server(simulated_factory(0.0, 100))
+    assert (await client.get("/healthz")).status == 200
+    ready = await client.get("/readyz")
+    assert ready.status == 200
+    assert (await ready.json())["status"] == "ready"
+
+
+async def test_blocked_device_thread_is_released_at_teardown(start_server):
+    """The gated fixture's finaliser pattern: a device call left waiting must not hang exit."""
+    gate = threading.Event()
+
+    def factory(device: str):
+        def run(inputs: list[str]) -> list[str]:
+            gate.wait()
+            return inputs
+
+        return run
+
+    client, server = await start_server(factory)
+    task = asyncio.ensure_future(client.post("/api/inference", json={"input": "x"}))
+    await server.batcher.wait_until(lambda s: s.in_flight == 1)
+    gate.set()
+    assert (await (await task).json())["output"] == "x"
