@@ -1,0 +1,223 @@
+"""Open-loop load generator: Poisson arrivals on a fixed schedule, latency from schedule.
+
+Each request is sent at its scheduled time whatever the server is doing (open loop), and its
+latency is counted from that scheduled time, so a slow server cannot hide its queueing by
+slowing the sender. Every 200 answer is checked against its own input (the simulated model
+reverses it). A lean HTTP/1.1 keep-alive client on asyncio protocols keeps one core able to
+offer well over 10,000 requests per second.
+
+    taskset -c 1 python benchmarks/loadgen.py --url http://127.0.0.1:8000 --rate 500
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import sys
+from collections import Counter
+from dataclasses import asdict, dataclass
+from typing import cast
+from urllib.parse import urlsplit
+
+import orjson
+import uvloop
+
+
+@dataclass
+class Summary:
+    rate: float
+    seconds: float
+    sent: int
+    ok: int
+    success: float
+    statuses: dict[str, int]
+    wrong_output: int
+    unanswered: int
+    p50_ms: float
+    p90_ms: float
+    p99_ms: float
+    max_ms: float
+    achieved_rps: float
+    mean_batch: float
+    compute_p50_ms: float
+
+
+class Connection(asyncio.Protocol):
+    """One keep-alive connection carrying one request at a time."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.buffer = bytearray()
+        self.waiter: asyncio.Future[tuple[int, bytes]] | None = None
+        self.closed = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is no subclass
+
+    def data_received(self, data: bytes) -> None:
+        self.buffer += data
+        head_end = self.buffer.find(b"\r\n\r\n")
+        if head_end < 0:
+            return
+        head = bytes(self.buffer[:head_end]).lower()
+        start = head.find(b"content-length:")
+        length = int(head[start + 15 : head.find(b"\r\n", start)]) if start >= 0 else 0
+        if len(self.buffer) < head_end + 4 + length:
+            return
+        status = int(head[9:12])
+        body = bytes(self.buffer[head_end + 4 : head_end + 4 + length])
+        del self.buffer[: head_end + 4 + length]
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result((status, body))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_exception(ConnectionError("the server closed the connection"))
+
+    async def request(self, payload: bytes, host: str) -> tuple[int, bytes]:
+        assert self.transport is not None
+        self.waiter = asyncio.get_running_loop().create_future()
+        self.transport.write(
+            b"POST /api/inference HTTP/1.1\r\nHost: %b\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%b" % (host.encode(), len(payload), payload)
+        )
+        return await self.waiter
+
+
+class Pool:
+    def __init__(self, host: str, port: int, limit: int) -> None:
+        self.host, self.port, self.limit = host, port, limit
+        self.idle: list[Connection] = []
+        self.opened = 0
+        self.waiters: asyncio.Queue[Connection] = asyncio.Queue()
+
+    async def open(self) -> Connection:
+        self.opened += 1
+        _, conn = await asyncio.get_running_loop().create_connection(
+            Connection, self.host, self.port
+        )
+        return conn
+
+    async def acquire(self) -> Connection:
+        while self.idle:
+            conn = self.idle.pop()
+            if not conn.closed:
+                return conn
+        if self.opened < self.limit:
+            return await self.open()
+        return await self.waiters.get()
+
+    def release(self, conn: Connection) -> None:
+        if conn.closed:
+            self.opened -= 1
+        elif self.waiters._getters:  # type: ignore[attr-defined]
+            self.waiters.put_nowait(conn)
+        else:
+            self.idle.append(conn)
+
+
+async def run(url: str, rate: float, seconds: float, warmup_s: float, seed: int,
+              connections: int, timeout_s: float) -> Summary:  # fmt: skip
+    parts = urlsplit(url)
+    host, port = parts.hostname or "127.0.0.1", parts.port or 80
+    loop = asyncio.get_running_loop()
+    rng = random.Random(seed)
+    schedule: list[float] = []
+    clock = 0.0
+    while (clock := clock + rng.expovariate(rate)) < seconds:
+        schedule.append(clock)
+    pool = Pool(host, port, connections)
+    warm = min(connections, max(8, int(rate * 0.3)))
+    pool.idle = list(await asyncio.gather(*(pool.open() for _ in range(warm))))
+    latencies: list[float] = []
+    statuses: Counter[str] = Counter()
+    batch_sizes: list[int] = []
+    computes: list[float] = []
+    wrong = 0
+
+    async def one(index: int, scheduled: float, counted: bool) -> None:
+        nonlocal wrong
+        text = f"req-{seed}-{index}-{'abcdefgh'[: index % 9]}"
+        conn = await pool.acquire()
+        try:
+            status, body = await asyncio.wait_for(
+                conn.request(orjson.dumps({"input": text}), host), timeout_s
+            )
+        except (TimeoutError, ConnectionError):
+            statuses["lost"] += 1
+            conn.closed = True
+            if conn.transport is not None:
+                conn.transport.close()
+            return
+        finally:
+            pool.release(conn)
+        statuses[str(status)] += 1
+        if status == 200:
+            answer = orjson.loads(body)
+            if answer["output"] != text[::-1]:
+                wrong += 1
+            if counted:
+                latencies.append(loop.time() - scheduled)
+                batch_sizes.append(answer["batch_size"])
+                computes.append(answer.get("compute_ms", 0.0))
+
+    start = loop.time() + 0.05
+    tasks = []
+    for index, offset in enumerate(schedule):
+        scheduled = start + offset
+        delay = scheduled - loop.time()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(one(index, scheduled, offset >= warmup_s)))
+    await asyncio.gather(*tasks)
+    latencies.sort()
+
+    def pct(q: float) -> float:
+        if not latencies:
+            return float("nan")
+        return 1e3 * latencies[min(len(latencies) - 1, int(len(latencies) * q))]
+
+    ok = statuses["200"]
+    measured = seconds - warmup_s
+    return Summary(
+        rate=rate,
+        seconds=seconds,
+        sent=len(schedule),
+        ok=ok,
+        success=ok / len(schedule) if schedule else 0.0,
+        statuses=dict(statuses),
+        wrong_output=wrong,
+        unanswered=statuses["lost"],
+        p50_ms=pct(0.50),
+        p90_ms=pct(0.90),
+        p99_ms=pct(0.99),
+        max_ms=1e3 * latencies[-1] if latencies else float("nan"),
+        achieved_rps=len(latencies) / measured if measured > 0 else 0.0,
+        mean_batch=sum(batch_sizes) / len(batch_sizes) if batch_sizes else 0.0,
+        compute_p50_ms=sorted(computes)[len(computes) // 2] if computes else float("nan"),
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--url", default="http://127.0.0.1:8000")
+    parser.add_argument("--rate", type=float, required=True, help="offered requests per second")
+    parser.add_argument("--seconds", type=float, default=10.0, help="length of the schedule")
+    parser.add_argument(
+        "--warmup-s", type=float, default=1.0, help="arrivals this early are checked, not timed"
+    )
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--connections", type=int, default=4000)
+    parser.add_argument("--timeout-s", type=float, default=15.0)
+    args = parser.parse_args()
+    summary = uvloop.run(
+        run(args.url, args.rate, args.seconds, args.warmup_s, args.seed, args.connections,
+            args.timeout_s)
+    )  # fmt: skip
+    sys.stdout.write(orjson.dumps(asdict(summary)).decode() + "\n")
+
+
+if __name__ == "__main__":
+    main()
