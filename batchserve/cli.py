@@ -127,6 +127,9 @@ async def serve(config: Config) -> None:
         # scans, and collect young objects less often (each request makes a few).
         gc.freeze()
         gc.set_threshold(50_000, 20, 20)
+        # A device thread must take the GIL to start and to return each batch call; while the
+        # loop writes a batch's responses, the default 5 ms switch interval idles the device.
+        sys.setswitchinterval(0.001)
         print(
             f"batchserve listening on http://{host}:{port} devices={','.join(device_names)}"
             f" policy={config.policy} max_batch_size={config.max_batch_size}"

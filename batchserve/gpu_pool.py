@@ -88,9 +88,14 @@ class GpuPool:
     def dispatch(self, batch: list[QueuedRequest], on_done: BatchDone) -> None:
         """Starts `batch` on a free device; the caller has checked that one is free."""
         device = next(d for d in self._devices if d.busy_since is None)
-        device.busy_since = asyncio.get_running_loop().time()
+        assert device.fn is not None
+        loop = asyncio.get_running_loop()
+        device.busy_since = loop.time()
         device.batch = batch
-        task = asyncio.create_task(self._run(device, batch, on_done))
+        # Submitted here, not in the task's first step: that step would queue behind every
+        # handler that the last finished batch just woke, leaving the device idle meanwhile.
+        call = loop.run_in_executor(device.executor, device.fn, [r.input for r in batch])
+        task = asyncio.create_task(self._finish(device, batch, call, on_done))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -101,17 +106,20 @@ class GpuPool:
                 if not request.future.done():
                     request.future.set_exception(error)
 
-    async def _run(self, device: Device, batch: list[QueuedRequest], on_done: BatchDone) -> None:
-        assert device.fn is not None
+    async def _finish(
+        self,
+        device: Device,
+        batch: list[QueuedRequest],
+        call: asyncio.Future[list[str]],
+        on_done: BatchDone,
+    ) -> None:
         assert device.busy_since is not None
         loop = asyncio.get_running_loop()
         started = device.busy_since
-        inputs = [request.input for request in batch]
         error: BackendError | None = None
         outputs: list[str] = []
         try:
-            returned = await loop.run_in_executor(device.executor, device.fn, inputs)
-            outputs = _checked(returned, len(inputs))
+            outputs = _checked(await call, len(batch))
         except BackendError as exc:
             error = exc
         except Exception as exc:

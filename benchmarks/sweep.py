@@ -1,0 +1,142 @@
+"""Runs every benchmark point and writes a markdown table of medians over repeats.
+
+Each point starts a fresh server pinned to core 0 (`taskset -c 0`) and the open-loop load
+generator pinned to core 1, so the two never share a core. Policies run side by side on the
+same simulated 100 ms backend, with the bare aiohttp handler measured in the same run.
+
+    python benchmarks/sweep.py --repeats 3 --out benchmarks/results/sweep.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PORT = 8765
+
+
+@dataclass(frozen=True)
+class Setup:
+    name: str
+    args: tuple[str, ...]
+    devices: int
+    batch_limit: int = 100
+
+    @property
+    def capacity_rps(self) -> float:
+        """Devices x batch limit x 10 batches/s: the simulated 100 ms backend's ceiling."""
+        return self.devices * self.batch_limit * 10.0
+
+    def command(self) -> list[str]:
+        if self.name == "bare aiohttp":
+            return [sys.executable, "benchmarks/bare_server.py", "--port", str(PORT)]
+        return [sys.executable, "-m", "batchserve", "--port", str(PORT), "--log-level",
+                "WARNING", "--devices", f"sim:{self.devices}", *self.args]  # fmt: skip
+
+
+def setups(devices: int) -> list[Setup]:
+    return [
+        Setup("adaptive", (), devices),
+        Setup(
+            "fixed 32/50ms",
+            ("--policy", "fixed", "--max-batch-size", "32", "--max-linger-ms", "50"),
+            devices,
+            batch_limit=32,
+        ),
+        Setup("no batching", ("--max-batch-size", "1"), devices, batch_limit=1),
+    ]
+
+
+BARE = Setup("bare aiohttp", (), 0)
+ADAPTIVE_4, FIXED_4, UNBATCHED_4 = setups(4)
+ADAPTIVE_1, FIXED_1, _ = setups(1)
+PLAN: list[tuple[Setup, list[int]]] = [
+    (ADAPTIVE_4, [50, 200, 3500, 3800, 3900]),
+    (FIXED_4, [50, 200, 3500]),
+    (UNBATCHED_4, [30, 50]),
+    (ADAPTIVE_1, [900, 950, 980]),
+    (FIXED_1, [900]),
+    (setups(16)[0], [6000, 7000, 8000]),
+    (BARE, [6000, 7000, 8000, 9000]),
+]
+
+
+def run_point(setup: Setup, rate: float, seconds: float, seed: int) -> dict[str, float]:
+    server = subprocess.Popen(
+        ["taskset", "-c", "0", *setup.command()], cwd=ROOT, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert server.stdout is not None
+        server.stdout.readline()  # the start-up line: listening
+        load = subprocess.run(
+            ["taskset", "-c", "1", sys.executable, "benchmarks/loadgen.py",
+             "--url", f"http://127.0.0.1:{PORT}", "--rate", str(rate),
+             "--seconds", str(seconds), "--seed", str(seed)],
+            cwd=ROOT, capture_output=True, text=True, timeout=seconds + 120, check=True,
+        )  # fmt: skip
+        return dict(json.loads(load.stdout))
+    finally:
+        server.send_signal(signal.SIGTERM)
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+
+
+def median(results: list[dict[str, float]], key: str) -> float:
+    return statistics.median(float(result[key]) for result in results)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=8.0)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/sweep.md")
+    args = parser.parse_args()
+    if os.cpu_count() is not None and (os.cpu_count() or 0) < 2:
+        sys.exit("the sweep pins server and load to different cores: it needs two")
+    lines = [
+        "| setup | D | offered rps | success | achieved / capacity | p50 ms | p99 ms |"
+        " mean batch | wrong outputs |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    rows: dict[tuple[str, int], list[tuple[int, float, float]]] = {}
+    for setup, rates in PLAN:
+        for rate in rates:
+            results = [
+                run_point(setup, rate, args.seconds, seed) for seed in range(1, args.repeats + 1)
+            ]
+            success, p99 = median(results, "success"), median(results, "p99_ms")
+            rows.setdefault((setup.name, setup.devices), []).append((rate, success, p99))
+            achieved = median(results, "achieved_rps")
+            ratio = f"{achieved / setup.capacity_rps:.3f}" if setup.devices else "n/a"
+            line = (
+                f"| {setup.name} | {setup.devices or 'n/a'} | {rate:g} | {success:.2%} | {ratio} |"
+                f" {median(results, 'p50_ms'):.0f} | {p99:.0f} |"
+                f" {median(results, 'mean_batch'):.1f} |"
+                f" {sum(int(r['wrong_output']) for r in results)} |"
+            )
+            lines.append(line)
+            print(line, flush=True)
+    lines += ["", "| setup | D | saturation rps (>= 99.9 % success, p99 <= 500 ms) |"]
+    lines += ["|---|---|---|"]
+    for (name, devices), points in rows.items():
+        good = [rate for rate, success, p99 in points if success >= 0.999 and p99 <= 500]
+        lines.append(f"| {name} | {devices or 'n/a'} | {max(good) if good else 'below ladder'} |")
+    text = "\n".join(lines) + "\n"
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
