@@ -126,7 +126,7 @@ async def serve(config: Config) -> None:
         # Everything loaded so far lives for the whole run: keep it out of the collector's
         # scans, and collect young objects less often (each request makes a few).
         gc.freeze()
-        gc.set_threshold(50_000, 20, 20)
+        gc.set_threshold(10_000, 50, 1000)
         # A device thread must take the GIL to start and to return each batch call; while the
         # loop writes a batch's responses, the default 5 ms switch interval idles the device.
         sys.setswitchinterval(0.001)

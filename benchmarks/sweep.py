@@ -75,7 +75,8 @@ def run_point(setup: Setup, rate: float, seconds: float, seed: int) -> dict[str,
     )
     try:
         assert server.stdout is not None
-        server.stdout.readline()  # the start-up line: listening
+        if not server.stdout.readline():  # the start-up line says it is listening
+            raise RuntimeError(f"the server did not start: {' '.join(setup.command())}")
         load = subprocess.run(
             ["taskset", "-c", "1", sys.executable, "benchmarks/loadgen.py",
              "--url", f"http://127.0.0.1:{PORT}", "--rate", str(rate),
