@@ -30,7 +30,6 @@ class Device:
     fn: BatchFn | None = None
     busy_since: float | None = None
     batch: list[QueuedRequest] = field(default_factory=list)
-    batches: int = 0
 
 
 class GpuPool:
@@ -44,10 +43,6 @@ class GpuPool:
 
     def __repr__(self) -> str:
         return f"<GpuPool devices={len(self._devices)} free={self.free_count}>"
-
-    @property
-    def device_names(self) -> list[str]:
-        return [device.name for device in self._devices]
 
     @property
     def free_count(self) -> int:
@@ -127,7 +122,6 @@ class GpuPool:
         finished = loop.time()
         device.busy_since = None
         device.batch = []
-        device.batches += 1
         # Wake the batcher before the waiting handlers: its wake-up is then queued ahead of
         # theirs, so the device gets its next batch before a hundred responses are written.
         on_done(finished - started, len(batch))

@@ -45,7 +45,8 @@ async def test_two_thousand_concurrent_requests_each_get_their_own_output(start_
     assert len({body["request_id"] for _, body in answers}) == len(inputs)
     assert max(body["batch_size"] for _, body in answers) > 1  # it really batched
     assert server.pending == {}
-    assert server.batcher.stats().queued == 0
+    stats = server.batcher.stats()
+    assert (stats.queued, stats.in_flight, stats.completed) == (0, 0, len(inputs))
 
 
 async def test_a_device_never_runs_two_batches_and_batches_respect_the_limit(start_server):
