@@ -85,12 +85,12 @@ class GpuPool:
         device = next(d for d in self._devices if d.busy_since is None)
         assert device.fn is not None
         loop = asyncio.get_running_loop()
-        device.busy_since = loop.time()
+        device.busy_since = started = loop.time()
         device.batch = batch
         # Submitted here, not in the task's first step: that step would queue behind every
         # handler that the last finished batch just woke, leaving the device idle meanwhile.
         call = loop.run_in_executor(device.executor, device.fn, [r.input for r in batch])
-        task = asyncio.create_task(self._finish(device, batch, call, on_done))
+        task = asyncio.create_task(self._finish(device, batch, started, call, on_done))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -105,12 +105,11 @@ class GpuPool:
         self,
         device: Device,
         batch: list[QueuedRequest],
+        started: float,
         call: asyncio.Future[list[str]],
         on_done: BatchDone,
     ) -> None:
-        assert device.busy_since is not None
         loop = asyncio.get_running_loop()
-        started = device.busy_since
         error: BackendError | None = None
         outputs: list[str] = []
         try:

@@ -88,35 +88,35 @@ class Connection(asyncio.Protocol):
 
 
 class Pool:
+    """At most `limit` requests on the wire; past that a request waits here (still timed)."""
+
     def __init__(self, host: str, port: int, limit: int) -> None:
-        self.host, self.port, self.limit = host, port, limit
+        self.host, self.port = host, port
         self.idle: list[Connection] = []
-        self.opened = 0
-        self.waiters: asyncio.Queue[Connection] = asyncio.Queue()
+        self.slots = asyncio.Semaphore(limit)
 
     async def open(self) -> Connection:
-        self.opened += 1
         _, conn = await asyncio.get_running_loop().create_connection(
             Connection, self.host, self.port
         )
         return conn
 
     async def acquire(self) -> Connection:
+        await self.slots.acquire()
         while self.idle:
             conn = self.idle.pop()
             if not conn.closed:
                 return conn
-        if self.opened < self.limit:
+        try:
             return await self.open()
-        return await self.waiters.get()
+        except BaseException:
+            self.slots.release()
+            raise
 
     def release(self, conn: Connection) -> None:
-        if conn.closed:
-            self.opened -= 1
-        elif self.waiters._getters:  # type: ignore[attr-defined]
-            self.waiters.put_nowait(conn)
-        else:
+        if not conn.closed:
             self.idle.append(conn)
+        self.slots.release()
 
 
 async def run(url: str, rate: float, seconds: float, warmup_s: float, seed: int,

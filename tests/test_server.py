@@ -8,10 +8,23 @@ import threading
 from collections.abc import AsyncIterator
 
 import pytest
+from aiohttp import ClientResponse
 
 from batchserve.backends import simulate, simulated_factory
+from batchserve.server import Server
 
 from .conftest import GatedBackend
+
+
+async def finish_and_check_never_ran(
+    server: Server, gated: GatedBackend, running: asyncio.Future[ClientResponse], text: str
+) -> None:
+    """Lets the blocking batch finish, then proves `text` never reached a device."""
+    gated.gate.set()
+    assert (await running).status == 200
+    await server.batcher.wait_until(lambda s: s.in_flight == 0)
+    assert text not in gated.seen_inputs()
+    assert server.pending == {}
 
 
 async def test_answers_with_output_and_timings(start_server):
@@ -186,11 +199,7 @@ async def test_expired_request_gets_504_and_never_reaches_a_device(start_server,
     assert response.status == 504
     assert (await response.json())["error"] == "DEADLINE_EXCEEDED"
     assert server.batcher.stats().queued == 0
-    gated.gate.set()
-    assert (await running).status == 200
-    await server.batcher.wait_until(lambda s: s.in_flight == 0)
-    assert "late" not in gated.seen_inputs()
-    assert server.pending == {}
+    await finish_and_check_never_ran(server, gated, running, "late")
 
 
 async def test_timeout_header_is_used_and_capped_by_the_server(start_server, gated):
@@ -254,11 +263,7 @@ async def test_client_disconnect_removes_the_queued_request(start_server, gated)
     writer.close()
     await writer.wait_closed()
     await server.batcher.wait_until(lambda s: s.queued == 0)
-    gated.gate.set()
-    assert (await running).status == 200
-    await server.batcher.wait_until(lambda s: s.in_flight == 0)
-    assert "gone" not in gated.seen_inputs()
-    assert server.pending == {}
+    await finish_and_check_never_ran(server, gated, running, "gone")
 
 
 async def test_drain_answers_everything_accepted_and_refuses_new_work(start_server, gated):
