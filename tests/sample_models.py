@@ -61,6 +61,28 @@ def torch_model(device: str):
     return run
 
 
+def torch_shift(device: str):
+    """Moves each input's code points through `device` and back, each shifted up by one.
+
+    Unlike the classifier above, every input gets an output that only it could produce, so a
+    test can tell whether answers were mixed up.
+    """
+    torch.ones(1, device=device)  # the device's context is made here, at load time
+
+    def run(inputs: list[str]) -> list[str]:
+        width = max(len(text) for text in inputs)
+        codes = torch.tensor(
+            [[ord(char) for char in text] + [0] * (width - len(text)) for text in inputs],
+            dtype=torch.int64,
+        )
+        shifted = (codes.to(device) + 1).cpu().tolist()
+        return [
+            "".join(map(chr, row[: len(text)])) for row, text in zip(shifted, inputs, strict=True)
+        ]
+
+    return run
+
+
 def fifo_gated(device: str):
     """Each call says 'entered' on one FIFO, then waits for a line on another.
 

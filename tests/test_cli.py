@@ -11,6 +11,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+import torch
 
 from batchserve.cli import _FLAGS, build_parser, config_from_args
 
@@ -49,7 +50,11 @@ def test_flags_read_the_environment_and_the_command_line_wins(monkeypatch):
     ("args", "message"),
     [
         (["--max-batch-size", "101"], "max_batch_size must be between 1 and 100"),
-        (["--devices", "cuda"], "--devices cuda: torch is installed but sees no CUDA device"),
+        pytest.param(
+            ["--devices", "cuda"],
+            "--devices cuda: torch is installed but sees no CUDA device",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is here"),
+        ),
         (["--devices", "cpu"], "needs a model: give --fn or --fn-per-device"),
         (["--fn", "tests.sample_models:nope"], "has no attribute nope"),
         (
