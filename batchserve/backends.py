@@ -7,9 +7,11 @@ the device name ("sim:0", "cpu", "cuda:1"); it returns the batch function for th
 from __future__ import annotations
 
 import importlib
+import random
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from .errors import StartupError
 
@@ -17,9 +19,46 @@ BatchFn = Callable[[list[str]], list[str]]
 DeviceFactory = Callable[[str], BatchFn]
 
 
+POISON_MARKER = "!poison!"
+"""An input containing this makes every simulated batch call that carries it raise."""
+
+HANG_MARKER = "!hang!"
+"""An input containing this makes the first simulated call that carries it hang (once)."""
+
+
 def simulate(input_text: str) -> str:
     """The simulated model's documented output for one input: the input reversed."""
     return input_text[::-1]
+
+
+class SimulatedFault(RuntimeError):
+    """A fault the chaos settings injected, or one that the poison marker asked for."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Chaos:
+    """Fault injection for the simulated backend: each call draws one fate from these rates."""
+
+    hang_rate: float = 0.0
+    fail_rate: float = 0.0
+    bad_output_rate: float = 0.0
+    hang_s: float = 10.0
+    seed: int = 0
+
+
+class _HangOnce:
+    """Shared by all simulated devices: the hang marker wedges one call, then no other."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._used = False
+
+    def claim(self, inputs: list[str]) -> bool:
+        if not any(HANG_MARKER in text for text in inputs):
+            return False
+        with self._lock:
+            first, self._used = not self._used, True
+        return first
 
 
 class SimulatedDevice:
@@ -27,12 +66,24 @@ class SimulatedDevice:
 
     One call takes `latency_s` whatever the batch size; a concurrent call, an empty batch or one
     over `limit` raises, because a real device would be wedged or the model would reject it.
+    `chaos` injects the faults a real device shows: a call that raises, one that hangs, one
+    that answers with an output missing.
     """
 
-    def __init__(self, device: str, latency_s: float, limit: int) -> None:
+    def __init__(
+        self,
+        device: str,
+        latency_s: float,
+        limit: int,
+        chaos: Chaos | None = None,
+        hang_once: _HangOnce | None = None,
+    ) -> None:
         self.device = device
         self._latency_s = latency_s
         self._limit = limit
+        self._chaos = chaos or Chaos()
+        self._random = random.Random(f"{self._chaos.seed}:{device}")
+        self._hang_once = hang_once or _HangOnce()
         self._busy = threading.Lock()
         self.calls = 0
 
@@ -43,8 +94,19 @@ class SimulatedDevice:
             if not 1 <= len(inputs) <= self._limit:
                 raise ValueError(f"batch of {len(inputs)} inputs; the limit is 1 to {self._limit}")
             self.calls += 1
-            time.sleep(self._latency_s)
-            return [simulate(text) for text in inputs]
+            chaos, fate = self._chaos, self._random.random()
+            hang = fate < chaos.hang_rate or self._hang_once.claim(inputs)
+            time.sleep(chaos.hang_s if hang else self._latency_s)
+            poisoned = [i for i, text in enumerate(inputs) if POISON_MARKER in text]
+            if poisoned:
+                raise SimulatedFault(f"input {poisoned[0]} of the batch carries the poison marker")
+            fate -= chaos.hang_rate
+            if 0 <= fate < chaos.fail_rate:
+                raise SimulatedFault("injected batch failure")
+            outputs = [simulate(text) for text in inputs]
+            if 0 <= fate - chaos.fail_rate < chaos.bad_output_rate:
+                return outputs[:-1]  # malformed: one output short
+            return outputs
         finally:
             self._busy.release()
 
@@ -52,9 +114,11 @@ class SimulatedDevice:
         return f"<SimulatedDevice {self.device} calls={self.calls}>"
 
 
-def simulated_factory(latency_s: float, limit: int) -> DeviceFactory:
+def simulated_factory(latency_s: float, limit: int, chaos: Chaos | None = None) -> DeviceFactory:
+    hang_once = _HangOnce()
+
     def load(device: str) -> BatchFn:
-        return SimulatedDevice(device, latency_s, limit)
+        return SimulatedDevice(device, latency_s, limit, chaos, hang_once)
 
     return load
 

@@ -1,8 +1,9 @@
 """The batching loop: a thin coroutine that asks the policy when to send, and sends.
 
-The batcher owns the queue of accepted requests (oldest first) and the one task that forms
-batches. It wakes only when something could change the answer: a request arrives while a
-device is free, a device frees, or the policy's own wake-up time comes.
+The batcher owns the queue of accepted requests (oldest first), the retry lane in front of it
+(groups from failed batches, run again as they are, before anything new) and the one task
+that forms batches. It wakes only when something could change the answer: a request arrives
+while a device is free, a device frees or fails, or the policy's own wake-up time comes.
 """
 
 from __future__ import annotations
@@ -10,11 +11,12 @@ from __future__ import annotations
 import asyncio
 import itertools
 import math
-from collections import OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .errors import BatchserveError, DeadlineExceeded, Overloaded
+from .errors import BatchserveError, DeadlineExceeded, NotReady, Overloaded
+from .faults import BatchFailure, plan_recovery
 from .gpu_pool import GpuPool
 from .item import QueuedRequest
 from .policy import Decision, Policy, QueueView
@@ -25,17 +27,32 @@ class BatcherStats:
     queued: int
     in_flight: int
     free_devices: int
+    healthy_devices: int
     batches: int
     completed: int
 
 
 class Batcher:
-    def __init__(self, policy: Policy, pool: GpuPool, *, max_batch_size: int, max_queue: int):
+    """The pool's listener: it hears of finished and failed batches and of health changes."""
+
+    def __init__(
+        self,
+        policy: Policy,
+        pool: GpuPool,
+        *,
+        max_batch_size: int,
+        max_queue: int,
+        bisect_failures: bool,
+    ):
         self._policy = policy
         self._pool = pool
         self._max_batch_size = max_batch_size
         self._max_queue = max_queue
+        self._bisect = bisect_failures
         self._queue: OrderedDict[str, QueuedRequest] = OrderedDict()
+        self._retries: deque[list[QueuedRequest]] = deque()
+        self.recoveries: Counter[str] = Counter()
+        """Requests sent round again by kind of failure, and those answered 500."""
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._watchers: list[tuple[Callable[[BatcherStats], bool], asyncio.Future[None]]] = []
@@ -49,9 +66,10 @@ class Batcher:
 
     def stats(self) -> BatcherStats:
         return BatcherStats(
-            queued=len(self._queue),
+            queued=len(self._queue) + sum(map(len, self._retries)),
             in_flight=self._pool.in_flight_requests,
             free_devices=self._pool.free_count,
+            healthy_devices=self._pool.healthy,
             batches=self._batches,
             completed=self._completed,
         )
@@ -79,15 +97,42 @@ class Batcher:
         self._changed()
 
     def discard(self, request_id: str) -> None:
-        """Forgets a request that was answered before dispatch (timeout, disconnect)."""
-        if self._queue.pop(request_id, None) is not None:
-            self._changed()
+        """Forgets a request its handler is done with; it may have been answered while queued
+        (timeout, disconnect), and then leaves the queue before any batch is formed."""
+        self._queue.pop(request_id, None)
+        self._changed()
 
     def fail_queued(self, error: BatchserveError) -> None:
-        for request in self._queue.values():
+        for request in itertools.chain(self._queue.values(), *self._retries):
             if not request.future.done():
                 request.future.set_exception(error)
         self._queue.clear()
+        self._retries.clear()
+        self._changed()
+
+    def batch_done(self, duration_s: float, answered: int) -> None:
+        now = asyncio.get_running_loop().time()
+        self._completed += answered
+        self._drain_rate.add(now, answered)
+        self._policy.on_batch_done(duration_s)
+        self._wakeup.set()
+        self._changed()
+
+    def batch_failed(self, batch: list[QueuedRequest], failure: BatchFailure) -> None:
+        recovery = plan_recovery(batch, failure.kind, bisect=self._bisect)
+        self._retries.extendleft(reversed(recovery.retry))
+        self.recoveries[f"retried_{failure.kind.value}"] += sum(map(len, recovery.retry))
+        for request in recovery.fail:
+            if not request.future.done():
+                request.future.set_exception(failure.error)
+                self.recoveries["failed"] += 1
+        self._wakeup.set()
+        self._changed()
+
+    def health_changed(self) -> None:
+        if not self._pool.healthy:
+            self.fail_queued(NotReady("no healthy device is left to run this request"))
+        self._wakeup.set()
         self._changed()
 
     async def wait_until(self, predicate: Callable[[BatcherStats], bool]) -> None:
@@ -121,19 +166,24 @@ class Batcher:
         while True:
             self._wakeup.clear()
             now = loop.time()
+            if self._retries and self._pool.free_count:
+                self._send(self._live(self._retries.popleft(), now))
+                continue
             decision = self._decide(now)
             if decision.dispatch:
-                batch = self._take(decision.dispatch, now)
-                if batch:
-                    self._batches += 1
-                    self._pool.dispatch(batch, self._on_batch_done)
-                self._changed()
+                self._send(self._take(decision.dispatch, now))
                 continue
             try:
                 async with asyncio.timeout_at(decision.wake_at):
                     await self._wakeup.wait()
             except TimeoutError:
                 pass
+
+    def _send(self, batch: list[QueuedRequest]) -> None:
+        if batch:
+            self._batches += 1
+            self._pool.dispatch(batch, self._batches)
+        self._changed()
 
     def _decide(self, now: float) -> Decision:
         free = self._pool.free_count
@@ -152,23 +202,24 @@ class Batcher:
         batch: list[QueuedRequest] = []
         while self._queue and len(batch) < count:
             _, request = self._queue.popitem(last=False)
-            if request.future.done():
-                continue
-            if request.deadline <= now:
-                request.future.set_exception(
-                    DeadlineExceeded("the deadline passed before a device was free")
-                )
-                continue
-            batch.append(request)
+            if _waiting(request, now):
+                batch.append(request)
         return batch
 
-    def _on_batch_done(self, duration_s: float, answered: int) -> None:
-        now = asyncio.get_running_loop().time()
-        self._completed += answered
-        self._drain_rate.add(now, answered)
-        self._policy.on_batch_done(duration_s)
-        self._wakeup.set()
-        self._changed()
+    def _live(self, group: list[QueuedRequest], now: float) -> list[QueuedRequest]:
+        return [request for request in group if _waiting(request, now)]
+
+
+def _waiting(request: QueuedRequest, now: float) -> bool:
+    """False for a request already answered; one whose deadline passed is answered 504."""
+    if request.future.done():
+        return False
+    if request.deadline <= now:
+        request.future.set_exception(
+            DeadlineExceeded("the deadline passed before a device was free")
+        )
+        return False
+    return True
 
 
 class DecayedRate:

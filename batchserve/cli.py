@@ -9,11 +9,14 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from aiohttp import web
 
 from .backends import (
+    HANG_MARKER,
+    POISON_MARKER,
+    Chaos,
     DeviceFactory,
     per_device_factory,
     shared_fn_factory,
@@ -26,7 +29,18 @@ from .server import SERVER_KEY, create_app
 
 log = logging.getLogger("batchserve")
 
-_FLAGS: list[tuple[str, type, str]] = [
+
+def _on_off(text: str) -> bool:
+    """argparse type for switches that an environment variable can also set."""
+    lowered = text.strip().lower()
+    if lowered in {"on", "true", "1", "yes"}:
+        return True
+    if lowered in {"off", "false", "0", "no"}:
+        return False
+    raise argparse.ArgumentTypeError(f"expected on or off, not {text!r}")
+
+
+_FLAGS: list[tuple[str, Callable[[str], object], str]] = [
     ("host", str, "address to listen on; 0.0.0.0 for every interface"),
     ("port", int, "TCP port; 0 picks a free one"),
     (
@@ -62,7 +76,39 @@ _FLAGS: list[tuple[str, type, str]] = [
         float,
         "on SIGTERM/SIGINT, how long accepted requests may take to finish before 503",
     ),
+    (
+        "batch-timeout-ms",
+        float,
+        "budget for one batch call; past it the device counts as hung, its requests go to"
+        " another device and it gets no work until a probe answers in time. 0 derives it:"
+        " 5x the typical call, at least 1000 ms (10 s until a call has been seen)",
+    ),
+    (
+        "bisect-failures",
+        _on_off,
+        "on: when a batch call raises, halve the batch and retry until only the failing"
+        " inputs fail; off: the whole batch fails",
+    ),
     ("sim-latency-ms", float, "duration of one simulated batch call, whatever its size"),
+    (
+        "sim-fail-rate",
+        float,
+        f"chaos: share of simulated calls that raise (an input containing {POISON_MARKER}"
+        " always makes its call raise)",
+    ),
+    (
+        "sim-hang-rate",
+        float,
+        f"chaos: share of simulated calls that hang for --sim-hang-ms (an input containing"
+        f" {HANG_MARKER} hangs the first call that carries it)",
+    ),
+    (
+        "sim-bad-output-rate",
+        float,
+        "chaos: share of simulated calls that answer one output short",
+    ),
+    ("sim-hang-ms", float, "chaos: how long a hung simulated call takes to return"),
+    ("sim-seed", int, "chaos: seed of the simulated devices' fault draws"),
 ]
 
 
@@ -78,12 +124,13 @@ def build_parser() -> argparse.ArgumentParser:
         dest = flag.replace("-", "_")
         default = getattr(defaults, dest)
         env = f"BATCHSERVE_{dest.upper()}"
+        shown = ("on" if default else "off") if isinstance(default, bool) else default
         parser.add_argument(
             f"--{flag}",
             type=kind,
             default=os.environ.get(env, default),
             choices=POLICIES if flag == "policy" else None,
-            help=f"{text} (default: {default}; env {env})",
+            help=f"{text} (default: {shown}; env {env})",
         )
     parser.add_argument(
         "--log-level",
@@ -110,7 +157,14 @@ def backend_factory(config: Config, device_names: list[str]) -> DeviceFactory:
             f"--devices {config.devices} needs a model: give --fn or --fn-per-device"
             " (the simulated backend runs on sim:N devices)"
         )
-    return simulated_factory(config.sim_latency_ms / 1e3, BACKEND_BATCH_LIMIT)
+    chaos = Chaos(
+        hang_rate=config.sim_hang_rate,
+        fail_rate=config.sim_fail_rate,
+        bad_output_rate=config.sim_bad_output_rate,
+        hang_s=config.sim_hang_ms / 1e3,
+        seed=config.sim_seed,
+    )
+    return simulated_factory(config.sim_latency_ms / 1e3, BACKEND_BATCH_LIMIT, chaos)
 
 
 async def serve(config: Config) -> None:

@@ -28,7 +28,14 @@ class Config:
     max_queue: int = 10_000
     max_input_bytes: int = 1 << 20
     drain_timeout_s: float = 30.0
+    batch_timeout_ms: float = 0.0
+    bisect_failures: bool = True
     sim_latency_ms: float = 100.0
+    sim_fail_rate: float = 0.0
+    sim_hang_rate: float = 0.0
+    sim_bad_output_rate: float = 0.0
+    sim_hang_ms: float = 10_000.0
+    sim_seed: int = 0
 
     def __post_init__(self) -> None:
         rules: list[tuple[bool, str]] = [
@@ -42,7 +49,14 @@ class Config:
             (self.max_queue >= 1, "max_queue must be 1 or more"),
             (self.max_input_bytes >= 1, "max_input_bytes must be 1 or more"),
             (self.drain_timeout_s >= 0, "drain_timeout_s must be 0 or more"),
+            (self.batch_timeout_ms >= 0, "batch_timeout_ms must be 0 (derived) or more"),
             (self.sim_latency_ms >= 0, "sim_latency_ms must be 0 or more"),
+            (self.sim_hang_ms >= 0, "sim_hang_ms must be 0 or more"),
+            (
+                all(0 <= rate <= 1 for rate in self.sim_fault_rates)
+                and sum(self.sim_fault_rates) <= 1,
+                "the sim fault rates must each be between 0 and 1, and add up to 1 at most",
+            ),
             (self.policy in POLICIES, f"policy must be one of {', '.join(POLICIES)}"),
             (
                 self.fn is None or self.fn_per_device is None,
@@ -52,6 +66,10 @@ class Config:
         broken = [message for ok, message in rules if not ok]
         if broken:
             raise StartupError("; ".join(broken))
+
+    @property
+    def sim_fault_rates(self) -> tuple[float, float, float]:
+        return (self.sim_hang_rate, self.sim_fail_rate, self.sim_bad_output_rate)
 
     @property
     def max_body_bytes(self) -> int:

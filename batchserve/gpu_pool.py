@@ -1,52 +1,86 @@
-"""Devices and their threads: each device runs one batch call at a time on its own thread.
+"""Devices, their threads and their health: each device runs one batch call at a time.
 
 The pool loads each device's batch function on that device's thread (so weights land where
 they will be used), runs batches there, checks what comes back and resolves the waiting
-futures on the event loop. It owns every batch task it starts and awaits them on close.
+futures on the event loop. A failed batch goes back to its listener (the batcher), which
+decides what runs again. A call past its budget marks its device hung: the device gets no
+work until that call has returned and a probe has answered in time. The pool owns every
+task it starts and cancels what is left of them on close.
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from collections import Counter
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from .backends import BatchFn, DeviceFactory
+from .device_thread import DeviceThread
 from .errors import BackendError, BatchserveError, StartupError
+from .faults import MAX_PROBE_DELAY_S, PROBE_INPUT, BatchBudget, BatchFailure, FailureKind
 from .item import QueuedRequest, Result
 
 log = logging.getLogger(__name__)
 
-BatchDone = Callable[[float, int], None]
-"""Called on the loop when a device frees: the call's duration (s) and the batch size."""
+
+class PoolListener(Protocol):
+    def batch_done(self, duration_s: float, answered: int) -> None:
+        """A batch succeeded and its device is free; called before anyone is answered."""
+
+    def batch_failed(self, batch: list[QueuedRequest], failure: BatchFailure) -> None:
+        """Nobody in `batch` has been answered; the listener retries or fails them."""
+
+    def health_changed(self) -> None:
+        """A device went unhealthy or came back."""
+
+
+class DeviceState(enum.Enum):
+    IDLE = "idle"
+    BUSY = "busy"
+    HUNG = "hung"
+    """A call ran past its budget and has not returned; the thread cannot be killed."""
+    RECOVERING = "recovering"
+    """The hung call returned; probes run after a back-off until one answers in time."""
+    DEAD = "dead"
+    """Its batch function failed to load."""
+
+
+HEALTHY = frozenset({DeviceState.IDLE, DeviceState.BUSY})
 
 
 @dataclass(eq=False)
 class Device:
     name: str
-    executor: ThreadPoolExecutor
+    thread: DeviceThread
     fn: BatchFn | None = None
+    state: DeviceState = DeviceState.IDLE
     busy_since: float | None = None
     batch: list[QueuedRequest] = field(default_factory=list)
 
 
 class GpuPool:
-    def __init__(self, device_names: list[str], factory: DeviceFactory) -> None:
+    def __init__(self, device_names: list[str], factory: DeviceFactory, budget: BatchBudget):
         self._factory = factory
-        self._devices = [
-            Device(name, ThreadPoolExecutor(1, thread_name_prefix=f"batchserve-{name}"))
-            for name in device_names
-        ]
+        self._budget = budget
+        self._devices = [Device(name, DeviceThread(name)) for name in device_names]
         self._tasks: set[asyncio.Task[None]] = set()
+        self.listener: PoolListener | None = None
+        self.healthy = 0
+        self.faults: Counter[str] = Counter()
+        """Faults by kind, for logs now and the metrics endpoint later."""
 
     def __repr__(self) -> str:
-        return f"<GpuPool devices={len(self._devices)} free={self.free_count}>"
+        return (
+            f"<GpuPool devices={len(self._devices)} healthy={self.healthy} free={self.free_count}>"
+        )
 
     @property
     def free_count(self) -> int:
-        return sum(device.busy_since is None for device in self._devices)
+        return sum(device.state is DeviceState.IDLE for device in self._devices)
 
     @property
     def busy_since(self) -> list[float]:
@@ -54,45 +88,61 @@ class GpuPool:
 
     @property
     def in_flight_requests(self) -> int:
-        return sum(len(device.batch) for device in self._devices)
+        """Requests running and still unanswered (a deadline may have answered one)."""
+        return sum(not r.future.done() for device in self._devices for r in device.batch)
+
+    def states(self) -> dict[str, str]:
+        return {device.name: device.state.value for device in self._devices}
 
     async def __aenter__(self) -> GpuPool:
         loop = asyncio.get_running_loop()
+        for device in self._devices:
+            device.thread.start()
         loaded = await asyncio.gather(
-            *(loop.run_in_executor(d.executor, self._factory, d.name) for d in self._devices),
+            *(d.thread.submit(loop, self._factory, d.name) for d in self._devices),
             return_exceptions=True,
         )
+        failures: list[str] = []
         for device, fn in zip(self._devices, loaded, strict=True):
             if isinstance(fn, BaseException):
-                self._shutdown_threads()
                 cause = fn if isinstance(fn, StartupError) else f"{type(fn).__name__}: {fn}"
-                raise StartupError(f"device {device.name} failed to load: {cause}") from fn
-            device.fn = fn
+                failures.append(f"device {device.name} failed to load: {cause}")
+                device.state = DeviceState.DEAD
+                device.thread.stop()
+                self.faults["device_dead"] += 1
+            else:
+                device.fn = fn
+        self.healthy = len(self._devices) - len(failures)
+        if not self.healthy:
+            raise StartupError("no device loaded: " + "; ".join(failures))
+        for failure in failures:
+            log.error("%s; serving on the other devices", failure)
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
-        """Waits for the batches already running: their requests were accepted."""
-        if self._tasks:
-            await asyncio.wait(self._tasks)
-        self._shutdown_threads()
-
-    def _shutdown_threads(self) -> None:
+        """Cancels what is left: probes, and calls nobody waits for after the drain."""
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         for device in self._devices:
-            device.executor.shutdown(wait=False, cancel_futures=True)
+            device.thread.stop()
 
-    def dispatch(self, batch: list[QueuedRequest], on_done: BatchDone) -> None:
+    def dispatch(self, batch: list[QueuedRequest], batch_id: int) -> None:
         """Starts `batch` on a free device; the caller has checked that one is free."""
-        device = next(d for d in self._devices if d.busy_since is None)
+        device = next(d for d in self._devices if d.state is DeviceState.IDLE)
         assert device.fn is not None
         loop = asyncio.get_running_loop()
+        device.state = DeviceState.BUSY
         device.busy_since = started = loop.time()
         device.batch = batch
         # Submitted here, not in the task's first step: that step would queue behind every
         # handler that the last finished batch just woke, leaving the device idle meanwhile.
-        call = loop.run_in_executor(device.executor, device.fn, [r.input for r in batch])
-        task = asyncio.create_task(self._finish(device, batch, started, call, on_done))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        call = device.thread.submit(loop, device.fn, [r.input for r in batch])
+        # A plain timer, not asyncio.wait: that would add a loop pass between the call's end
+        # and this device's next batch, and under load each pass waits behind every handler.
+        budget_s = self._budget.seconds()
+        watchdog = loop.call_at(started + budget_s, self._hung, device, batch, batch_id, budget_s)
+        self._start(self._finish(device, batch, batch_id, started, call, watchdog))
 
     def fail_in_flight(self, error: BatchserveError) -> None:
         """Answers everyone whose batch is still running; late results are then dropped."""
@@ -101,48 +151,123 @@ class GpuPool:
                 if not request.future.done():
                     request.future.set_exception(error)
 
+    def _start(self, coroutine: Coroutine[object, object, None]) -> None:
+        task = asyncio.create_task(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
     async def _finish(
         self,
         device: Device,
         batch: list[QueuedRequest],
+        batch_id: int,
         started: float,
         call: asyncio.Future[list[str]],
-        on_done: BatchDone,
+        watchdog: asyncio.TimerHandle,
     ) -> None:
         loop = asyncio.get_running_loop()
-        error: BackendError | None = None
-        outputs: list[str] = []
         try:
-            outputs = _checked(await call, len(batch))
-        except BackendError as exc:
-            error = exc
+            returned: object = await call
         except Exception as exc:
-            error = BackendError(f"the batch function raised {type(exc).__name__}: {exc}")
+            returned = exc
+        watchdog.cancel()
+        if device.state is DeviceState.HUNG:  # the watchdog already handed the batch back
+            await self._recover(device)
+            return
         finished = loop.time()
+        device.state = DeviceState.IDLE
         device.busy_since = None
         device.batch = []
+        listener = self.listener
+        assert listener is not None
+        if isinstance(returned, Exception):
+            error = BackendError(f"the batch function raised {type(returned).__name__}: {returned}")
+            self._failed(batch, BatchFailure(FailureKind.RAISED, error, device.name, batch_id))
+            return
+        try:
+            outputs = _checked(returned, len(batch))
+        except BackendError as exc:
+            self._failed(batch, BatchFailure(FailureKind.MALFORMED, exc, device.name, batch_id))
+            return
+        self._budget.observe(finished - started)
         # Wake the batcher before the waiting handlers: its wake-up is then queued ahead of
         # theirs, so the device gets its next batch before a hundred responses are written.
-        on_done(finished - started, len(batch))
-        if error is not None:
-            log.warning(
-                "batch of %d on %s failed: %s (request ids: %s)",
-                len(batch),
-                device.name,
-                error,
-                ",".join(r.request_id for r in batch),
-            )
-        for index, request in enumerate(batch):
-            if request.future.done():
-                continue
-            if error is not None:
-                request.future.set_exception(error)
-            else:
+        listener.batch_done(finished - started, len(batch))
+        for request, output in zip(batch, outputs, strict=True):
+            if not request.future.done():
                 request.future.set_result(
-                    Result(
-                        outputs[index], started - request.arrival, finished - started, len(batch)
-                    )
+                    Result(output, started - request.arrival, finished - started, len(batch))
                 )
+
+    def _failed(self, batch: list[QueuedRequest], failure: BatchFailure, then: str = "") -> None:
+        self.faults[f"batch_{failure.kind.value}"] += 1
+        log.warning(
+            "batch %d of %d on %s failed: %s%s; request ids: %s",
+            failure.batch_id,
+            len(batch),
+            failure.device,
+            failure.error,
+            then,
+            ",".join(r.request_id for r in batch),
+        )
+        assert self.listener is not None
+        self.listener.batch_failed(batch, failure)
+
+    def _hung(
+        self, device: Device, batch: list[QueuedRequest], batch_id: int, budget_s: float
+    ) -> None:
+        device.state = DeviceState.HUNG
+        device.busy_since = None
+        device.batch = []
+        self.healthy -= 1
+        error = BackendError(
+            f"the batch call on {device.name} ran past its budget of {budget_s * 1e3:.0f} ms"
+        )
+        self._failed(
+            batch,
+            BatchFailure(FailureKind.HUNG, error, device.name, batch_id),
+            then="; the device gets no work until a probe answers in time",
+        )
+        assert self.listener is not None
+        self.listener.health_changed()
+
+    async def _recover(self, device: Device) -> None:
+        """After a hung call returns (its results are dropped), probes until one answers."""
+        self.faults["late_result_discarded"] += 1
+        log.warning("the hung call on %s returned; its results were discarded", device.name)
+        device.state = DeviceState.RECOVERING
+        delay_s = self._budget.seconds()
+        while True:
+            await asyncio.sleep(delay_s)
+            if await self._probe(device):
+                break
+            delay_s = min(2 * delay_s, MAX_PROBE_DELAY_S)
+        device.state = DeviceState.IDLE
+        self.healthy += 1
+        self.faults["device_recovered"] += 1
+        log.warning("%s answered its probe in time and takes work again", device.name)
+        assert self.listener is not None
+        self.listener.health_changed()
+
+    async def _probe(self, device: Device) -> bool:
+        assert device.fn is not None
+        budget_s = self._budget.seconds()
+        call = device.thread.submit(asyncio.get_running_loop(), device.fn, [PROBE_INPUT])
+        done, _ = await asyncio.wait((call,), timeout=budget_s)
+        if done:
+            try:
+                _checked(call.result(), 1)
+                return True
+            except Exception as exc:
+                problem = f"failed: {type(exc).__name__}: {exc}"
+        else:
+            problem = f"ran past {budget_s * 1e3:.0f} ms"
+            device.state = DeviceState.HUNG
+            await asyncio.wait((call,))  # never a second call while one is inside
+            device.state = DeviceState.RECOVERING
+        self.faults["probe_failed"] += 1
+        log.warning("the probe of %s %s", device.name, problem)
+        return False
 
 
 def _checked(returned: object, expected: int) -> list[str]:

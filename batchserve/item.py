@@ -20,7 +20,7 @@ class QueuedRequest:
 
     The handler owns the future (it created it and awaits it); the pool or the batcher only
     resolve it, and always check `done()` first, because a timeout or a client disconnect may
-    already have cancelled it.
+    already have cancelled it. The retry flags let a fault send it round again only once.
     """
 
     request_id: str
@@ -28,3 +28,5 @@ class QueuedRequest:
     arrival: float
     deadline: float
     future: asyncio.Future[Result]
+    malformed_retried: bool = False
+    hang_retried: bool = False

@@ -30,6 +30,7 @@ from .errors import (
     NotReady,
     Overloaded,
 )
+from .faults import BatchBudget
 from .gpu_pool import GpuPool
 from .item import QueuedRequest, Result
 from .policy import make_policy
@@ -62,13 +63,16 @@ class Server:
         self.config = config
         self.phase = Phase.STARTING
         self.pending: dict[str, asyncio.Future[Result]] = {}
-        self.pool = GpuPool(device_names, factory)
+        budget = BatchBudget(fixed_s=config.batch_timeout_ms / 1e3 or None)
+        self.pool = GpuPool(device_names, factory, budget)
         self.batcher = Batcher(
             make_policy(config),
             self.pool,
             max_batch_size=config.max_batch_size,
             max_queue=config.max_queue,
+            bisect_failures=config.bisect_failures,
         )
+        self.pool.listener = self.batcher
         self._drained: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -105,8 +109,12 @@ class Server:
         return _json(200, {"status": "alive"})
 
     async def readyz(self, request: web.Request) -> web.Response:
-        ready = self.phase is Phase.READY
-        return _json(200 if ready else 503, {"status": self.phase.value})
+        """Ready while not draining and at least one device is healthy; lists each device."""
+        status = self.phase.value
+        if self.phase is Phase.READY and not self.pool.healthy:
+            status = "no healthy device"
+        body = {"status": status, "devices": self.pool.states()}
+        return _json(200 if status == Phase.READY.value else 503, body)
 
     async def inference(self, request: web.Request) -> web.Response:
         loop = self._loop
@@ -121,6 +129,8 @@ class Server:
                 )
             if self.phase is not Phase.READY:
                 raise NotReady(f"the server is {self.phase.value}")
+            if not self.pool.healthy:
+                raise NotReady("no device is healthy; see /readyz")
             text, timeout_s = await self._parse(request)
             if request_id in self.pending:
                 raise DuplicateRequestId(f"request id {request_id} is already in flight")

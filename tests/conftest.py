@@ -1,15 +1,21 @@
-"""Fakes and fixtures: a gated backend the test releases, and an in-process server."""
+"""Fakes and fixtures: a gated backend the test releases, an in-process server, a real one."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import os
+import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 from aiohttp.test_utils import TestClient
 
-from batchserve.backends import BatchFn, simulate
+from batchserve.backends import POISON_MARKER, BatchFn, simulate
 from batchserve.config import Config
 from batchserve.server import SERVER_KEY, Server, create_app
 
@@ -19,10 +25,15 @@ class GatedBackend:
     """A device factory whose calls block until `gate` opens; it records every call.
 
     It also counts how many calls are inside each device at once, so a test can prove a
-    device never ran two batches together.
+    device never ran two batches together. Faults on demand: an input carrying the poison
+    marker makes its call raise, devices named in `stuck` hang until `unstick` is set, and
+    the first `malformed_calls` calls answer one output short.
     """
 
     gate: threading.Event = field(default_factory=threading.Event)
+    stuck: set[str] = field(default_factory=set)
+    unstick: threading.Event = field(default_factory=threading.Event)
+    malformed_calls: int = 0
     calls: list[tuple[str, list[str]]] = field(default_factory=list)
     max_concurrent: dict[str, int] = field(default_factory=dict)
     _inside: dict[str, int] = field(default_factory=dict)
@@ -36,9 +47,15 @@ class GatedBackend:
                 self.max_concurrent[device] = max(
                     self.max_concurrent.get(device, 0), self._inside[device]
                 )
+                malformed = len(self.calls) <= self.malformed_calls
             try:
                 self.gate.wait()
-                return [simulate(text) for text in inputs]
+                if device in self.stuck:
+                    self.unstick.wait()
+                if any(POISON_MARKER in text for text in inputs):
+                    raise ValueError("this batch holds a poison input")
+                outputs = [simulate(text) for text in inputs]
+                return outputs[:-1] if malformed else outputs
             finally:
                 with self._lock:
                     self._inside[device] -= 1
@@ -48,12 +65,16 @@ class GatedBackend:
     def seen_inputs(self) -> list[str]:
         return [text for _, inputs in self.calls for text in inputs]
 
+    def calls_on(self, device: str) -> list[list[str]]:
+        return [inputs for name, inputs in self.calls if name == device]
+
 
 @pytest.fixture
 def gated() -> Iterator[GatedBackend]:
     backend = GatedBackend()
     yield backend
     backend.gate.set()  # never leave a device thread blocked behind a failed test
+    backend.unstick.set()
 
 
 Factory = Callable[[str], BatchFn]
@@ -77,3 +98,33 @@ def start_server(
         return client, app[SERVER_KEY]
 
     return start
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class RealServer(NamedTuple):
+    process: asyncio.subprocess.Process
+    banner: str
+    url: str
+
+
+@contextlib.asynccontextmanager
+async def real_server(*args: str, env: dict[str, str] | None = None) -> AsyncIterator[RealServer]:
+    """`python -m batchserve --port 0 ARGS` as a user runs it, once it has printed its banner.
+
+    Killed on the way out if the test has not already seen it exit.
+    """
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "batchserve", "--port", "0", *args,
+        cwd=ROOT, env={**os.environ, **(env or {})}, stdout=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        assert process.stdout is not None
+        banner = (await process.stdout.readline()).decode()
+        assert banner.startswith("batchserve listening on "), banner
+        yield RealServer(process, banner, banner.split()[3])
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()

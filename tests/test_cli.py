@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import aiohttp
 import pytest
@@ -15,7 +14,7 @@ import torch
 
 from batchserve.cli import _FLAGS, build_parser, config_from_args
 
-ROOT = Path(__file__).resolve().parent.parent
+from .conftest import ROOT, real_server
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -46,10 +45,20 @@ def test_flags_read_the_environment_and_the_command_line_wins(monkeypatch):
     assert config.max_batch_size == 9
 
 
+def test_switches_take_on_and_off_from_flags_and_the_environment(monkeypatch):
+    assert config_from_args([])[0].bisect_failures is True
+    monkeypatch.setenv("BATCHSERVE_BISECT_FAILURES", "off")
+    assert config_from_args([])[0].bisect_failures is False
+    assert config_from_args(["--bisect-failures", "on"])[0].bisect_failures is True
+    with pytest.raises(SystemExit):
+        config_from_args(["--bisect-failures", "maybe"])
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
         (["--max-batch-size", "101"], "max_batch_size must be between 1 and 100"),
+        (["--sim-fail-rate", "0.7", "--sim-hang-rate", "0.5"], "add up to 1 at most"),
         pytest.param(
             ["--devices", "cuda"],
             "--devices cuda: torch is installed but sees no CUDA device",
@@ -85,19 +94,12 @@ def test_cuda_without_torch_is_a_one_line_error():
 async def test_real_process_serves_then_drains_on_sigterm(tmp_path):
     os.mkfifo(tmp_path / "entered")
     os.mkfifo(tmp_path / "release")
-    process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "batchserve", "--port", "0", "--devices", "sim:1",
-        "--fn-per-device", "tests.sample_models:fifo_gated",
-        cwd=ROOT,
-        env={**os.environ, "BATCHSERVE_TEST_FIFOS": str(tmp_path)},
-        stdout=asyncio.subprocess.PIPE,
-    )  # fmt: skip
-    try:
-        assert process.stdout is not None
-        banner = (await process.stdout.readline()).decode()
+    async with real_server(
+        "--devices", "sim:1", "--fn-per-device", "tests.sample_models:fifo_gated",
+        env={"BATCHSERVE_TEST_FIFOS": str(tmp_path)},
+    ) as (process, banner, url):  # fmt: skip
         assert "devices=sim:0" in banner
         assert "policy=adaptive" in banner
-        url = banner.split()[3]
         async with aiohttp.ClientSession(url) as session:
             in_flight = asyncio.ensure_future(session.post("/api/inference", json={"input": "abc"}))
             entered = await asyncio.to_thread((tmp_path / "entered").read_text)
@@ -116,7 +118,18 @@ async def test_real_process_serves_then_drains_on_sigterm(tmp_path):
             assert answer.status == 200
             assert (await answer.json())["output"] == "cba"
         assert await asyncio.wait_for(process.wait(), 30) == 0
-    finally:
-        if process.returncode is None:
-            process.kill()
-            await process.wait()
+
+
+async def test_real_process_exits_on_sigterm_while_a_device_is_hung():
+    """A wedged call's thread cannot be killed; it must not keep the process alive."""
+    async with real_server(
+        "--devices", "sim:2", "--sim-latency-ms", "1", "--sim-hang-ms", "600000",
+        "--batch-timeout-ms", "200",
+    ) as (process, _, url):  # fmt: skip
+        async with aiohttp.ClientSession(url) as session:
+            answer = await session.post("/api/inference", json={"input": "x!hang!"})
+            assert (await answer.json())["output"] == "!gnah!x"  # retried on the other device
+            devices = (await (await session.get("/readyz")).json())["devices"]
+            assert sorted(devices.values()) == ["hung", "idle"]
+        process.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(process.wait(), 30) == 0

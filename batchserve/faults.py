@@ -1,0 +1,97 @@
+"""Pure rules for faults: when a batch call counts as hung, and what a failed batch becomes.
+
+Inference is side-effect free, so running a request again is always safe; these rules only
+bound how often. The pool and the batcher apply them; nothing here reads a clock.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from .errors import BackendError
+from .item import QueuedRequest
+
+
+class FailureKind(enum.Enum):
+    RAISED = "raised"
+    """The batch function raised: some input may be poison, so halve and retry."""
+    MALFORMED = "malformed"
+    """It answered with something other than one str per input: retry once, whole."""
+    HUNG = "hung"
+    """It ran past its budget: the requests go to another device, once."""
+
+
+@dataclass(frozen=True, slots=True)
+class BatchFailure:
+    kind: FailureKind
+    error: BackendError
+    device: str
+    batch_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class Recovery:
+    """What becomes of a failed batch: groups to run again as they are, and those who fail."""
+
+    retry: list[list[QueuedRequest]]
+    fail: list[QueuedRequest]
+
+
+def plan_recovery(batch: list[QueuedRequest], kind: FailureKind, *, bisect: bool) -> Recovery:
+    """Halving isolates each poison input in about log2(len(batch)) rounds; every other
+    request then succeeds. Malformed and hung batches are run again once, whole: neither says
+    which input is to blame, and a second failure is then the backend's, not bad luck's."""
+    if kind is FailureKind.RAISED:
+        if bisect and len(batch) > 1:
+            middle = len(batch) // 2
+            return Recovery([batch[:middle], batch[middle:]], [])
+        return Recovery([], list(batch))
+    again: list[QueuedRequest] = []
+    fail: list[QueuedRequest] = []
+    for request in batch:
+        if kind is FailureKind.MALFORMED and not request.malformed_retried:
+            request.malformed_retried = True
+            again.append(request)
+        elif kind is FailureKind.HUNG and not request.hang_retried:
+            request.hang_retried = True
+            again.append(request)
+        else:
+            fail.append(request)
+    return Recovery([again] if again else [], fail)
+
+
+@dataclass(slots=True)
+class BatchBudget:
+    """How long one batch call may run before its device counts as hung.
+
+    A fixed budget when the operator gives one; otherwise `multiple` times the typical call
+    (an average of recent successful calls), never below `floor_s`, and `unknown_s` until a
+    call has been seen, since first calls may compile kernels or warm caches.
+    """
+
+    fixed_s: float | None = None
+    multiple: float = 5.0
+    floor_s: float = 1.0
+    unknown_s: float = 10.0
+    typical_s: float | None = None
+
+    def observe(self, duration_s: float) -> None:
+        if self.typical_s is None:
+            self.typical_s = duration_s
+        else:
+            self.typical_s += 0.1 * (duration_s - self.typical_s)
+
+    def seconds(self) -> float:
+        if self.fixed_s is not None:
+            return self.fixed_s
+        if self.typical_s is None:
+            return self.unknown_s
+        return max(self.floor_s, self.multiple * self.typical_s)
+
+
+PROBE_INPUT = "batchserve-probe"
+"""The one input of the batch that tests whether a device that hung answers again."""
+
+MAX_PROBE_DELAY_S = 30.0
+"""Probes start one budget after the hung call returns and back off, doubling, to this."""

@@ -1,0 +1,80 @@
+"""Invariants under thousands of concurrent requests while the simulated devices misbehave.
+
+Whatever the faults: every request gets exactly one answer, every 200 carries its own input's
+output, no device ever runs two calls at once, and nothing is left pending or queued.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+from aiohttp.test_utils import TestClient
+
+from batchserve.backends import HANG_MARKER, POISON_MARKER, Chaos, simulate, simulated_factory
+from batchserve.server import Server
+
+ALLOWED_ERRORS = {500: "BACKEND_ERROR", 503: "NOT_READY", 504: "DEADLINE_EXCEEDED"}
+
+
+async def run_load(client: TestClient, texts: list[str]) -> list[tuple[int, dict[str, object]]]:
+    async def ask(text: str) -> tuple[int, dict[str, object]]:
+        response = await client.post("/api/inference", json={"input": text})
+        return response.status, await response.json()
+
+    return list(await asyncio.gather(*(ask(text) for text in texts)))
+
+
+def check_invariants(
+    server: Server, texts: list[str], answers: list[tuple[int, dict[str, object]]]
+) -> Counter[int]:
+    assert len(answers) == len(texts)
+    for text, (status, body) in zip(texts, answers, strict=True):
+        if status == 200:
+            assert body["output"] == simulate(text)
+            assert POISON_MARKER not in text
+        else:
+            assert body["error"] == ALLOWED_ERRORS[status], body
+            assert "two batch calls at once" not in str(body["message"])
+    assert server.pending == {}
+    stats = server.batcher.stats()
+    assert (stats.queued, stats.in_flight) == (0, 0)
+    return Counter(status for status, _ in answers)
+
+
+def texts_with_poison(count: int) -> list[str]:
+    """Unique inputs; one in a hundred carries the poison marker."""
+    return [f"req-{n}" + (POISON_MARKER if n % 100 == 37 else "") for n in range(count)]
+
+
+async def test_poison_and_a_hang_fail_only_the_poison_requests(start_server):
+    """Every non-poison request succeeds, even those batched with poison or on a hung device."""
+    factory = simulated_factory(0.002, 100, Chaos(hang_s=0.5))
+    client, server = await start_server(factory, devices=4, batch_timeout_ms=250)
+    texts = texts_with_poison(3000)
+    texts[1500] += HANG_MARKER  # wedges the first call that carries it, once
+    answers = await run_load(client, texts)
+    statuses = check_invariants(server, texts, answers)
+    poison = [status for text, (status, _) in zip(texts, answers, strict=True)
+              if POISON_MARKER in text]  # fmt: skip
+    assert poison == [500] * 30
+    assert statuses == Counter({200: 2970, 500: 30})
+    assert server.pool.faults["batch_hung"] == 1
+    await server.batcher.wait_until(lambda s: s.healthy_devices == 4)  # the hung one rejoins
+
+
+async def test_random_faults_never_lose_or_mix_up_a_request(start_server):
+    chaos = Chaos(hang_rate=0.02, fail_rate=0.05, bad_output_rate=0.05, hang_s=0.3, seed=7)
+    client, server = await start_server(
+        simulated_factory(0.002, 100, chaos), devices=4, batch_timeout_ms=100
+    )
+    texts = texts_with_poison(3000)
+    answers = await run_load(client, texts)
+    statuses = check_invariants(server, texts, answers)
+    assert statuses[200] > 0
+    faults = server.pool.faults
+    assert faults["batch_raised"] > 0
+    assert faults["batch_malformed"] > 0
+    assert faults["batch_hung"] > 0
+    await server.batcher.wait_until(lambda s: s.healthy_devices == 4)
+    assert (await client.get("/readyz")).status == 200

@@ -1,0 +1,95 @@
+"""The pure fault rules: recovery plans (with hypothesis) and the watchdog's budget."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from batchserve.faults import BatchBudget, FailureKind, plan_recovery
+from batchserve.item import QueuedRequest
+
+
+def requests(count: int) -> list[QueuedRequest]:
+    loop = asyncio.new_event_loop()
+    try:
+        return [
+            QueuedRequest(f"r{n}", f"in-{n}", 0.0, 10.0, loop.create_future()) for n in range(count)
+        ]
+    finally:
+        loop.close()
+
+
+def test_a_raised_batch_is_halved_in_order():
+    batch = requests(5)
+    recovery = plan_recovery(batch, FailureKind.RAISED, bisect=True)
+    assert recovery.retry == [batch[:2], batch[2:]]
+    assert recovery.fail == []
+
+
+def test_a_raised_single_request_or_no_bisection_fails_everyone():
+    one = requests(1)
+    assert plan_recovery(one, FailureKind.RAISED, bisect=True).fail == one
+    batch = requests(4)
+    recovery = plan_recovery(batch, FailureKind.RAISED, bisect=False)
+    assert (recovery.retry, recovery.fail) == ([], batch)
+
+
+@pytest.mark.parametrize("kind", [FailureKind.MALFORMED, FailureKind.HUNG])
+def test_malformed_and_hung_batches_run_again_once_whole(kind):
+    batch = requests(3)
+    first = plan_recovery(batch, kind, bisect=True)
+    assert (first.retry, first.fail) == ([batch], [])
+    second = plan_recovery(batch, kind, bisect=True)
+    assert (second.retry, second.fail) == ([], batch)
+
+
+def test_a_hang_retry_does_not_spend_the_malformed_retry():
+    batch = requests(2)
+    plan_recovery(batch, FailureKind.HUNG, bisect=True)
+    assert plan_recovery(batch, FailureKind.MALFORMED, bisect=True).retry == [batch]
+
+
+@given(
+    size=st.integers(1, 100),
+    poison=st.sets(st.integers(0, 99), max_size=5),
+)
+def test_bisection_fails_exactly_the_poison_inputs_in_bounded_calls(size, poison):
+    """Drives the plan as the batcher would: a call raises iff it holds a poison input."""
+    poison = {index for index in poison if index < size}
+    batch = requests(size)
+    position = {id(request): n for n, request in enumerate(batch)}
+    pending, succeeded, failed, calls = [batch], [], [], 0
+    while pending:
+        group = pending.pop()
+        calls += 1
+        if not any(position[id(r)] in poison for r in group):
+            succeeded += group
+            continue
+        recovery = plan_recovery(group, FailureKind.RAISED, bisect=True)
+        pending += recovery.retry
+        failed += recovery.fail
+    assert {position[id(r)] for r in failed} == poison
+    assert len(succeeded) + len(failed) == size
+    assert len({id(r) for r in succeeded + failed}) == size  # each ends exactly once
+    rounds = math.ceil(math.log2(size)) if size > 1 else 0
+    assert calls <= 1 + 2 * rounds * max(1, len(poison))
+
+
+def test_a_given_budget_is_used_as_it_is():
+    budget = BatchBudget(fixed_s=0.25)
+    budget.observe(9.0)
+    assert budget.seconds() == 0.25
+
+
+def test_a_derived_budget_follows_the_typical_call_above_its_floor():
+    budget = BatchBudget(multiple=5.0, floor_s=1.0, unknown_s=10.0)
+    assert budget.seconds() == 10.0  # nothing seen yet: first calls may warm up
+    budget.observe(0.1)
+    assert budget.seconds() == 1.0  # 5 x 100 ms is under the floor
+    for _ in range(200):
+        budget.observe(2.0)
+    assert budget.seconds() == pytest.approx(10.0, rel=1e-3)
