@@ -15,8 +15,8 @@ from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .errors import BatchserveError, DeadlineExceeded, NotReady, Overloaded
-from .faults import BatchFailure, plan_recovery
+from .errors import BackendError, BatchserveError, DeadlineExceeded, NotReady, Overloaded
+from .faults import BatchFailure, RetryBudget, plan_recovery
 from .gpu_pool import GpuPool
 from .item import QueuedRequest
 from .policy import Decision, Policy, QueueView
@@ -43,12 +43,14 @@ class Batcher:
         max_batch_size: int,
         max_queue: int,
         bisect_failures: bool,
+        retry_budget: RetryBudget,
     ):
         self._policy = policy
         self._pool = pool
         self._max_batch_size = max_batch_size
         self._max_queue = max_queue
         self._bisect = bisect_failures
+        self._retry_budget = retry_budget
         self._queue: OrderedDict[str, QueuedRequest] = OrderedDict()
         self._retries: deque[list[QueuedRequest]] = deque()
         self.recoveries: Counter[str] = Counter()
@@ -119,12 +121,21 @@ class Batcher:
         self._changed()
 
     def batch_failed(self, batch: list[QueuedRequest], failure: BatchFailure) -> None:
-        recovery = plan_recovery(batch, failure.kind, bisect=self._bisect)
+        recovery = plan_recovery(
+            batch, failure.kind, bisect=self._bisect, budget=self._retry_budget
+        )
         self._retries.extendleft(reversed(recovery.retry))
         self.recoveries[f"retried_{failure.kind.value}"] += sum(map(len, recovery.retry))
+        error = failure.error
+        if recovery.unpaid:
+            self.recoveries["not_retried_over_budget"] += len(recovery.fail)
+            error = BackendError(
+                f"{error}; not retried, so innocent inputs may share this answer:"
+                " too many batches are failing (see --retry-budget)"
+            )
         for request in recovery.fail:
             if not request.future.done():
-                request.future.set_exception(failure.error)
+                request.future.set_exception(error)
                 self.recoveries["failed"] += 1
         self._wakeup.set()
         self._changed()
@@ -171,6 +182,7 @@ class Batcher:
                 continue
             decision = self._decide(now)
             if decision.dispatch:
+                self._retry_budget.on_first_try()
                 self._send(self._take(decision.dispatch, now))
                 continue
             try:

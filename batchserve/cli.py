@@ -89,6 +89,13 @@ _FLAGS: list[tuple[str, Callable[[str], object], str]] = [
         "on: when a batch call raises, halve the batch and retry until only the failing"
         " inputs fail; off: the whole batch fails",
     ),
+    (
+        "retry-budget",
+        float,
+        "retry calls (halves, malformed results) may add at most this share of first-try"
+        " batch calls, plus a reserve of 50; past it a failing batch fails whole, so a flood"
+        " of poison inputs cannot starve everyone else. Hung batches are always retried",
+    ),
     ("sim-latency-ms", float, "duration of one simulated batch call, whatever its size"),
     (
         "sim-fail-rate",

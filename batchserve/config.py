@@ -30,6 +30,7 @@ class Config:
     drain_timeout_s: float = 30.0
     batch_timeout_ms: float = 0.0
     bisect_failures: bool = True
+    retry_budget: float = 0.2
     sim_latency_ms: float = 100.0
     sim_fail_rate: float = 0.0
     sim_hang_rate: float = 0.0
@@ -50,6 +51,7 @@ class Config:
             (self.max_input_bytes >= 1, "max_input_bytes must be 1 or more"),
             (self.drain_timeout_s >= 0, "drain_timeout_s must be 0 or more"),
             (self.batch_timeout_ms >= 0, "batch_timeout_ms must be 0 (derived) or more"),
+            (self.retry_budget >= 0, "retry_budget must be 0 or more"),
             (self.sim_latency_ms >= 0, "sim_latency_ms must be 0 or more"),
             (self.sim_hang_ms >= 0, "sim_hang_ms must be 0 or more"),
             (

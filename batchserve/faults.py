@@ -36,28 +36,60 @@ class Recovery:
 
     retry: list[list[QueuedRequest]]
     fail: list[QueuedRequest]
+    unpaid: bool = False
+    """True when the retry budget, not the rules, made `fail` fail."""
 
 
-def plan_recovery(batch: list[QueuedRequest], kind: FailureKind, *, bisect: bool) -> Recovery:
+@dataclass(slots=True)
+class RetryBudget:
+    """Caps the calls that retries add: `ratio` per first-try call, plus a `reserve`.
+
+    Without a cap, a flood of poison inputs is a denial of service: isolating each one costs
+    about 2 log2(batch size) calls, more than the devices have, and the retries, which run
+    first, starve everyone else. With it, a rare poison input is isolated at once (the reserve
+    covers several bisections), and under a flood the batches it cannot pay for fail whole,
+    as they would on a server without isolation. Hung batches always get their retry: a hang
+    is the device's fault, not the requests'.
+    """
+
+    ratio: float = 0.2
+    reserve: float = 50.0
+    tokens: float = 50.0
+
+    def on_first_try(self) -> None:
+        self.tokens = min(self.reserve, self.tokens + self.ratio)
+
+    def spend(self, calls: int) -> bool:
+        if self.tokens < calls:
+            return False
+        self.tokens -= calls
+        return True
+
+
+def plan_recovery(
+    batch: list[QueuedRequest], kind: FailureKind, *, bisect: bool, budget: RetryBudget
+) -> Recovery:
     """Halving isolates each poison input in about log2(len(batch)) rounds; every other
     request then succeeds. Malformed and hung batches are run again once, whole: neither says
     which input is to blame, and a second failure is then the backend's, not bad luck's."""
     if kind is FailureKind.RAISED:
-        if bisect and len(batch) > 1:
-            middle = len(batch) // 2
-            return Recovery([batch[:middle], batch[middle:]], [])
-        return Recovery([], list(batch))
-    again: list[QueuedRequest] = []
-    fail: list[QueuedRequest] = []
-    for request in batch:
-        if kind is FailureKind.MALFORMED and not request.malformed_retried:
+        if not bisect or len(batch) == 1:
+            return Recovery([], list(batch))
+        if not budget.spend(2):
+            return Recovery([], list(batch), unpaid=True)
+        middle = len(batch) // 2
+        return Recovery([batch[:middle], batch[middle:]], [])
+    if kind is FailureKind.MALFORMED:
+        again = [r for r in batch if not r.malformed_retried]
+        if again and not budget.spend(1):
+            return Recovery([], list(batch), unpaid=True)
+        for request in again:
             request.malformed_retried = True
-            again.append(request)
-        elif kind is FailureKind.HUNG and not request.hang_retried:
+    else:
+        again = [r for r in batch if not r.hang_retried]
+        for request in again:
             request.hang_retried = True
-            again.append(request)
-        else:
-            fail.append(request)
+    fail = [r for r in batch if r not in again]  # QueuedRequest compares by identity
     return Recovery([again] if again else [], fail)
 
 

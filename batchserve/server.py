@@ -30,7 +30,7 @@ from .errors import (
     NotReady,
     Overloaded,
 )
-from .faults import BatchBudget
+from .faults import BatchBudget, RetryBudget
 from .gpu_pool import GpuPool
 from .item import QueuedRequest, Result
 from .policy import make_policy
@@ -71,6 +71,7 @@ class Server:
             max_batch_size=config.max_batch_size,
             max_queue=config.max_queue,
             bisect_failures=config.bisect_failures,
+            retry_budget=RetryBudget(ratio=config.retry_budget),
         )
         self.pool.listener = self.batcher
         self._drained: asyncio.Task[None] | None = None

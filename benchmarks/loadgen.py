@@ -3,8 +3,11 @@
 Each request is sent at its scheduled time whatever the server is doing (open loop), and its
 latency is counted from that scheduled time, so a slow server cannot hide its queueing by
 slowing the sender. Every 200 answer is checked against its own input (the simulated model
-reverses it). A lean HTTP/1.1 keep-alive client on asyncio protocols keeps one core able to
-offer well over 10,000 requests per second.
+reverses it). For chaos runs, `--poison-rate` marks that share of inputs with the simulated
+backend's poison marker (they must come back 500, and are left out of the latency figures),
+and `--hang-at-s` puts its hang marker in the first input sent after that time.
+A lean HTTP/1.1 keep-alive client on asyncio protocols keeps one core able to offer well over
+10,000 requests per second.
 
     taskset -c 1 python benchmarks/loadgen.py --url http://127.0.0.1:8000 --rate 500
 """
@@ -31,6 +34,9 @@ class Summary:
     sent: int
     ok: int
     success: float
+    """200 answers over requests sent without the poison marker."""
+    poison_sent: int
+    poison_500: int
     statuses: dict[str, int]
     wrong_output: int
     unanswered: int
@@ -119,8 +125,13 @@ class Pool:
         self.slots.release()
 
 
+POISON_MARKER = "!poison!"
+HANG_MARKER = "!hang!"
+
+
 async def run(url: str, rate: float, seconds: float, warmup_s: float, seed: int,
-              connections: int, timeout_s: float) -> Summary:  # fmt: skip
+              connections: int, timeout_s: float, poison_rate: float = 0.0,
+              hang_at_s: float | None = None) -> Summary:  # fmt: skip
     parts = urlsplit(url)
     host, port = parts.hostname or "127.0.0.1", parts.port or 80
     loop = asyncio.get_running_loop()
@@ -129,6 +140,11 @@ async def run(url: str, rate: float, seconds: float, warmup_s: float, seed: int,
     clock = 0.0
     while (clock := clock + rng.expovariate(rate)) < seconds:
         schedule.append(clock)
+    poisoned = {index for index in range(len(schedule)) if rng.random() < poison_rate}
+    hang_index = next(
+        (index for index, at in enumerate(schedule) if hang_at_s is not None and at >= hang_at_s),
+        None,
+    )
     pool = Pool(host, port, connections)
     warm = min(connections, max(8, int(rate * 0.3)))
     pool.idle = list(await asyncio.gather(*(pool.open() for _ in range(warm))))
@@ -138,10 +154,15 @@ async def run(url: str, rate: float, seconds: float, warmup_s: float, seed: int,
     computes: list[float] = []
     last_answer = 0.0
     wrong = 0
+    poison_500 = 0
 
     async def one(index: int, scheduled: float, counted: bool) -> None:
-        nonlocal wrong, last_answer
+        nonlocal wrong, last_answer, poison_500
         text = f"req-{seed}-{index}-{'abcdefgh'[: index % 9]}"
+        if index in poisoned:
+            text += POISON_MARKER
+        if index == hang_index:
+            text += HANG_MARKER
         conn = await pool.acquire()
         try:
             status, body = await asyncio.wait_for(
@@ -155,8 +176,11 @@ async def run(url: str, rate: float, seconds: float, warmup_s: float, seed: int,
             return
         finally:
             pool.release(conn)
-        statuses[str(status)] += 1
         last_answer = loop.time()
+        if index in poisoned:
+            poison_500 += status == 500
+            return
+        statuses[str(status)] += 1
         if status == 200:
             answer = orjson.loads(body)
             if answer["output"] != text[::-1]:
@@ -183,12 +207,15 @@ async def run(url: str, rate: float, seconds: float, warmup_s: float, seed: int,
         return 1e3 * latencies[min(len(latencies) - 1, int(len(latencies) * q))]
 
     ok = statuses["200"]
+    clean = len(schedule) - len(poisoned)
     return Summary(
         rate=rate,
         seconds=seconds,
         sent=len(schedule),
         ok=ok,
-        success=ok / len(schedule) if schedule else 0.0,
+        success=ok / clean if clean else 0.0,
+        poison_sent=len(poisoned),
+        poison_500=poison_500,
         statuses=dict(statuses),
         wrong_output=wrong,
         unanswered=statuses["lost"],
@@ -213,10 +240,16 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--connections", type=int, default=4000)
     parser.add_argument("--timeout-s", type=float, default=15.0)
+    parser.add_argument(
+        "--poison-rate", type=float, default=0.0, help="share of inputs with the poison marker"
+    )
+    parser.add_argument(
+        "--hang-at-s", type=float, default=None, help="send the hang marker at this time"
+    )
     args = parser.parse_args()
     summary = uvloop.run(
         run(args.url, args.rate, args.seconds, args.warmup_s, args.seed, args.connections,
-            args.timeout_s)
+            args.timeout_s, args.poison_rate, args.hang_at_s)
     )  # fmt: skip
     sys.stdout.write(orjson.dumps(asdict(summary)).decode() + "\n")
 

@@ -42,33 +42,37 @@ def check_invariants(
     return Counter(status for status, _ in answers)
 
 
-def texts_with_poison(count: int) -> list[str]:
-    """Unique inputs; one in a hundred carries the poison marker."""
-    return [f"req-{n}" + (POISON_MARKER if n % 100 == 37 else "") for n in range(count)]
+def texts_with_poison(count: int, every: int) -> list[str]:
+    """Unique inputs; one in `every` carries the poison marker."""
+    return [f"req-{n}" + (POISON_MARKER if n % every == 37 else "") for n in range(count)]
 
 
 async def test_poison_and_a_hang_fail_only_the_poison_requests(start_server):
-    """Every non-poison request succeeds, even those batched with poison or on a hung device."""
+    """Every non-poison request succeeds, even those batched with poison or on a hung device.
+
+    Poison is rare here, as in production: the retry budget's reserve pays for isolating
+    each one (a flood is another test's subject).
+    """
     factory = simulated_factory(0.002, 100, Chaos(hang_s=0.5))
     client, server = await start_server(factory, devices=4, batch_timeout_ms=250)
-    texts = texts_with_poison(3000)
+    texts = texts_with_poison(3000, every=1000)
     texts[1500] += HANG_MARKER  # wedges the first call that carries it, once
     answers = await run_load(client, texts)
     statuses = check_invariants(server, texts, answers)
     poison = [status for text, (status, _) in zip(texts, answers, strict=True)
               if POISON_MARKER in text]  # fmt: skip
-    assert poison == [500] * 30
-    assert statuses == Counter({200: 2970, 500: 30})
+    assert poison == [500] * 3
+    assert statuses == Counter({200: 2997, 500: 3})
     assert server.pool.faults["batch_hung"] == 1
     await server.batcher.wait_until(lambda s: s.healthy_devices == 4)  # the hung one rejoins
 
 
 async def test_random_faults_never_lose_or_mix_up_a_request(start_server):
-    chaos = Chaos(hang_rate=0.02, fail_rate=0.05, bad_output_rate=0.05, hang_s=0.3, seed=7)
+    chaos = Chaos(hang_rate=0.03, fail_rate=0.1, bad_output_rate=0.1, hang_s=0.3, seed=7)
     client, server = await start_server(
         simulated_factory(0.002, 100, chaos), devices=4, batch_timeout_ms=100
     )
-    texts = texts_with_poison(3000)
+    texts = texts_with_poison(3000, every=100)
     answers = await run_load(client, texts)
     statuses = check_invariants(server, texts, answers)
     assert statuses[200] > 0

@@ -65,6 +65,22 @@ async def test_without_bisection_one_poison_input_fails_its_whole_batch(start_se
     assert len(gated.calls) == 2
 
 
+async def test_a_flood_of_failures_spends_the_retry_budget_then_batches_fail_whole(
+    start_server, gated
+):
+    client, server = await start_server(gated, retry_budget=0)  # only the reserve of 50
+    texts = [f"in-{n}{POISON_MARKER}" for n in range(99)]
+    answers = await fill_one_batch(client, server, gated, texts)
+    assert [status for status, _ in answers] == [500] * 99
+    assert len(gated.calls) <= 2 + 50  # the reserve pays for 25 splits of two calls
+    gated.gate.clear()
+    answers = await fill_one_batch(client, server, gated, ["innocent", f"bad{POISON_MARKER}"])
+    for status, body in answers:
+        assert status == 500
+        assert "not retried, so innocent inputs may share this answer" in str(body["message"])
+    assert server.batcher.recoveries["not_retried_over_budget"] >= 2
+
+
 async def test_a_malformed_result_is_retried_once_and_nobody_takes_from_it(start_server, gated):
     gated.gate.set()
     gated.malformed_calls = 1

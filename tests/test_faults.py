@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from batchserve.faults import BatchBudget, FailureKind, plan_recovery
+from batchserve.faults import BatchBudget, FailureKind, RetryBudget, plan_recovery
 from batchserve.item import QueuedRequest
 
 
@@ -25,32 +25,33 @@ def requests(count: int) -> list[QueuedRequest]:
 
 def test_a_raised_batch_is_halved_in_order():
     batch = requests(5)
-    recovery = plan_recovery(batch, FailureKind.RAISED, bisect=True)
+    recovery = plan_recovery(batch, FailureKind.RAISED, bisect=True, budget=RetryBudget())
     assert recovery.retry == [batch[:2], batch[2:]]
     assert recovery.fail == []
 
 
 def test_a_raised_single_request_or_no_bisection_fails_everyone():
     one = requests(1)
-    assert plan_recovery(one, FailureKind.RAISED, bisect=True).fail == one
+    assert plan_recovery(one, FailureKind.RAISED, bisect=True, budget=RetryBudget()).fail == one
     batch = requests(4)
-    recovery = plan_recovery(batch, FailureKind.RAISED, bisect=False)
+    recovery = plan_recovery(batch, FailureKind.RAISED, bisect=False, budget=RetryBudget())
     assert (recovery.retry, recovery.fail) == ([], batch)
 
 
 @pytest.mark.parametrize("kind", [FailureKind.MALFORMED, FailureKind.HUNG])
 def test_malformed_and_hung_batches_run_again_once_whole(kind):
     batch = requests(3)
-    first = plan_recovery(batch, kind, bisect=True)
+    first = plan_recovery(batch, kind, bisect=True, budget=RetryBudget())
     assert (first.retry, first.fail) == ([batch], [])
-    second = plan_recovery(batch, kind, bisect=True)
+    second = plan_recovery(batch, kind, bisect=True, budget=RetryBudget())
     assert (second.retry, second.fail) == ([], batch)
 
 
 def test_a_hang_retry_does_not_spend_the_malformed_retry():
     batch = requests(2)
-    plan_recovery(batch, FailureKind.HUNG, bisect=True)
-    assert plan_recovery(batch, FailureKind.MALFORMED, bisect=True).retry == [batch]
+    plan_recovery(batch, FailureKind.HUNG, bisect=True, budget=RetryBudget())
+    recovery = plan_recovery(batch, FailureKind.MALFORMED, bisect=True, budget=RetryBudget())
+    assert recovery.retry == [batch]
 
 
 @given(
@@ -63,13 +64,14 @@ def test_bisection_fails_exactly_the_poison_inputs_in_bounded_calls(size, poison
     batch = requests(size)
     position = {id(request): n for n, request in enumerate(batch)}
     pending, succeeded, failed, calls = [batch], [], [], 0
+    unlimited = RetryBudget(tokens=math.inf, reserve=math.inf)
     while pending:
         group = pending.pop()
         calls += 1
         if not any(position[id(r)] in poison for r in group):
             succeeded += group
             continue
-        recovery = plan_recovery(group, FailureKind.RAISED, bisect=True)
+        recovery = plan_recovery(group, FailureKind.RAISED, bisect=True, budget=unlimited)
         pending += recovery.retry
         failed += recovery.fail
     assert {position[id(r)] for r in failed} == poison
@@ -77,6 +79,23 @@ def test_bisection_fails_exactly_the_poison_inputs_in_bounded_calls(size, poison
     assert len({id(r) for r in succeeded + failed}) == size  # each ends exactly once
     rounds = math.ceil(math.log2(size)) if size > 1 else 0
     assert calls <= 1 + 2 * rounds * max(1, len(poison))
+
+
+def test_the_retry_budget_pays_for_halves_until_spent_then_batches_fail_whole():
+    budget = RetryBudget(ratio=0.5, reserve=3.0, tokens=3.0)
+    assert plan_recovery(requests(4), FailureKind.RAISED, bisect=True, budget=budget).retry
+    spent = plan_recovery(requests(4), FailureKind.RAISED, bisect=True, budget=budget)
+    assert (spent.retry, len(spent.fail), spent.unpaid) == ([], 4, True)
+    malformed = plan_recovery(requests(2), FailureKind.MALFORMED, bisect=True, budget=budget)
+    assert malformed.retry
+    assert budget.tokens == 0
+    unpaid = plan_recovery(requests(2), FailureKind.MALFORMED, bisect=True, budget=budget)
+    assert (unpaid.retry, unpaid.unpaid) == ([], True)
+    hung = requests(2)
+    assert plan_recovery(hung, FailureKind.HUNG, bisect=True, budget=budget).retry == [hung]
+    for _ in range(100):
+        budget.on_first_try()
+    assert budget.tokens == 3.0  # refills by `ratio` a first try, up to the reserve
 
 
 def test_a_given_budget_is_used_as_it_is():
