@@ -182,8 +182,11 @@ class Batcher:
                 continue
             decision = self._decide(now)
             if decision.dispatch:
-                self._retry_budget.on_first_try()
                 self._send(self._take(decision.dispatch, now))
+                # Retries are paid from spare capacity only: none accrues while a backlog
+                # of a full batch or more is left waiting.
+                if len(self._queue) < self._max_batch_size:
+                    self._retry_budget.on_first_try()
                 continue
             try:
                 async with asyncio.timeout_at(decision.wake_at):

@@ -92,9 +92,16 @@ _FLAGS: list[tuple[str, Callable[[str], object], str]] = [
     (
         "retry-budget",
         float,
-        "retry calls (halves, malformed results) may add at most this share of first-try"
-        " batch calls, plus a reserve of 50; past it a failing batch fails whole, so a flood"
-        " of poison inputs cannot starve everyone else. Hung batches are always retried",
+        "retry calls (halves of a failing batch, malformed results) earn this share of a"
+        " call per first-try batch sent while no full batch is left waiting; a failing batch"
+        " the budget cannot pay for fails whole, so a flood of poison inputs cannot starve"
+        " everyone else. Hung batches are always retried",
+    ),
+    (
+        "retry-reserve",
+        float,
+        "most retry calls the budget holds at once; isolating one poison input in a full"
+        " batch of 100 takes about 14",
     ),
     ("sim-latency-ms", float, "duration of one simulated batch call, whatever its size"),
     (

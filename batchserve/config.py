@@ -30,7 +30,8 @@ class Config:
     drain_timeout_s: float = 30.0
     batch_timeout_ms: float = 0.0
     bisect_failures: bool = True
-    retry_budget: float = 0.2
+    retry_budget: float = 0.1
+    retry_reserve: float = 30.0
     sim_latency_ms: float = 100.0
     sim_fail_rate: float = 0.0
     sim_hang_rate: float = 0.0
@@ -52,6 +53,7 @@ class Config:
             (self.drain_timeout_s >= 0, "drain_timeout_s must be 0 or more"),
             (self.batch_timeout_ms >= 0, "batch_timeout_ms must be 0 (derived) or more"),
             (self.retry_budget >= 0, "retry_budget must be 0 or more"),
+            (self.retry_reserve >= 0, "retry_reserve must be 0 or more"),
             (self.sim_latency_ms >= 0, "sim_latency_ms must be 0 or more"),
             (self.sim_hang_ms >= 0, "sim_hang_ms must be 0 or more"),
             (

@@ -42,19 +42,19 @@ class Recovery:
 
 @dataclass(slots=True)
 class RetryBudget:
-    """Caps the calls that retries add: `ratio` per first-try call, plus a `reserve`.
+    """Caps the calls that retries add: `ratio` per first-try call, up to a `reserve`.
 
     Without a cap, a flood of poison inputs is a denial of service: isolating each one costs
     about 2 log2(batch size) calls, more than the devices have, and the retries, which run
-    first, starve everyone else. With it, a rare poison input is isolated at once (the reserve
-    covers several bisections), and under a flood the batches it cannot pay for fail whole,
+    first, starve everyone else. With it, a rare poison input is isolated at once (the default
+    reserve covers one in a full batch), and under a flood the batches it cannot pay for fail whole,
     as they would on a server without isolation. Hung batches always get their retry: a hang
     is the device's fault, not the requests'.
     """
 
-    ratio: float = 0.2
-    reserve: float = 50.0
-    tokens: float = 50.0
+    ratio: float = 0.1
+    reserve: float = 30.0
+    tokens: float = 30.0
 
     def on_first_try(self) -> None:
         self.tokens = min(self.reserve, self.tokens + self.ratio)

@@ -71,7 +71,11 @@ class Server:
             max_batch_size=config.max_batch_size,
             max_queue=config.max_queue,
             bisect_failures=config.bisect_failures,
-            retry_budget=RetryBudget(ratio=config.retry_budget),
+            retry_budget=RetryBudget(
+                ratio=config.retry_budget,
+                reserve=config.retry_reserve,
+                tokens=config.retry_reserve,
+            ),
         )
         self.pool.listener = self.batcher
         self._drained: asyncio.Task[None] | None = None

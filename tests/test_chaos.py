@@ -50,11 +50,11 @@ def texts_with_poison(count: int, every: int) -> list[str]:
 async def test_poison_and_a_hang_fail_only_the_poison_requests(start_server):
     """Every non-poison request succeeds, even those batched with poison or on a hung device.
 
-    Poison is rare here, as in production: the retry budget's reserve pays for isolating
-    each one (a flood is another test's subject).
+    Three poison inputs arrive in one burst of 3,000: a backlog, during which the retry budget
+    earns nothing, so its reserve must pay for all three isolations (about 14 calls each).
     """
     factory = simulated_factory(0.002, 100, Chaos(hang_s=0.5))
-    client, server = await start_server(factory, devices=4, batch_timeout_ms=250)
+    client, server = await start_server(factory, devices=4, batch_timeout_ms=250, retry_reserve=100)
     texts = texts_with_poison(3000, every=1000)
     texts[1500] += HANG_MARKER  # wedges the first call that carries it, once
     answers = await run_load(client, texts)

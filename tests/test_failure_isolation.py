@@ -26,7 +26,10 @@ async def ask(client: TestClient, text: str) -> tuple[int, dict[str, object]]:
 async def fill_one_batch(
     client: TestClient, server: Server, backend: GatedBackend, texts: list[str]
 ) -> list[tuple[int, dict[str, object]]]:
-    """Holds the device with a first request so that `texts` leave together, as one batch."""
+    """Holds the device with a first request so that `texts` leave together, as one batch.
+
+    At most 99 texts: the test client opens at most 100 connections at once.
+    """
     first = asyncio.ensure_future(ask(client, "first"))
     await server.batcher.wait_until(lambda s: s.in_flight == 1)
     answers = [asyncio.ensure_future(ask(client, text)) for text in texts]
@@ -37,7 +40,7 @@ async def fill_one_batch(
 
 
 async def test_poison_inputs_fail_alone_and_the_rest_of_their_batch_succeeds(start_server, gated):
-    client, server = await start_server(gated)
+    client, server = await start_server(gated, retry_reserve=100)  # isolating 3 takes ~30
     texts = [f"in-{n}" + (POISON_MARKER if n in {3, 40, 41} else "") for n in range(99)]
     answers = await fill_one_batch(client, server, gated, texts)
     for text, (status, body) in zip(texts, answers, strict=True):
@@ -57,6 +60,15 @@ async def test_poison_inputs_fail_alone_and_the_rest_of_their_batch_succeeds(sta
     assert server.pending == {}
 
 
+async def test_the_default_retry_reserve_isolates_a_poison_input_in_a_full_batch(
+    start_server, gated
+):
+    client, server = await start_server(gated)
+    texts = [f"in-{n}" + (POISON_MARKER if n == 77 else "") for n in range(99)]
+    answers = await fill_one_batch(client, server, gated, texts)
+    assert [status for status, _ in answers] == [200] * 77 + [500] + [200] * 21
+
+
 async def test_without_bisection_one_poison_input_fails_its_whole_batch(start_server, gated):
     client, server = await start_server(gated, bisect_failures=False)
     texts = [f"in-{n}" + (POISON_MARKER if n == 5 else "") for n in range(10)]
@@ -68,11 +80,11 @@ async def test_without_bisection_one_poison_input_fails_its_whole_batch(start_se
 async def test_a_flood_of_failures_spends_the_retry_budget_then_batches_fail_whole(
     start_server, gated
 ):
-    client, server = await start_server(gated, retry_budget=0)  # only the reserve of 50
+    client, server = await start_server(gated, retry_budget=0, retry_reserve=30)
     texts = [f"in-{n}{POISON_MARKER}" for n in range(99)]
     answers = await fill_one_batch(client, server, gated, texts)
     assert [status for status, _ in answers] == [500] * 99
-    assert len(gated.calls) <= 2 + 50  # the reserve pays for 25 splits of two calls
+    assert len(gated.calls) <= 2 + 30  # the reserve pays for 15 splits of two calls
     gated.gate.clear()
     answers = await fill_one_batch(client, server, gated, ["innocent", f"bad{POISON_MARKER}"])
     for status, body in answers:
