@@ -30,7 +30,7 @@ class Config:
     drain_timeout_s: float = 30.0
     batch_timeout_ms: float = 0.0
     bisect_failures: bool = True
-    retry_budget: float = 0.1
+    retry_budget: float = 0.25
     retry_reserve: float = 30.0
     sim_latency_ms: float = 100.0
     sim_fail_rate: float = 0.0

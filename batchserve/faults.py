@@ -52,7 +52,7 @@ class RetryBudget:
     is the device's fault, not the requests'.
     """
 
-    ratio: float = 0.1
+    ratio: float = 0.25
     reserve: float = 30.0
     tokens: float = 30.0
 

@@ -69,10 +69,16 @@ PLAN: list[tuple[Setup, list[int]]] = [
 ]
 
 
-def run_point(setup: Setup, rate: float, seconds: float, seed: int) -> dict[str, float]:
-    server = subprocess.Popen(
-        ["taskset", "-c", "0", *setup.command()], cwd=ROOT, stdout=subprocess.PIPE, text=True
-    )
+def run_point(
+    setup: Setup, rate: float, seconds: float, seed: int, load_args: tuple[str, ...] = ()
+) -> dict[str, float]:
+    log = ROOT / "benchmarks/results/server.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("a") as stderr:
+        server = subprocess.Popen(
+            ["taskset", "-c", "0", *setup.command()],
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=stderr, text=True,
+        )  # fmt: skip
     try:
         assert server.stdout is not None
         if not server.stdout.readline():  # the start-up line says it is listening
@@ -80,7 +86,7 @@ def run_point(setup: Setup, rate: float, seconds: float, seed: int) -> dict[str,
         load = subprocess.run(
             ["taskset", "-c", "1", sys.executable, "benchmarks/loadgen.py",
              "--url", f"http://127.0.0.1:{PORT}", "--rate", str(rate),
-             "--seconds", str(seconds), "--seed", str(seed)],
+             "--seconds", str(seconds), "--seed", str(seed), *load_args],
             cwd=ROOT, capture_output=True, text=True, timeout=seconds + 120, check=True,
         )  # fmt: skip
         return dict(json.loads(load.stdout))

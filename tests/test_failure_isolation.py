@@ -154,6 +154,23 @@ async def test_with_no_healthy_device_left_requests_get_503_until_one_recovers(s
     assert (status, body["output"]) == (200, "wen")
 
 
+async def test_when_the_last_device_hangs_its_batch_and_the_queue_are_answered_503(
+    start_server, gated
+):
+    gated.gate.set()
+    gated.stuck = {"sim:0"}
+    client, server = await start_server(gated, batch_timeout_ms=200)
+    running = asyncio.ensure_future(ask(client, "running"))
+    await server.batcher.wait_until(lambda s: s.in_flight == 1)
+    queued = asyncio.ensure_future(ask(client, "queued"))
+    await server.batcher.wait_until(lambda s: s.queued == 1)
+    for status, body in [await running, await queued]:
+        assert (status, body["error"]) == (503, "NOT_READY")
+        assert body["message"] == "no healthy device is left to run this request"
+    assert gated.calls == [("sim:0", ["running"])]
+    assert server.pending == {}
+
+
 async def test_a_hung_device_never_holds_a_request_past_its_deadline(start_server, gated):
     gated.gate.set()
     gated.stuck = {"sim:0"}
