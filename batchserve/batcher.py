@@ -61,6 +61,9 @@ class Batcher:
         self._batches = 0
         self._completed = 0
         self._drain_rate = DecayedRate()
+        self._arrival_rate = DecayedRate()
+        self.batch_sizes: Counter[int] = Counter()
+        """How many batches of each size were sent, retries included."""
 
     def __repr__(self) -> str:
         s = self.stats()
@@ -94,6 +97,7 @@ class Batcher:
                 retry_after_s=self._drain_time_s(),
             )
         self._queue[request.request_id] = request
+        self._arrival_rate.add(request.arrival, 1)
         if self._pool.free_count:
             self._wakeup.set()
         self._changed()
@@ -124,6 +128,9 @@ class Batcher:
         recovery = plan_recovery(
             batch, failure.kind, bisect=self._bisect, budget=self._retry_budget
         )
+        for group in recovery.retry:
+            for request in group:
+                request.running = False
         self._retries.extendleft(reversed(recovery.retry))
         self.recoveries[f"retried_{failure.kind.value}"] += sum(map(len, recovery.retry))
         error = failure.error
@@ -168,6 +175,25 @@ class Batcher:
             if not watcher[1].done():
                 watcher[1].set_result(None)
 
+    def arrival_rps(self, now: float) -> float:
+        return self._arrival_rate.at(now)
+
+    def capacity_rps(self) -> float | None:
+        """Requests a second the healthy devices can take in full batches; None until a batch
+        has finished, since the call time is measured, not assumed."""
+        typical_s = self._pool.typical_call_s
+        if not typical_s:
+            return None
+        return self._pool.healthy * self._max_batch_size / typical_s
+
+    def predicted_wait_s(self) -> float:
+        """How long a request arriving now would wait for the queue ahead of it to drain."""
+        queued = self.stats().queued
+        capacity = self.capacity_rps()
+        if not queued:
+            return 0.0
+        return queued / capacity if capacity else math.inf
+
     def _drain_time_s(self) -> float:
         rate = self._drain_rate.at(asyncio.get_running_loop().time())
         return len(self._queue) / rate if rate > 0 else 1.0
@@ -197,6 +223,7 @@ class Batcher:
     def _send(self, batch: list[QueuedRequest]) -> None:
         if batch:
             self._batches += 1
+            self.batch_sizes[len(batch)] += 1
             self._pool.dispatch(batch, self._batches)
         self._changed()
 

@@ -77,6 +77,24 @@ _FLAGS: list[tuple[str, Callable[[str], object], str]] = [
         "on SIGTERM/SIGINT, how long accepted requests may take to finish before 503",
     ),
     (
+        "slo-ms",
+        float,
+        "the latency objective: /metrics sets the predicted queue wait against it",
+    ),
+    ("metrics", _on_off, "on: serve Prometheus metrics at /metrics and the dashboard's numbers"),
+    (
+        "access-log",
+        _on_off,
+        "on: one JSON line per answered request on stdout (ids, status, timings, batch,"
+        " device; never the input)",
+    ),
+    ("result-ttl-s", float, "how long the status API keeps a finished request's answer"),
+    (
+        "result-store-size",
+        int,
+        "most requests the status API holds; the oldest finished go first",
+    ),
+    (
         "batch-timeout-ms",
         float,
         "budget for one batch call; past it the device counts as hung, its requests go to"
@@ -215,6 +233,16 @@ async def serve(config: Config) -> None:
         await runner.cleanup()
 
 
+def _route_access_log_to_stdout() -> None:
+    """Access-log lines are bare JSON on stdout, apart from the diagnostics on stderr."""
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    access = logging.getLogger("batchserve.access")
+    access.addHandler(handler)
+    access.setLevel(logging.INFO)
+    access.propagate = False
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     import uvloop
 
@@ -223,6 +251,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.basicConfig(
             level=log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s"
         )
+        _route_access_log_to_stdout()
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
             runner.run(serve(config))
     except StartupError as error:

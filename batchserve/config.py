@@ -28,6 +28,11 @@ class Config:
     max_queue: int = 10_000
     max_input_bytes: int = 1 << 20
     drain_timeout_s: float = 30.0
+    slo_ms: float = 1000.0
+    metrics: bool = True
+    access_log: bool = False
+    result_ttl_s: float = 300.0
+    result_store_size: int = 100_000
     batch_timeout_ms: float = 0.0
     bisect_failures: bool = True
     retry_budget: float = 0.25
@@ -51,6 +56,9 @@ class Config:
             (self.max_queue >= 1, "max_queue must be 1 or more"),
             (self.max_input_bytes >= 1, "max_input_bytes must be 1 or more"),
             (self.drain_timeout_s >= 0, "drain_timeout_s must be 0 or more"),
+            (self.slo_ms > 0, "slo_ms must be more than 0"),
+            (self.result_ttl_s >= 0, "result_ttl_s must be 0 or more"),
+            (self.result_store_size >= 1, "result_store_size must be 1 or more"),
             (self.batch_timeout_ms >= 0, "batch_timeout_ms must be 0 (derived) or more"),
             (self.retry_budget >= 0, "retry_budget must be 0 or more"),
             (self.retry_reserve >= 0, "retry_reserve must be 0 or more"),

@@ -3,6 +3,7 @@
 BatchserveError            one request's failure; server.py maps each to an HTTP answer
 ├── InvalidInput           the body is not what the API takes              (400)
 ├── DuplicateRequestId     the X-Request-Id is already in flight           (409)
+├── NotFound               no such request in the status store             (404)
 ├── InputTooLarge          body or input over --max-input-bytes           (413)
 ├── BackendError           the batch function raised or answered badly     (500)
 ├── Overloaded             the queue is full; carries a retry estimate     (503)
@@ -25,6 +26,10 @@ class InvalidInput(BatchserveError):
 
 
 class DuplicateRequestId(BatchserveError):
+    pass
+
+
+class NotFound(BatchserveError):
     pass
 
 

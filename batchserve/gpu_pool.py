@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -50,6 +50,7 @@ class DeviceState(enum.Enum):
 
 
 HEALTHY = frozenset({DeviceState.IDLE, DeviceState.BUSY})
+BUSY_WINDOW_S = 10.0
 
 
 @dataclass(eq=False)
@@ -60,6 +61,20 @@ class Device:
     state: DeviceState = DeviceState.IDLE
     busy_since: float | None = None
     batch: list[QueuedRequest] = field(default_factory=list)
+    busy_total_s: float = 0.0
+    """Time spent in finished batch calls, for the busy ratio."""
+    recent_calls: deque[tuple[float, float]] = field(default_factory=deque)
+    """(start, end) of the calls that ended in the last BUSY_WINDOW_S."""
+
+    def busy_ratio(self, now: float) -> float:
+        """Share of the last BUSY_WINDOW_S spent inside batch calls."""
+        since = now - BUSY_WINDOW_S
+        while self.recent_calls and self.recent_calls[0][1] <= since:
+            self.recent_calls.popleft()
+        busy = sum(end - max(start, since) for start, end in self.recent_calls)
+        if self.busy_since is not None:
+            busy += now - max(self.busy_since, since)
+        return min(1.0, busy / BUSY_WINDOW_S)
 
 
 class GpuPool:
@@ -90,6 +105,15 @@ class GpuPool:
     def in_flight_requests(self) -> int:
         """Requests running and still unanswered (a deadline may have answered one)."""
         return sum(not r.future.done() for device in self._devices for r in device.batch)
+
+    @property
+    def devices(self) -> list[Device]:
+        return list(self._devices)
+
+    @property
+    def typical_call_s(self) -> float | None:
+        """The recent average of successful batch calls; None until one has finished."""
+        return self._budget.typical_s
 
     def states(self) -> dict[str, str]:
         return {device.name: device.state.value for device in self._devices}
@@ -135,6 +159,8 @@ class GpuPool:
         device.state = DeviceState.BUSY
         device.busy_since = started = loop.time()
         device.batch = batch
+        for request in batch:
+            request.running = True
         # Submitted here, not in the task's first step: that step would queue behind every
         # handler that the last finished batch just woke, leaving the device idle meanwhile.
         call = device.thread.submit(loop, device.fn, [r.input for r in batch])
@@ -178,6 +204,8 @@ class GpuPool:
         device.state = DeviceState.IDLE
         device.busy_since = None
         device.batch = []
+        device.busy_total_s += finished - started
+        device.recent_calls.append((started, finished))
         listener = self.listener
         assert listener is not None
         if isinstance(returned, Exception):
@@ -196,7 +224,14 @@ class GpuPool:
         for request, output in zip(batch, outputs, strict=True):
             if not request.future.done():
                 request.future.set_result(
-                    Result(output, started - request.arrival, finished - started, len(batch))
+                    Result(
+                        output,
+                        started - request.arrival,
+                        finished - started,
+                        len(batch),
+                        batch_id,
+                        device.name,
+                    )
                 )
 
     def _failed(self, batch: list[QueuedRequest], failure: BatchFailure, then: str = "") -> None:

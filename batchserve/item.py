@@ -12,6 +12,8 @@ class Result:
     queue_s: float
     compute_s: float
     batch_size: int
+    batch_id: int
+    device: str
 
 
 @dataclass(slots=True, eq=False)
@@ -30,3 +32,5 @@ class QueuedRequest:
     future: asyncio.Future[Result]
     malformed_retried: bool = False
     hang_retried: bool = False
+    running: bool = False
+    """Set when a batch carrying it starts on a device (for the status API)."""

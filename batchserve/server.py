@@ -1,7 +1,8 @@
-"""The HTTP contract: parses requests, holds the pending futures, maps errors to statuses.
+"""The HTTP contract: admits requests, holds the pending futures, answers each one once.
 
 `Server` owns the pending-futures dict (request id -> future), the lifecycle phase and, via
-`lifespan`, the pool and the batcher, which it starts in order and stops in reverse.
+`lifespan`, the pool and the batcher, which it starts in order and stops in reverse. The
+status API (`status_api.py`) and the dashboard (`dashboard.py`) are mounted beside it.
 """
 
 from __future__ import annotations
@@ -9,8 +10,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-import math
-import uuid
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -20,36 +20,27 @@ from aiohttp import web
 from .backends import DeviceFactory
 from .batcher import Batcher
 from .config import Config
-from .errors import (
-    BackendError,
-    BatchserveError,
-    DeadlineExceeded,
-    DuplicateRequestId,
-    InputTooLarge,
-    InvalidInput,
-    NotReady,
-    Overloaded,
-)
+from .dashboard import Dashboard
+from .errors import BatchserveError, DeadlineExceeded, DuplicateRequestId, InvalidInput, NotReady
 from .faults import BatchBudget, RetryBudget
 from .gpu_pool import GpuPool
+from .http_io import (
+    STATUS,
+    answer_body,
+    error_response,
+    json_response,
+    read_input,
+    request_id_of,
+)
 from .item import QueuedRequest, Result
+from .metrics import Metrics
 from .policy import make_policy
+from .status_api import StatusApi
 
 log = logging.getLogger(__name__)
+access_log = logging.getLogger("batchserve.access")
 
 SERVER_KEY: web.AppKey[Server] = web.AppKey("batchserve_server")
-
-_STATUS: dict[type[BatchserveError], tuple[int, str]] = {
-    InvalidInput: (400, "INVALID_INPUT"),
-    DuplicateRequestId: (409, "DUPLICATE_REQUEST_ID"),
-    InputTooLarge: (413, "INPUT_TOO_LARGE"),
-    BackendError: (500, "BACKEND_ERROR"),
-    Overloaded: (503, "OVERLOADED"),
-    NotReady: (503, "NOT_READY"),
-    DeadlineExceeded: (504, "DEADLINE_EXCEEDED"),
-}
-_BODY_FIELDS = frozenset({"input", "timeout_ms"})
-_MAX_REQUEST_ID = 128
 
 
 class Phase(enum.Enum):
@@ -78,11 +69,19 @@ class Server:
             ),
         )
         self.pool.listener = self.batcher
+        self.metrics = (
+            Metrics(self.batcher, self.pool, slo_s=config.slo_ms / 1e3) if config.metrics else None
+        )
         self._drained: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def __repr__(self) -> str:
         return f"<Server {self.phase.value} pending={len(self.pending)}>"
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        assert self._loop is not None, "requests arrive only after lifespan started"
+        return self._loop
 
     async def lifespan(self, app: web.Application) -> AsyncIterator[None]:
         """aiohttp cleanup_ctx: devices load first and close last."""
@@ -111,7 +110,7 @@ class Server:
             self.pool.fail_in_flight(stopped)
 
     async def healthz(self, request: web.Request) -> web.Response:
-        return _json(200, {"status": "alive"})
+        return json_response(200, {"status": "alive"})
 
     async def readyz(self, request: web.Request) -> web.Response:
         """Ready while not draining and at least one device is healthy; lists each device."""
@@ -119,47 +118,85 @@ class Server:
         if self.phase is Phase.READY and not self.pool.healthy:
             status = "no healthy device"
         body = {"status": status, "devices": self.pool.states()}
-        return _json(200 if status == Phase.READY.value else 503, body)
+        return json_response(200 if status == Phase.READY.value else 503, body)
 
     async def inference(self, request: web.Request) -> web.Response:
         loop = self._loop
         assert loop is not None, "requests arrive only after lifespan started"
         arrival = loop.time()
-        request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+        request_id, problem = request_id_of(request)
         try:
-            if len(request_id) > _MAX_REQUEST_ID or not request_id.isprintable():
-                request_id = uuid.uuid4().hex
-                raise InvalidInput(
-                    f"X-Request-Id must be at most {_MAX_REQUEST_ID} printable characters"
-                )
-            if self.phase is not Phase.READY:
-                raise NotReady(f"the server is {self.phase.value}")
-            if not self.pool.healthy:
-                raise NotReady("no device is healthy; see /readyz")
-            text, timeout_s = await self._parse(request)
+            text, timeout_s = await self.admit(request, problem)
             if request_id in self.pending:
                 raise DuplicateRequestId(f"request id {request_id} is already in flight")
             result = await self._run(loop, request_id, text, arrival, arrival + timeout_s)
         except BatchserveError as error:
-            return _error(error, request_id)
-        latency_ms = (loop.time() - arrival) * 1e3
-        queue_ms, compute_ms = result.queue_s * 1e3, result.compute_s * 1e3
-        response = _json(
-            200,
-            {
-                "output": result.output,
-                "request_id": request_id,
-                "latency_ms": round(latency_ms, 3),
-                "queue_ms": round(queue_ms, 3),
-                "compute_ms": round(compute_ms, 3),
-                "batch_size": result.batch_size,
-            },
-        )
+            self.record("inference", request_id, arrival, error)
+            return error_response(error, request_id)
+        now = loop.time()
+        self.record("inference", request_id, arrival, result, now)
+        response = json_response(200, answer_body(request_id, result, now - arrival))
         response.headers["Server-Timing"] = (
-            f"queue;dur={queue_ms:.3f}, compute;dur={compute_ms:.3f}"
+            f"queue;dur={result.queue_s * 1e3:.3f}, compute;dur={result.compute_s * 1e3:.3f}"
         )
         response.headers["X-Request-Id"] = request_id
         return response
+
+    async def admit(self, request: web.Request, problem: InvalidInput | None) -> tuple[str, float]:
+        """Checks that the server can take the request; returns its input and timeout (s)."""
+        if problem is not None:
+            raise problem
+        if self.phase is not Phase.READY:
+            raise NotReady(f"the server is {self.phase.value}")
+        if not self.pool.healthy:
+            raise NotReady("no device is healthy; see /readyz")
+        return await read_input(request, self.config)
+
+    def record(
+        self,
+        route: str,
+        request_id: str,
+        arrival: float,
+        outcome: Result | BatchserveError,
+        now: float | None = None,
+    ) -> None:
+        """Counts an answer in the metrics and, when asked for, writes its access-log line."""
+        if now is None:
+            assert self._loop is not None
+            now = self._loop.time()
+        if isinstance(outcome, Result):
+            status, code = 200, None
+            if self.metrics is not None:
+                self.metrics.ok(route, now, now - arrival, outcome)
+        else:
+            status, code = STATUS[type(outcome)]
+            if self.metrics is not None:
+                self.metrics.failed(route, status, code)
+        if self.config.access_log:
+            access_log.info(_access_line(route, request_id, status, code, now - arrival, outcome))
+
+    def submit(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        request_id: str,
+        text: str,
+        arrival: float,
+        deadline: float,
+    ) -> tuple[QueuedRequest, asyncio.TimerHandle]:
+        """Queues a request under the pending dict and arms its deadline; the caller must
+        call `release` once its future is done."""
+        future: asyncio.Future[Result] = loop.create_future()
+        queued = QueuedRequest(request_id, text, arrival, deadline, future)
+        self.batcher.submit(queued)
+        self.pending[request_id] = future
+        # One timer that fails the future, rather than asyncio.timeout_at: the hot path then
+        # needs no Timeout object, no task-cancel round trip and no extra loop lookups.
+        return queued, loop.call_at(deadline, _expire, future)
+
+    def release(self, request_id: str, expiry: asyncio.TimerHandle) -> None:
+        expiry.cancel()
+        del self.pending[request_id]
+        self.batcher.discard(request_id)
 
     async def _run(
         self,
@@ -169,68 +206,11 @@ class Server:
         arrival: float,
         deadline: float,
     ) -> Result:
-        future: asyncio.Future[Result] = loop.create_future()
-        self.pending[request_id] = future
-        # One timer that fails the future, rather than asyncio.timeout_at: the hot path then
-        # needs no Timeout object, no task-cancel round trip and no extra loop lookups.
-        expiry = loop.call_at(deadline, _expire, future)
+        queued, expiry = self.submit(loop, request_id, text, arrival, deadline)
         try:
-            self.batcher.submit(QueuedRequest(request_id, text, arrival, deadline, future))
-            return await future
+            return await queued.future
         finally:
-            expiry.cancel()
-            del self.pending[request_id]
-            self.batcher.discard(request_id)
-
-    async def _parse(self, request: web.Request) -> tuple[str, float]:
-        limit = self.config.max_body_bytes
-        if request.content_length is not None and request.content_length > limit:
-            raise InputTooLarge(f"the body is over the limit of {limit} bytes")
-        try:
-            body = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            raise InputTooLarge(f"the body is over the limit of {limit} bytes") from None
-        try:
-            payload: Any = orjson.loads(body)
-        except orjson.JSONDecodeError as exc:
-            raise InvalidInput(f"the body is not valid UTF-8 JSON: {exc}") from None
-        if not isinstance(payload, dict):
-            raise InvalidInput('the body must be a JSON object like {"input": "..."}')
-        unknown = payload.keys() - _BODY_FIELDS
-        if unknown:
-            raise InvalidInput(f"unknown field(s): {', '.join(sorted(unknown))}")
-        text = payload.get("input")
-        if not isinstance(text, str):
-            raise InvalidInput('the body needs a string field "input"')
-        try:
-            size = len(text.encode())
-        except UnicodeEncodeError:
-            raise InvalidInput('"input" is not valid Unicode text') from None
-        if size > self.config.max_input_bytes:
-            raise InputTooLarge(
-                f"the input is {size} bytes; the limit is {self.config.max_input_bytes}"
-            )
-        return text, self._timeout_s(payload.get("timeout_ms"), request)
-
-    def _timeout_s(self, in_body: object, request: web.Request) -> float:
-        """The request's own timeout (body first, then header), capped by the server's."""
-        requested: object = in_body
-        if requested is None and "X-Request-Timeout-Ms" in request.headers:
-            try:
-                requested = float(request.headers["X-Request-Timeout-Ms"])
-            except ValueError:
-                raise InvalidInput("X-Request-Timeout-Ms must be a number") from None
-        cap = self.config.timeout_ms
-        if requested is None:
-            return cap / 1e3
-        if (
-            isinstance(requested, bool)
-            or not isinstance(requested, int | float)
-            or not math.isfinite(requested)
-            or requested <= 0
-        ):
-            raise InvalidInput("timeout_ms must be a number above 0")
-        return min(float(requested), cap) / 1e3
+            self.release(request_id, expiry)
 
 
 def create_app(config: Config, device_names: list[str], factory: DeviceFactory) -> web.Application:
@@ -246,6 +226,15 @@ def create_app(config: Config, device_names: list[str], factory: DeviceFactory) 
     app.router.add_post("/api/inference", server.inference)
     app.router.add_get("/healthz", server.healthz)
     app.router.add_get("/readyz", server.readyz)
+    status_api = StatusApi(server)
+    app.router.add_post("/api/requests", status_api.submit)
+    app.router.add_get("/api/requests/{request_id}", status_api.poll)
+    if server.metrics is not None:
+        dashboard = Dashboard(server, server.metrics)
+        app.router.add_get("/", dashboard.page)
+        app.router.add_get("/api/stats", dashboard.stats)
+        app.router.add_get("/metrics", dashboard.scrape)
+        app.router.add_static("/static/", dashboard.static_dir)
     return app
 
 
@@ -254,17 +243,30 @@ def _expire(future: asyncio.Future[Result]) -> None:
         future.set_exception(DeadlineExceeded("the request's deadline passed"))
 
 
-def _json(status: int, body: dict[str, Any]) -> web.Response:
-    return web.Response(status=status, body=orjson.dumps(body), content_type="application/json")
-
-
-def _error(error: BatchserveError, request_id: str) -> web.Response:
-    status, code = _STATUS[type(error)]
-    body: dict[str, Any] = {"error": code, "message": str(error), "request_id": request_id}
-    headers = {"X-Request-Id": request_id}
-    if isinstance(error, Overloaded):
-        body["retry_after_ms"] = max(1, round(error.retry_after_s * 1e3))
-        headers["Retry-After"] = str(max(1, math.ceil(error.retry_after_s)))
-    response = _json(status, body)
-    response.headers.update(headers)
-    return response
+def _access_line(
+    route: str,
+    request_id: str,
+    status: int,
+    code: str | None,
+    latency_s: float,
+    outcome: Result | BatchserveError,
+) -> str:
+    """One JSON object: who, what status, where the time went. Never the input text."""
+    line: dict[str, Any] = {
+        "ts": round(time.time(), 3),
+        "route": route,
+        "request_id": request_id,
+        "tenant": None,
+        "status": status,
+        "error": code,
+        "latency_ms": round(latency_s * 1e3, 3),
+    }
+    if isinstance(outcome, Result):
+        line |= {
+            "queue_ms": round(outcome.queue_s * 1e3, 3),
+            "compute_ms": round(outcome.compute_s * 1e3, 3),
+            "batch_id": outcome.batch_id,
+            "batch_size": outcome.batch_size,
+            "device": outcome.device,
+        }
+    return orjson.dumps(line).decode()

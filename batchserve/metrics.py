@@ -1,0 +1,257 @@
+"""What operators watch: Prometheus metrics for /metrics and live numbers for the dashboard.
+
+Per answered request the handler pays one counter increment, three histogram observations
+(children bound once) and one append to a short window. Everything else (queue depth,
+devices' busy ratio and health, capacity, the autoscaling signal) is read from the batcher
+and the pool when scraped, so it costs the hot path nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections import deque
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
+from .batcher import Batcher
+from .gpu_pool import HEALTHY, DeviceState, GpuPool
+from .item import Result
+
+LATENCY_BUCKETS = (
+    0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.125, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.75,
+    1.0, 2.0, 5.0, 10.0,
+)  # fmt: skip
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 80, 96, 100)
+TARGET_UTILIZATION = 0.7
+"""The desired-replicas signal sizes the fleet so that each replica runs at this share of its
+measured capacity: headroom for bursts, and for the batching policy to stagger devices."""
+NO_TIER = "none"
+"""The tier label until API keys exist."""
+REJECTIONS = frozenset({"OVERLOADED", "NOT_READY"})
+WINDOW_S = 2.0
+
+
+class Metrics:
+    def __init__(self, batcher: Batcher, pool: GpuPool, *, slo_s: float) -> None:
+        self.registry = CollectorRegistry()
+        self._requests = Counter(
+            "batchserve_requests",
+            "Requests answered, by route, HTTP status, tier and error code.",
+            ["route", "code", "tier", "error"],
+            registry=self.registry,
+        )
+        self._rejections = Counter(
+            "batchserve_rejections",
+            "Requests refused before they were queued, by reason.",
+            ["reason"],
+            registry=self.registry,
+        )
+        self._latency = Histogram(
+            "batchserve_request_latency_seconds",
+            "Arrival to answer, for requests answered 200.",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self._queue_wait = Histogram(
+            "batchserve_queue_wait_seconds",
+            "Arrival to the start of the batch call that answered the request (200s).",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self._compute = Histogram(
+            "batchserve_compute_seconds",
+            "Duration of the batch call that answered the request (200s).",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self._ok = self._requests.labels("inference", "200", NO_TIER, "")
+        self._state = _StateCollector(batcher, pool, slo_s)
+        self.registry.register(self._state)
+        self.recent = RecentWindow()
+
+    def ok(self, route: str, now: float, latency_s: float, result: Result) -> None:
+        child = (
+            self._ok if route == "inference" else self._requests.labels(route, "200", NO_TIER, "")
+        )
+        child.inc()
+        self._latency.observe(latency_s)
+        self._queue_wait.observe(result.queue_s)
+        self._compute.observe(result.compute_s)
+        self.recent.add(now, latency_s, result)
+
+    def failed(self, route: str, status: int, code: str) -> None:
+        self._requests.labels(route, str(status), NO_TIER, code).inc()
+        if code in REJECTIONS:
+            self._rejections.labels(code).inc()
+
+    def snapshot(self, now: float) -> dict[str, Any]:
+        """The dashboard's numbers: the last WINDOW_S of answers and the state right now."""
+        return {"time": time.time(), **self.recent.summary(now), **self._state.summary(now)}
+
+
+class RecentWindow:
+    """The answers of the last WINDOW_S, for live percentiles (Prometheus keeps buckets)."""
+
+    def __init__(self) -> None:
+        self._answers: deque[tuple[float, float, float, float, int]] = deque()
+
+    def add(self, now: float, latency_s: float, result: Result) -> None:
+        self._answers.append((now, latency_s, result.queue_s, result.compute_s, result.batch_size))
+
+    def summary(self, now: float) -> dict[str, float | None]:
+        while self._answers and self._answers[0][0] < now - WINDOW_S:
+            self._answers.popleft()
+        columns = list(zip(*self._answers, strict=True)) or [()] * 5
+        return {
+            "throughput_rps": len(self._answers) / WINDOW_S,
+            "p50_ms": _percentile_ms(columns[1], 0.50),
+            "p99_ms": _percentile_ms(columns[1], 0.99),
+            "queue_p50_ms": _percentile_ms(columns[2], 0.50),
+            "compute_p50_ms": _percentile_ms(columns[3], 0.50),
+            "mean_batch": sum(columns[4]) / len(columns[4]) if columns[4] else None,
+        }
+
+
+def _percentile_ms(values: tuple[float, ...] | tuple[()], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return 1e3 * ordered[min(len(ordered) - 1, int(len(ordered) * q))]
+
+
+class _StateCollector(Collector):
+    """Reads the batcher and the pool at scrape time."""
+
+    def __init__(self, batcher: Batcher, pool: GpuPool, slo_s: float) -> None:
+        self._batcher = batcher
+        self._pool = pool
+        self._slo_s = slo_s
+
+    def summary(self, now: float) -> dict[str, Any]:
+        stats = self._batcher.stats()
+        capacity = self._batcher.capacity_rps()
+        arrival = self._batcher.arrival_rps(now)
+        return {
+            "queued": stats.queued,
+            "in_flight": stats.in_flight,
+            "healthy_devices": stats.healthy_devices,
+            "capacity_rps": capacity,
+            "arrival_rps": arrival,
+            "predicted_wait_s": self._batcher.predicted_wait_s(),
+            "slo_s": self._slo_s,
+            "desired_replicas": desired_replicas(arrival, capacity),
+            "batch_sizes": {str(size): n for size, n in sorted(self._batcher.batch_sizes.items())},
+            "devices": [
+                {
+                    "name": device.name,
+                    "state": device.state.value,
+                    "busy_ratio": device.busy_ratio(now),
+                    "busy_seconds": device.busy_total_s,
+                }
+                for device in self._pool.devices
+            ],
+        }
+
+    def collect(self) -> Iterator[Metric]:
+        now = asyncio.get_running_loop().time()  # scraped from a handler, on the loop
+        state = self.summary(now)
+
+        def gauge(name: str, text: str, value: float | None) -> GaugeMetricFamily:
+            return GaugeMetricFamily(name, text, value=math.nan if value is None else value)
+
+        yield gauge("batchserve_queue_depth", "Requests waiting for a batch.", state["queued"])
+        yield gauge(
+            "batchserve_in_flight_requests", "Requests inside a batch call.", state["in_flight"]
+        )
+        busy = sum(d.state is DeviceState.BUSY for d in self._pool.devices)
+        yield gauge("batchserve_in_flight_batches", "Batch calls running now.", busy)
+        yield gauge(
+            "batchserve_capacity_rps",
+            "Requests a second the healthy devices can take in full batches, measured.",
+            state["capacity_rps"],
+        )
+        yield gauge("batchserve_arrival_rps", "Recent arrivals a second.", state["arrival_rps"])
+        yield gauge(
+            "batchserve_predicted_queue_wait_seconds",
+            "How long a request arriving now would wait for the queue ahead of it.",
+            state["predicted_wait_s"],
+        )
+        yield gauge("batchserve_slo_seconds", "The latency objective (--slo-ms).", self._slo_s)
+        yield gauge(
+            "batchserve_desired_replicas",
+            f"Replicas that would carry the recent arrivals at {TARGET_UTILIZATION:.0%} of"
+            " this replica's measured capacity.",
+            state["desired_replicas"],
+        )
+        yield from self._devices(now)
+        yield self._batch_sizes()
+        faults = CounterMetricFamily(
+            "batchserve_faults", "Device and batch faults, by kind.", labels=["kind"]
+        )
+        for kind, count in sorted(self._pool.faults.items()):
+            faults.add_metric([kind], count)
+        yield faults
+        retries = CounterMetricFamily(
+            "batchserve_recoveries", "Requests retried or failed after a fault.", labels=["kind"]
+        )
+        for kind, count in sorted(self._batcher.recoveries.items()):
+            retries.add_metric([kind], count)
+        yield retries
+
+    def _devices(self, now: float) -> Iterator[Metric]:
+        ratio = GaugeMetricFamily(
+            "batchserve_device_busy_ratio",
+            "Share of the last 10 s each device spent in batch calls.",
+            labels=["device"],
+        )
+        busy = CounterMetricFamily(
+            "batchserve_device_busy_seconds",
+            "Time each device spent in finished batch calls.",
+            labels=["device"],
+        )
+        healthy = GaugeMetricFamily(
+            "batchserve_device_healthy", "1 while the device takes work.", labels=["device"]
+        )
+        state = GaugeMetricFamily(
+            "batchserve_device_state",
+            "1 for each device's current state.",
+            labels=["device", "state"],
+        )
+        for device in self._pool.devices:
+            ratio.add_metric([device.name], device.busy_ratio(now))
+            busy.add_metric([device.name], device.busy_total_s)
+            healthy.add_metric([device.name], float(device.state in HEALTHY))
+            state.add_metric([device.name, device.state.value], 1.0)
+        yield from (ratio, busy, healthy, state)
+
+    def _batch_sizes(self) -> Metric:
+        sizes = self._batcher.batch_sizes
+        cumulative = 0
+        buckets: list[tuple[str, float]] = []
+        for bound in BATCH_BUCKETS:
+            cumulative = sum(count for size, count in sizes.items() if size <= bound)
+            buckets.append((str(bound), cumulative))
+        buckets.append(("+Inf", sum(sizes.values())))
+        return HistogramMetricFamily(
+            "batchserve_batch_size",
+            "Requests per batch call, retries included.",
+            buckets=buckets,
+            sum_value=sum(size * count for size, count in sizes.items()),
+        )
+
+
+def desired_replicas(arrival_rps: float, capacity_rps: float | None) -> int:
+    if not capacity_rps:
+        return 1
+    return max(1, math.ceil(arrival_rps / (capacity_rps * TARGET_UTILIZATION)))

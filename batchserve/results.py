@@ -1,0 +1,57 @@
+"""Submit, then poll: the status API's store of requests and, once they end, their answers.
+
+Unfinished requests are never evicted (their clients will come back for them); finished ones
+are kept for `ttl_s` and, when the store is full, the oldest finished go first. A store full
+of unfinished requests refuses new ones rather than forget one.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+from .item import QueuedRequest
+
+
+class ResultStore:
+    def __init__(self, *, capacity: int, ttl_s: float) -> None:
+        self._capacity = capacity
+        self._ttl_s = ttl_s
+        self._pending: dict[str, QueuedRequest] = {}
+        self._finished: OrderedDict[str, tuple[float, dict[str, Any]]] = OrderedDict()
+        """request id -> (finished at, answer), oldest first."""
+
+    def __repr__(self) -> str:
+        return f"<ResultStore pending={len(self._pending)} finished={len(self._finished)}>"
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._pending or request_id in self._finished
+
+    def make_room(self, now: float) -> bool:
+        """Drops what has expired, then the oldest finished if full; False if still full."""
+        self._expire(now)
+        if len(self._pending) + len(self._finished) >= self._capacity and self._finished:
+            self._finished.popitem(last=False)
+        return len(self._pending) + len(self._finished) < self._capacity
+
+    def add(self, request: QueuedRequest) -> None:
+        self._pending[request.request_id] = request
+
+    def finish(self, request_id: str, answer: dict[str, Any], now: float) -> None:
+        del self._pending[request_id]
+        self._finished[request_id] = (now, answer)
+
+    def get(self, request_id: str, now: float) -> dict[str, Any] | None:
+        self._expire(now)
+        if (request := self._pending.get(request_id)) is not None:
+            return {"request_id": request_id, "status": "running" if request.running else "queued"}
+        if (finished := self._finished.get(request_id)) is not None:
+            return finished[1]
+        return None
+
+    def _expire(self, now: float) -> None:
+        while self._finished:
+            request_id, (finished_at, _) = next(iter(self._finished.items()))
+            if finished_at + self._ttl_s > now:
+                return
+            del self._finished[request_id]

@@ -1,0 +1,101 @@
+"""Submit, then poll, for clients that cannot hold a connection open for the answer.
+
+`POST /api/requests` takes the same body as /api/inference, queues it and answers 202 at
+once; `GET /api/requests/{id}` says queued, running, completed (with the answer) or failed
+(with the error), until the result expires. The request runs exactly like a synchronous one:
+same queue, deadline, batching and fault handling.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from typing import TYPE_CHECKING
+from urllib.parse import quote
+
+from aiohttp import web
+
+from .errors import BackendError, BatchserveError, DuplicateRequestId, NotFound, Overloaded
+from .http_io import (
+    MAX_REQUEST_ID,
+    answer_body,
+    error_body,
+    error_response,
+    json_response,
+    request_id_of,
+)
+from .item import Result
+from .results import ResultStore
+
+if TYPE_CHECKING:
+    from .server import Server
+
+
+class StatusApi:
+    def __init__(self, server: Server) -> None:
+        self._server = server
+        self.store = ResultStore(
+            capacity=server.config.result_store_size, ttl_s=server.config.result_ttl_s
+        )
+
+    async def submit(self, request: web.Request) -> web.Response:
+        server = self._server
+        loop = server.loop
+        arrival = loop.time()
+        request_id, problem = request_id_of(request)
+        try:
+            text, timeout_s = await server.admit(request, problem)
+            if request_id in server.pending or request_id in self.store:
+                raise DuplicateRequestId(
+                    f"request id {request_id} is in use until its result expires"
+                )
+            if not self.store.make_room(arrival):
+                raise Overloaded("the status store is full of unfinished requests", 1.0)
+            queued, expiry = server.submit(loop, request_id, text, arrival, arrival + timeout_s)
+        except BatchserveError as error:
+            server.record("requests", request_id, arrival, error)
+            return error_response(error, request_id)
+        self.store.add(queued)
+        queued.future.add_done_callback(
+            functools.partial(self._finished, request_id, arrival, expiry)
+        )
+        response = json_response(202, {"request_id": request_id, "status": "queued"})
+        response.headers["Location"] = f"/api/requests/{quote(request_id, safe='')}"
+        response.headers["X-Request-Id"] = request_id
+        return response
+
+    async def poll(self, request: web.Request) -> web.Response:
+        request_id = request.match_info["request_id"]
+        if len(request_id) > MAX_REQUEST_ID or not request_id.isprintable():
+            return error_response(NotFound("no such request"), request_id_of(request)[0])
+        answer = self.store.get(request_id, self._server.loop.time())
+        if answer is None:
+            error = NotFound(f"no request {request_id}: never submitted, or its result expired")
+            return error_response(error, request_id)
+        return json_response(200, answer)
+
+    def _finished(
+        self,
+        request_id: str,
+        arrival: float,
+        expiry: asyncio.TimerHandle,
+        future: asyncio.Future[Result],
+    ) -> None:
+        server = self._server
+        server.release(request_id, expiry)
+        now = server.loop.time()
+        error = None if future.cancelled() else future.exception()
+        if future.cancelled() or (error is not None and not isinstance(error, BatchserveError)):
+            error = BackendError(f"the request ended unexpectedly: {error!r}")
+        if isinstance(error, BatchserveError):
+            server.record("requests", request_id, arrival, error, now)
+            answer = {
+                "request_id": request_id,
+                "status": "failed",
+                "error": error_body(error, request_id),
+            }
+        else:
+            result = future.result()
+            server.record("requests", request_id, arrival, result, now)
+            answer = {"status": "completed", **answer_body(request_id, result, now - arrival)}
+        self.store.finish(request_id, answer, now)

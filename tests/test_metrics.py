@@ -1,0 +1,135 @@
+"""Prometheus metrics, the dashboard's numbers and the access log, in-process."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+import pytest
+from aiohttp.test_utils import TestClient
+from prometheus_client.parser import text_string_to_metric_families
+
+from batchserve.backends import POISON_MARKER, simulated_factory
+from batchserve.gpu_pool import BUSY_WINDOW_S, Device
+from batchserve.item import Result
+from batchserve.metrics import RecentWindow, desired_replicas
+
+
+async def scrape(client: TestClient) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    response = await client.get("/metrics")
+    assert response.status == 200
+    assert response.headers["Content-Type"].startswith("text/plain")
+    samples = {}
+    for family in text_string_to_metric_families(await response.text()):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return samples
+
+
+def labels(**pairs: str) -> tuple[tuple[str, str], ...]:
+    return tuple(sorted(pairs.items()))
+
+
+async def test_metrics_count_answers_by_status_and_time_them(start_server, gated):
+    gated.gate.set()
+    client, server = await start_server(gated, devices=2)
+    answers = await asyncio.gather(
+        *(client.post("/api/inference", json={"input": f"x{n}"}) for n in range(20))
+    )
+    assert {answer.status for answer in answers} == {200}
+    await client.post("/api/inference", data=b"not json")
+    await client.post("/api/inference", json={"input": f"bad{POISON_MARKER}"})
+    samples = await scrape(client)
+    ok = labels(route="inference", code="200", tier="none", error="")
+    assert samples[("batchserve_requests_total", ok)] == 20
+    invalid = labels(route="inference", code="400", tier="none", error="INVALID_INPUT")
+    assert samples[("batchserve_requests_total", invalid)] == 1
+    failed = labels(route="inference", code="500", tier="none", error="BACKEND_ERROR")
+    assert samples[("batchserve_requests_total", failed)] == 1
+    for name in ("request_latency", "queue_wait", "compute"):
+        assert samples[(f"batchserve_{name}_seconds_count", ())] == 20
+    batches = server.batcher.stats().batches
+    assert samples[("batchserve_batch_size_count", ())] == batches
+    assert samples[("batchserve_batch_size_sum", ())] == 21  # 20 answered, 1 poison alone
+    assert samples[("batchserve_device_healthy", labels(device="sim:0"))] == 1
+    assert samples[("batchserve_device_busy_seconds_total", labels(device="sim:0"))] > 0
+    assert samples[("batchserve_faults_total", labels(kind="batch_raised"))] == 1
+    assert samples[("batchserve_queue_depth", ())] == 0
+    assert samples[("batchserve_capacity_rps", ())] > 0
+    assert samples[("batchserve_desired_replicas", ())] >= 1
+    assert samples[("batchserve_slo_seconds", ())] == 1.0
+
+
+async def test_rejections_are_counted_by_reason(start_server, gated):
+    client, server = await start_server(gated, max_queue=1)
+    running = asyncio.ensure_future(client.post("/api/inference", json={"input": "a"}))
+    await server.batcher.wait_until(lambda s: s.in_flight == 1)
+    queued = asyncio.ensure_future(client.post("/api/inference", json={"input": "b"}))
+    await server.batcher.wait_until(lambda s: s.queued == 1)
+    refused = await client.post("/api/inference", json={"input": "c"})
+    assert refused.status == 503
+    samples = await scrape(client)
+    assert samples[("batchserve_rejections_total", labels(reason="OVERLOADED"))] == 1
+    assert samples[("batchserve_queue_depth", ())] == 1
+    assert samples[("batchserve_in_flight_batches", ())] == 1
+    gated.gate.set()
+    assert [(await task).status for task in (running, queued)] == [200, 200]
+
+
+async def test_stats_give_the_dashboard_live_numbers(start_server):
+    client, _ = await start_server(simulated_factory(0.001, 100), devices=2)
+    await asyncio.gather(*(client.post("/api/inference", json={"input": "x"}) for _ in range(10)))
+    stats = await (await client.get("/api/stats")).json()
+    assert stats["throughput_rps"] == 10 / 2.0  # answers in the last two seconds
+    assert stats["p99_ms"] >= stats["p50_ms"] > 0
+    assert [device["name"] for device in stats["devices"]] == ["sim:0", "sim:1"]
+    assert sum(int(n) * count for n, count in stats["batch_sizes"].items()) == 10
+
+
+async def test_metrics_off_serves_no_metrics(start_server):
+    client, _ = await start_server(simulated_factory(0.0, 100), metrics=False)
+    assert (await client.get("/metrics")).status == 404
+    assert (await client.post("/api/inference", json={"input": "x"})).status == 200
+
+
+async def test_access_log_has_one_json_line_per_answer_and_never_the_input(start_server, caplog):
+    caplog.set_level(logging.INFO, logger="batchserve.access")
+    client, _ = await start_server(simulated_factory(0.0, 100), access_log=True)
+    await client.post("/api/inference", json={"input": "secret"}, headers={"X-Request-Id": "r1"})
+    await client.post("/api/inference", data=b"{}", headers={"X-Request-Id": "r2"})
+    lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "batchserve.access"]
+    assert [line["request_id"] for line in lines] == ["r1", "r2"]
+    ok, bad = lines
+    assert (ok["status"], ok["error"], ok["device"], ok["batch_id"]) == (200, None, "sim:0", 1)
+    assert {"queue_ms", "compute_ms", "latency_ms", "tenant"} <= ok.keys()
+    assert (bad["status"], bad["error"]) == (400, "INVALID_INPUT")
+    assert "secret" not in caplog.text
+    assert "terces" not in caplog.text
+
+
+def test_recent_window_percentiles_and_throughput():
+    window = RecentWindow()
+    window.add(5.0, 9.0, Result("x", 0.0, 0.1, 4, 1, "sim:0"))  # older than the window
+    for n in range(100):
+        window.add(10.0, (n + 1) / 1000, Result("x", 0.0, 0.1, 4, 1, "sim:0"))
+    summary = window.summary(now=10.5)
+    assert summary["throughput_rps"] == 50.0
+    assert summary["p50_ms"] == pytest.approx(51.0)
+    assert summary["p99_ms"] == pytest.approx(100.0)
+    assert summary["mean_batch"] == 4
+
+
+def test_busy_ratio_counts_the_last_window_and_the_running_call():
+    device = Device("sim:0", thread=None)  # type: ignore[arg-type]
+    device.recent_calls.extend([(0.0, 1.0), (5.0, 6.0)])
+    device.busy_since = 9.0
+    assert device.busy_ratio(now=10.0) == pytest.approx((1.0 + 1.0 + 1.0) / BUSY_WINDOW_S)
+    assert device.busy_ratio(now=15.5) == pytest.approx((0.5 + 6.5) / BUSY_WINDOW_S)
+
+
+def test_desired_replicas_follow_arrivals_against_measured_capacity():
+    assert desired_replicas(0.0, None) == 1
+    assert desired_replicas(700.0, 1000.0) == 1
+    assert desired_replicas(701.0, 1000.0) == 2
+    assert desired_replicas(2800.0, 1000.0) == 4

@@ -1,0 +1,40 @@
+"""The status store: states, expiry and eviction, with time passed in."""
+
+from __future__ import annotations
+
+import asyncio
+
+from batchserve.item import QueuedRequest
+from batchserve.results import ResultStore
+
+
+def request(request_id: str) -> QueuedRequest:
+    loop = asyncio.new_event_loop()
+    try:
+        return QueuedRequest(request_id, "x", 0.0, 10.0, loop.create_future())
+    finally:
+        loop.close()
+
+
+def test_a_request_is_queued_then_running_then_has_its_answer():
+    store = ResultStore(capacity=10, ttl_s=60)
+    queued = request("a")
+    store.add(queued)
+    assert store.get("a", 0.0) == {"request_id": "a", "status": "queued"}
+    queued.running = True
+    assert store.get("a", 0.0) == {"request_id": "a", "status": "running"}
+    store.finish("a", {"status": "completed", "output": "x"}, now=1.0)
+    assert store.get("a", 60.9) == {"status": "completed", "output": "x"}
+    assert store.get("a", 61.0) is None  # expired ttl_s after it finished
+    assert "a" not in store
+
+
+def test_a_full_store_evicts_the_oldest_finished_never_an_unfinished_one():
+    store = ResultStore(capacity=2, ttl_s=60)
+    store.add(request("old"))
+    store.add(request("pending"))
+    assert not store.make_room(0.0)  # full of unfinished requests: refuse the next
+    store.finish("old", {"status": "completed"}, now=1.0)
+    assert store.make_room(2.0)
+    assert store.get("old", 2.0) is None
+    assert store.get("pending", 2.0) == {"request_id": "pending", "status": "queued"}
