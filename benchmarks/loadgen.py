@@ -47,6 +47,8 @@ class Summary:
     achieved_rps: float
     """200 answers over the time from the first send to the last answer."""
     mean_batch: float
+    batch_sizes: dict[str, int]
+    """How many timed 200 answers came from a batch of each size."""
     compute_p50_ms: float
 
 
@@ -225,6 +227,7 @@ async def run(url: str, rate: float, seconds: float, warmup_s: float, seed: int,
         max_ms=1e3 * latencies[-1] if latencies else float("nan"),
         achieved_rps=ok / (last_answer - start) if last_answer > start else 0.0,
         mean_batch=sum(batch_sizes) / len(batch_sizes) if batch_sizes else 0.0,
+        batch_sizes={str(size): n for size, n in sorted(Counter(batch_sizes).items())},
         compute_p50_ms=sorted(computes)[len(computes) // 2] if computes else float("nan"),
     )
 

@@ -19,6 +19,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from plots import write_plots
+
 ROOT = Path(__file__).resolve().parent.parent
 PORT = 8765
 
@@ -59,11 +61,11 @@ BARE = Setup("bare aiohttp", (), 0)
 ADAPTIVE_4, FIXED_4, UNBATCHED_4 = setups(4)
 ADAPTIVE_1, FIXED_1, _ = setups(1)
 PLAN: list[tuple[Setup, list[int]]] = [
-    (ADAPTIVE_4, [50, 200, 3500, 3800, 3900]),
-    (FIXED_4, [50, 200, 3500]),
+    (ADAPTIVE_4, [50, 200, 1000, 2000, 3000, 3500, 3800, 3900]),
+    (FIXED_4, [50, 200, 1000, 2000, 3500]),
     (UNBATCHED_4, [30, 50]),
-    (ADAPTIVE_1, [900, 950, 980]),
-    (FIXED_1, [900]),
+    (ADAPTIVE_1, [100, 500, 900, 950, 980]),
+    (FIXED_1, [20, 100, 900]),
     (setups(16)[0], [6000, 7000, 8000]),
     (BARE, [6000, 7000, 8000, 9000]),
 ]
@@ -108,6 +110,9 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=8.0)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/sweep.md")
+    parser.add_argument(
+        "--plots", type=Path, default=ROOT / "benchmarks/plots", help="where the PNGs go"
+    )
     args = parser.parse_args()
     if os.cpu_count() is not None and (os.cpu_count() or 0) < 2:
         sys.exit("the sweep pins server and load to different cores: it needs two")
@@ -117,11 +122,14 @@ def main() -> None:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     rows: dict[tuple[str, int], list[tuple[int, float, float]]] = {}
+    points: list[dict[str, object]] = []
     for setup, rates in PLAN:
         for rate in rates:
             results = [
                 run_point(setup, rate, args.seconds, seed) for seed in range(1, args.repeats + 1)
             ]
+            points.append({"setup": setup.name, "devices": setup.devices, "rate": rate,
+                           "runs": results})  # fmt: skip
             success, p99 = median(results, "success"), median(results, "p99_ms")
             rows.setdefault((setup.name, setup.devices), []).append((rate, success, p99))
             achieved = median(results, "achieved_rps")
@@ -142,7 +150,10 @@ def main() -> None:
     text = "\n".join(lines) + "\n"
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
+    args.out.with_suffix(".json").write_text(json.dumps(points))
     print(text)
+    for path in write_plots(points, args.plots):
+        print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,70 @@
+"""The dashboard in a real browser: Debian's headless Chromium, which .ci/run installs."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from batchserve.backends import simulated_factory
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+pytestmark = pytest.mark.skipif(
+    CHROMIUM is None, reason="needs Debian's chromium (apt-get install chromium)"
+)
+
+
+async def chromium(profile: Path, *args: str) -> str:
+    """Runs headless Chromium to the end of its virtual-time budget; returns its stdout."""
+    assert CHROMIUM is not None
+    process = await asyncio.create_subprocess_exec(
+        CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+        f"--user-data-dir={profile}", *args,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
+    )  # fmt: skip
+    stdout, _ = await asyncio.wait_for(process.communicate(), 120)  # a hang guard only
+    assert process.returncode == 0
+    return stdout.decode()
+
+
+async def test_the_page_loads_and_its_charts_follow_the_load(start_server, tmp_path):
+    client, _ = await start_server(simulated_factory(0.005, 100), devices=2)
+    url = str(client.make_url("/"))
+    loading = asyncio.Event()
+    stop = asyncio.Event()
+
+    async def load() -> None:
+        for _ in range(2000):  # bounded: at most 40,000 requests
+            await asyncio.gather(
+                *(client.post("/api/inference", json={"input": "x"}) for _ in range(20))
+            )
+            loading.set()
+            if stop.is_set():
+                return
+
+    loader = asyncio.create_task(load())
+    try:
+        await loading.wait()
+        dom = await chromium(tmp_path / "a", "--dump-dom", "--virtual-time-budget=5000", url)
+        screenshot = tmp_path / "dashboard.png"
+        await chromium(
+            tmp_path / "b", f"--screenshot={screenshot}", "--window-size=1200,900",
+            "--virtual-time-budget=3000", url,
+        )  # fmt: skip
+    finally:
+        stop.set()
+        await loader
+    body = re.search(r"<body([^>]*)>", dom)
+    assert body is not None
+    attributes = dict(re.findall(r'data-([a-z]+)="([^"]*)"', body.group(1)))
+    assert "error" not in attributes
+    assert int(attributes["updates"]) >= 3  # polled again and again while the load ran
+    assert int(attributes["points"]) >= 3
+    assert float(attributes["throughput"]) > 0
+    assert dom.count("<canvas") >= 4  # the four uPlot charts drew
+    assert "<td>sim:0</td>" in dom
+    assert "<td>sim:1</td>" in dom
+    assert screenshot.read_bytes().startswith(b"\x89PNG")
