@@ -83,6 +83,20 @@ def torch_shift(device: str):
     return run
 
 
+def cuda_spinner(device: str):
+    """Shifts like `torch_shift`, but an input carrying "!spin!" first spins the GPU for about
+    two seconds: a real CUDA call that runs past any short batch budget."""
+    shift = torch_shift(device)
+
+    def run(inputs: list[str]) -> list[str]:
+        if any("!spin!" in text for text in inputs):
+            torch.cuda._sleep(4_000_000_000)  # GPU clock cycles, about 2 s on an H100
+            torch.cuda.synchronize(device)
+        return shift(inputs)
+
+    return run
+
+
 def fifo_gated(device: str):
     """Each call says 'entered' on one FIFO, then waits for a line on another.
 

@@ -46,3 +46,28 @@ async def test_real_process_on_cuda_answers_each_request_with_its_own_output():
         assert [body["output"] for _, body in answers] == expected
         process.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(process.wait(), 30) == 0
+
+
+async def test_a_hung_cuda_call_marks_the_gpu_unhealthy_until_a_probe_answers():
+    """The watchdog on a real GPU: a kernel that outlasts the budget, then recovery."""
+    async with real_server(
+        "--devices", "cuda:0", "--fn-per-device", "tests.sample_models:cuda_spinner",
+        "--batch-timeout-ms", "1000",
+    ) as (process, _, url):  # fmt: skip
+        async with aiohttp.ClientSession(url) as session:
+            warm = await session.post("/api/inference", json={"input": "warm"})
+            assert (await warm.json())["output"] == "xbsn"
+            hung = await session.post("/api/inference", json={"input": "x!spin!"})
+            assert hung.status == 503  # its only device hung: nobody left to run it
+            assert (await hung.json())["error"] == "NOT_READY"
+            ready = await session.get("/readyz")
+            assert (await ready.json())["devices"]["cuda:0"] in {"hung", "recovering"}
+            for _ in range(100_000):  # the spin ends, a probe answers, the GPU rejoins
+                if (await session.get("/readyz")).status == 200:
+                    break
+            else:
+                pytest.fail("the GPU never rejoined")
+            again = await session.post("/api/inference", json={"input": "abc"})
+            assert (await again.json())["output"] == "bcd"
+        process.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(process.wait(), 30) == 0
