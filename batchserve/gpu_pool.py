@@ -138,6 +138,8 @@ class GpuPool:
                 device.fn = fn
         self.healthy = len(self._devices) - len(failures)
         if not self.healthy:
+            for device in self._devices:
+                device.thread.stop()
             raise StartupError("no device loaded: " + "; ".join(failures))
         for failure in failures:
             log.error("%s; serving on the other devices", failure)

@@ -144,8 +144,8 @@ def main() -> None:
             print(line, flush=True)
     lines += ["", "| setup | D | saturation rps (>= 99.9 % success, p99 <= 500 ms) |"]
     lines += ["|---|---|---|"]
-    for (name, devices), points in rows.items():
-        good = [rate for rate, success, p99 in points if success >= 0.999 and p99 <= 500]
+    for (name, devices), ladder in rows.items():
+        good = [rate for rate, success, p99 in ladder if success >= 0.999 and p99 <= 500]
         lines.append(f"| {name} | {devices or 'n/a'} | {max(good) if good else 'below ladder'} |")
     text = "\n".join(lines) + "\n"
     args.out.parent.mkdir(parents=True, exist_ok=True)
