@@ -77,6 +77,18 @@ _FLAGS: list[tuple[str, Callable[[str], object], str]] = [
         "on SIGTERM/SIGINT, how long accepted requests may take to finish before 503",
     ),
     (
+        "keys-file",
+        str,
+        "TOML file of API keys (tenant, tier) and tier limits; without it the server is open."
+        " Clients send Authorization: Bearer <key>",
+    ),
+    (
+        "anonymous-tier",
+        str,
+        "with --keys-file: serve requests with no or an unknown key as the anonymous tenant"
+        " on this tier (free, paid or enterprise) instead of 401",
+    ),
+    (
         "slo-ms",
         float,
         "the latency objective: /metrics sets the predicted queue wait against it",

@@ -28,6 +28,8 @@ class Config:
     max_queue: int = 10_000
     max_input_bytes: int = 1 << 20
     drain_timeout_s: float = 30.0
+    keys_file: str | None = None
+    anonymous_tier: str | None = None
     slo_ms: float = 1000.0
     metrics: bool = True
     access_log: bool = False
@@ -57,6 +59,10 @@ class Config:
             (self.max_input_bytes >= 1, "max_input_bytes must be 1 or more"),
             (self.drain_timeout_s >= 0, "drain_timeout_s must be 0 or more"),
             (self.slo_ms > 0, "slo_ms must be more than 0"),
+            (
+                self.anonymous_tier is None or self.keys_file is not None,
+                "--anonymous-tier needs --keys-file",
+            ),
             (self.result_ttl_s >= 0, "result_ttl_s must be 0 or more"),
             (self.result_store_size >= 1, "result_store_size must be 1 or more"),
             (self.batch_timeout_ms >= 0, "batch_timeout_ms must be 0 (derived) or more"),

@@ -3,8 +3,10 @@
 BatchserveError            one request's failure; server.py maps each to an HTTP answer
 ├── InvalidInput           the body is not what the API takes              (400)
 ├── DuplicateRequestId     the X-Request-Id is already in flight           (409)
+├── Unauthenticated        no API key, or one the server does not know     (401)
 ├── NotFound               no such request in the status store             (404)
 ├── InputTooLarge          body or input over --max-input-bytes           (413)
+├── RateLimited            the tenant is over its tier's rate             (429)
 ├── BackendError           the batch function raised or answered badly     (500)
 ├── Overloaded             the queue is full; carries a retry estimate     (503)
 ├── NotReady               starting, draining or shut down                 (503)
@@ -29,8 +31,20 @@ class DuplicateRequestId(BatchserveError):
     pass
 
 
+class Unauthenticated(BatchserveError):
+    pass
+
+
 class NotFound(BatchserveError):
     pass
+
+
+class RateLimited(BatchserveError):
+    def __init__(self, message: str, retry_after_s: float, limit: float, reset_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+        self.limit = limit
+        self.reset_s = reset_s
 
 
 class InputTooLarge(BatchserveError):

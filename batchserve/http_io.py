@@ -23,14 +23,18 @@ from .errors import (
     NotFound,
     NotReady,
     Overloaded,
+    RateLimited,
+    Unauthenticated,
 )
 from .item import Result
 
 STATUS: dict[type[BatchserveError], tuple[int, str]] = {
     InvalidInput: (400, "INVALID_INPUT"),
+    Unauthenticated: (401, "UNAUTHENTICATED"),
     NotFound: (404, "NOT_FOUND"),
     DuplicateRequestId: (409, "DUPLICATE_REQUEST_ID"),
     InputTooLarge: (413, "INPUT_TOO_LARGE"),
+    RateLimited: (429, "RATE_LIMITED"),
     BackendError: (500, "BACKEND_ERROR"),
     Overloaded: (503, "OVERLOADED"),
     NotReady: (503, "NOT_READY"),
@@ -125,9 +129,15 @@ def json_response(status: int, body: dict[str, Any]) -> web.Response:
 def error_response(error: BatchserveError, request_id: str) -> web.Response:
     body = error_body(error, request_id)
     headers = {"X-Request-Id": request_id}
-    if isinstance(error, Overloaded):
+    if isinstance(error, Overloaded | RateLimited):
         body["retry_after_ms"] = max(1, round(error.retry_after_s * 1e3))
         headers["Retry-After"] = str(max(1, math.ceil(error.retry_after_s)))
+    if isinstance(error, RateLimited):
+        headers["RateLimit-Limit"] = f"{error.limit:g}"
+        headers["RateLimit-Remaining"] = "0"
+        headers["RateLimit-Reset"] = str(max(1, math.ceil(error.reset_s)))
+    if isinstance(error, Unauthenticated):
+        headers["WWW-Authenticate"] = "Bearer"
     response = json_response(STATUS[type(error)][0], body)
     response.headers.update(headers)
     return response

@@ -38,7 +38,7 @@ TARGET_UTILIZATION = 0.7
 measured capacity: headroom for bursts, and for the batching policy to stagger devices."""
 NO_TIER = "none"
 """The tier label until API keys exist."""
-REJECTIONS = frozenset({"OVERLOADED", "NOT_READY"})
+REJECTIONS = frozenset({"OVERLOADED", "NOT_READY", "RATE_LIMITED"})
 WINDOW_S = 2.0
 
 
@@ -80,18 +80,19 @@ class Metrics:
         self.registry.register(self._state)
         self.recent = RecentWindow()
 
-    def ok(self, route: str, now: float, latency_s: float, result: Result) -> None:
-        child = (
-            self._ok if route == "inference" else self._requests.labels(route, "200", NO_TIER, "")
-        )
+    def ok(self, route: str, tier: str, now: float, latency_s: float, result: Result) -> None:
+        if route == "inference" and tier == NO_TIER:
+            child = self._ok
+        else:
+            child = self._requests.labels(route, "200", tier, "")
         child.inc()
         self._latency.observe(latency_s)
         self._queue_wait.observe(result.queue_s)
         self._compute.observe(result.compute_s)
         self.recent.add(now, latency_s, result)
 
-    def failed(self, route: str, status: int, code: str) -> None:
-        self._requests.labels(route, str(status), NO_TIER, code).inc()
+    def failed(self, route: str, tier: str, status: int, code: str) -> None:
+        self._requests.labels(route, str(status), tier, code).inc()
         if code in REJECTIONS:
             self._rejections.labels(code).inc()
 

@@ -11,6 +11,7 @@ from collections import OrderedDict
 from typing import Any
 
 from .item import QueuedRequest
+from .tenants import Tenant
 
 
 class ResultStore:
@@ -20,6 +21,7 @@ class ResultStore:
         self._pending: dict[str, QueuedRequest] = {}
         self._finished: OrderedDict[str, tuple[float, dict[str, Any]]] = OrderedDict()
         """request id -> (finished at, answer), oldest first."""
+        self._owners: dict[str, Tenant | None] = {}
 
     def __repr__(self) -> str:
         return f"<ResultStore pending={len(self._pending)} finished={len(self._finished)}>"
@@ -31,18 +33,24 @@ class ResultStore:
         """Drops what has expired, then the oldest finished if full; False if still full."""
         self._expire(now)
         if len(self._pending) + len(self._finished) >= self._capacity and self._finished:
-            self._finished.popitem(last=False)
+            self._owners.pop(self._finished.popitem(last=False)[0], None)
         return len(self._pending) + len(self._finished) < self._capacity
 
-    def add(self, request: QueuedRequest) -> None:
+    def add(self, request: QueuedRequest, owner: Tenant | None = None) -> None:
         self._pending[request.request_id] = request
+        self._owners[request.request_id] = owner
 
     def finish(self, request_id: str, answer: dict[str, Any], now: float) -> None:
         del self._pending[request_id]
         self._finished[request_id] = (now, answer)
 
-    def get(self, request_id: str, now: float) -> dict[str, Any] | None:
+    def get(
+        self, request_id: str, now: float, owner: Tenant | None = None
+    ) -> dict[str, Any] | None:
+        """The request's state or answer; None if unknown, expired, or another tenant's."""
         self._expire(now)
+        if request_id in self._owners and self._owners[request_id] != owner:
+            return None
         if (request := self._pending.get(request_id)) is not None:
             return {"request_id": request_id, "status": "running" if request.running else "queued"}
         if (finished := self._finished.get(request_id)) is not None:
@@ -55,3 +63,4 @@ class ResultStore:
             if finished_at + self._ttl_s > now:
                 return
             del self._finished[request_id]
+            del self._owners[request_id]

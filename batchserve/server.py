@@ -12,7 +12,7 @@ import enum
 import logging
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import orjson
 from aiohttp import web
@@ -21,7 +21,15 @@ from .backends import DeviceFactory
 from .batcher import Batcher
 from .config import Config
 from .dashboard import Dashboard
-from .errors import BatchserveError, DeadlineExceeded, DuplicateRequestId, InvalidInput, NotReady
+from .errors import (
+    BatchserveError,
+    DeadlineExceeded,
+    DuplicateRequestId,
+    InvalidInput,
+    NotReady,
+    RateLimited,
+    Unauthenticated,
+)
 from .faults import BatchBudget, RetryBudget
 from .gpu_pool import GpuPool
 from .http_io import (
@@ -33,14 +41,21 @@ from .http_io import (
     request_id_of,
 )
 from .item import QueuedRequest, Result
-from .metrics import Metrics
+from .metrics import NO_TIER, Metrics
 from .policy import make_policy
 from .status_api import StatusApi
+from .tenants import KeyRing, Tenant
 
 log = logging.getLogger(__name__)
 access_log = logging.getLogger("batchserve.access")
 
 SERVER_KEY: web.AppKey[Server] = web.AppKey("batchserve_server")
+
+
+class Admitted(NamedTuple):
+    text: str
+    timeout_s: float
+    tenant: Tenant | None
 
 
 class Phase(enum.Enum):
@@ -71,6 +86,9 @@ class Server:
         self.pool.listener = self.batcher
         self.metrics = (
             Metrics(self.batcher, self.pool, slo_s=config.slo_ms / 1e3) if config.metrics else None
+        )
+        self.keys = (
+            KeyRing.load(config.keys_file, config.anonymous_tier) if config.keys_file else None
         )
         self._drained: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -125,16 +143,20 @@ class Server:
         assert loop is not None, "requests arrive only after lifespan started"
         arrival = loop.time()
         request_id, problem = request_id_of(request)
+        tenant = None
         try:
-            text, timeout_s = await self.admit(request, problem)
+            admitted = await self.admit(request, problem)
+            tenant = admitted.tenant
             if request_id in self.pending:
                 raise DuplicateRequestId(f"request id {request_id} is already in flight")
-            result = await self._run(loop, request_id, text, arrival, arrival + timeout_s)
+            result = await self._run(
+                loop, request_id, admitted.text, arrival, arrival + admitted.timeout_s
+            )
         except BatchserveError as error:
-            self.record("inference", request_id, arrival, error)
+            self.record("inference", request_id, arrival, error, tenant)
             return error_response(error, request_id)
         now = loop.time()
-        self.record("inference", request_id, arrival, result, now)
+        self.record("inference", request_id, arrival, result, tenant, now)
         response = json_response(200, answer_body(request_id, result, now - arrival))
         response.headers["Server-Timing"] = (
             f"queue;dur={result.queue_s * 1e3:.3f}, compute;dur={result.compute_s * 1e3:.3f}"
@@ -142,15 +164,44 @@ class Server:
         response.headers["X-Request-Id"] = request_id
         return response
 
-    async def admit(self, request: web.Request, problem: InvalidInput | None) -> tuple[str, float]:
-        """Checks that the server can take the request; returns its input and timeout (s)."""
+    async def admit(self, request: web.Request, problem: InvalidInput | None) -> Admitted:
+        """Checks who calls, their rate, and that the server can take the request."""
         if problem is not None:
             raise problem
+        tenant = self.authenticate(request)
+        if tenant is not None:
+            assert self.keys is not None
+            wait_s, bucket = self.keys.take(tenant, self.loop.time())
+            if wait_s:
+                raise RateLimited(
+                    f"tenant {tenant.name} is over the {tenant.tier} tier's rate of"
+                    f" {bucket.rate:g} requests a second",
+                    retry_after_s=wait_s,
+                    limit=bucket.burst,
+                    reset_s=bucket.seconds_to_full(),
+                )
         if self.phase is not Phase.READY:
             raise NotReady(f"the server is {self.phase.value}")
         if not self.pool.healthy:
             raise NotReady("no device is healthy; see /readyz")
-        return await read_input(request, self.config)
+        text, timeout_s = await read_input(request, self.config)
+        if tenant is not None:
+            assert self.keys is not None
+            tier_timeout_ms = self.keys.limits[tenant.tier].timeout_ms
+            if tier_timeout_ms is not None:
+                timeout_s = min(timeout_s, tier_timeout_ms / 1e3)
+        return Admitted(text, timeout_s, tenant)
+
+    def authenticate(self, request: web.Request) -> Tenant | None:
+        """The caller's tenant; None when the server runs open (no --keys-file)."""
+        if self.keys is None:
+            return None
+        tenant = self.keys.authenticate(request.headers.get("Authorization"))
+        if tenant is None:
+            raise Unauthenticated(
+                "send Authorization: Bearer <API key>; this one is missing or unknown"
+            )
+        return tenant
 
     def record(
         self,
@@ -158,22 +209,24 @@ class Server:
         request_id: str,
         arrival: float,
         outcome: Result | BatchserveError,
+        tenant: Tenant | None,
         now: float | None = None,
     ) -> None:
         """Counts an answer in the metrics and, when asked for, writes its access-log line."""
         if now is None:
-            assert self._loop is not None
-            now = self._loop.time()
+            now = self.loop.time()
+        tier = NO_TIER if tenant is None else tenant.tier
         if isinstance(outcome, Result):
             status, code = 200, None
             if self.metrics is not None:
-                self.metrics.ok(route, now, now - arrival, outcome)
+                self.metrics.ok(route, tier, now, now - arrival, outcome)
         else:
             status, code = STATUS[type(outcome)]
             if self.metrics is not None:
-                self.metrics.failed(route, status, code)
+                self.metrics.failed(route, tier, status, code)
         if self.config.access_log:
-            access_log.info(_access_line(route, request_id, status, code, now - arrival, outcome))
+            line = _access_line(route, request_id, tenant, status, code, now - arrival, outcome)
+            access_log.info(line)
 
     def submit(
         self,
@@ -246,6 +299,7 @@ def _expire(future: asyncio.Future[Result]) -> None:
 def _access_line(
     route: str,
     request_id: str,
+    tenant: Tenant | None,
     status: int,
     code: str | None,
     latency_s: float,
@@ -256,7 +310,7 @@ def _access_line(
         "ts": round(time.time(), 3),
         "route": route,
         "request_id": request_id,
-        "tenant": None,
+        "tenant": None if tenant is None else tenant.name,
         "status": status,
         "error": code,
         "latency_ms": round(latency_s * 1e3, 3),

@@ -29,6 +29,7 @@ from .results import ResultStore
 
 if TYPE_CHECKING:
     from .server import Server
+    from .tenants import Tenant
 
 
 class StatusApi:
@@ -43,21 +44,25 @@ class StatusApi:
         loop = server.loop
         arrival = loop.time()
         request_id, problem = request_id_of(request)
+        tenant = None
         try:
-            text, timeout_s = await server.admit(request, problem)
+            admitted = await server.admit(request, problem)
+            tenant = admitted.tenant
             if request_id in server.pending or request_id in self.store:
                 raise DuplicateRequestId(
                     f"request id {request_id} is in use until its result expires"
                 )
             if not self.store.make_room(arrival):
                 raise Overloaded("the status store is full of unfinished requests", 1.0)
-            queued, expiry = server.submit(loop, request_id, text, arrival, arrival + timeout_s)
+            queued, expiry = server.submit(
+                loop, request_id, admitted.text, arrival, arrival + admitted.timeout_s
+            )
         except BatchserveError as error:
-            server.record("requests", request_id, arrival, error)
+            server.record("requests", request_id, arrival, error, tenant)
             return error_response(error, request_id)
-        self.store.add(queued)
+        self.store.add(queued, tenant)
         queued.future.add_done_callback(
-            functools.partial(self._finished, request_id, arrival, expiry)
+            functools.partial(self._finished, request_id, tenant, arrival, expiry)
         )
         response = json_response(202, {"request_id": request_id, "status": "queued"})
         response.headers["Location"] = f"/api/requests/{quote(request_id, safe='')}"
@@ -65,18 +70,24 @@ class StatusApi:
         return response
 
     async def poll(self, request: web.Request) -> web.Response:
+        """A tenant sees only its own requests; another's look the same as unknown ones."""
         request_id = request.match_info["request_id"]
         if len(request_id) > MAX_REQUEST_ID or not request_id.isprintable():
             return error_response(NotFound("no such request"), request_id_of(request)[0])
-        answer = self.store.get(request_id, self._server.loop.time())
+        try:
+            tenant = self._server.authenticate(request)
+        except BatchserveError as refused:
+            return error_response(refused, request_id)
+        answer = self.store.get(request_id, self._server.loop.time(), tenant)
         if answer is None:
-            error = NotFound(f"no request {request_id}: never submitted, or its result expired")
-            return error_response(error, request_id)
+            missing = NotFound(f"no request {request_id}: never submitted, or its result expired")
+            return error_response(missing, request_id)
         return json_response(200, answer)
 
     def _finished(
         self,
         request_id: str,
+        tenant: Tenant | None,
         arrival: float,
         expiry: asyncio.TimerHandle,
         future: asyncio.Future[Result],
@@ -88,7 +99,7 @@ class StatusApi:
         if future.cancelled() or (error is not None and not isinstance(error, BatchserveError)):
             error = BackendError(f"the request ended unexpectedly: {error!r}")
         if isinstance(error, BatchserveError):
-            server.record("requests", request_id, arrival, error, now)
+            server.record("requests", request_id, arrival, error, tenant, now)
             answer = {
                 "request_id": request_id,
                 "status": "failed",
@@ -96,6 +107,6 @@ class StatusApi:
             }
         else:
             result = future.result()
-            server.record("requests", request_id, arrival, result, now)
+            server.record("requests", request_id, arrival, result, tenant, now)
             answer = {"status": "completed", **answer_body(request_id, result, now - arrival)}
         self.store.finish(request_id, answer, now)

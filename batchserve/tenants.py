@@ -1,0 +1,134 @@
+"""Who is calling, and how fast they may: API keys, tenants, tiers and token buckets.
+
+`--keys-file` is TOML:
+
+    [keys."sk-ent-123"]
+    tenant = "acme"
+    tier = "enterprise"          # free | paid | enterprise
+
+    [tiers.free]                 # optional; these override the defaults below
+    rate = 5.0                   # requests a second, sustained
+    burst = 10.0                 # requests at once
+    timeout_ms = 2000            # the tier's deadline (capped by --timeout-ms)
+
+Keys are looked up by their SHA-256 digest and then compared with `hmac.compare_digest`, so
+the time taken does not depend on how much of a key matches; they are never logged or echoed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import math
+import tomllib
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from .errors import StartupError
+
+TIERS = ("free", "paid", "enterprise")
+
+
+@dataclass(frozen=True, slots=True)
+class TierLimits:
+    rate: float
+    burst: float
+    timeout_ms: float | None = None
+
+
+DEFAULT_LIMITS = {
+    "free": TierLimits(rate=5.0, burst=10.0),
+    "paid": TierLimits(rate=50.0, burst=100.0),
+    "enterprise": TierLimits(rate=500.0, burst=1000.0),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Tenant:
+    name: str
+    tier: str
+
+
+ANONYMOUS = "anonymous"
+
+
+@dataclass(slots=True)
+class TokenBucket:
+    """`rate` tokens a second up to `burst`; time is passed in."""
+
+    rate: float
+    burst: float
+    tokens: float
+    updated: float
+
+    def take(self, now: float) -> float:
+        """Takes one token; returns 0, or the seconds until one will be there."""
+        self.tokens = min(self.burst, self.tokens + (now - self.updated) * self.rate)
+        self.updated = now
+        if self.tokens >= 1:
+            self.tokens -= 1
+            return 0.0
+        return (1 - self.tokens) / self.rate if self.rate > 0 else math.inf
+
+    def seconds_to_full(self) -> float:
+        return (self.burst - self.tokens) / self.rate if self.rate > 0 else math.inf
+
+
+@dataclass
+class KeyRing:
+    tenants_by_digest: dict[bytes, tuple[bytes, Tenant]]
+    limits: dict[str, TierLimits]
+    anonymous: Tenant | None = None
+    _buckets: dict[str, TokenBucket] = field(default_factory=dict)
+
+    @classmethod
+    def load(cls, path: str, anonymous_tier: str | None) -> KeyRing:
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise StartupError(f"--keys-file {path}: {exc}") from None
+        limits = dict(DEFAULT_LIMITS)
+        for tier, settings in data.get("tiers", {}).items():
+            if tier not in TIERS:
+                raise StartupError(f"--keys-file {path}: unknown tier {tier!r} in [tiers]")
+            try:
+                limits[tier] = replace(limits[tier], **settings)
+            except TypeError:
+                raise StartupError(
+                    f"--keys-file {path}: [tiers.{tier}] takes rate, burst and timeout_ms"
+                ) from None
+        tenants: dict[bytes, tuple[bytes, Tenant]] = {}
+        for number, (key, entry) in enumerate(data.get("keys", {}).items(), start=1):
+            tier = entry.get("tier")
+            if not isinstance(entry.get("tenant"), str) or tier not in TIERS:
+                # The key itself is never printed: the message names its position.
+                raise StartupError(
+                    f"--keys-file {path}: key number {number} needs a string tenant and a tier"
+                    f" of {', '.join(TIERS)}"
+                )
+            secret = key.encode()
+            tenants[hashlib.sha256(secret).digest()] = (secret, Tenant(entry["tenant"], tier))
+        if anonymous_tier is not None and anonymous_tier not in TIERS:
+            raise StartupError(f"--anonymous-tier must be one of {', '.join(TIERS)}")
+        anonymous = Tenant(ANONYMOUS, anonymous_tier) if anonymous_tier else None
+        return cls(tenants, limits, anonymous)
+
+    def authenticate(self, authorization: str | None) -> Tenant | None:
+        """The tenant behind `Authorization: Bearer <key>`, the anonymous one, or None."""
+        scheme, _, key = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not key:
+            return self.anonymous
+        secret = key.strip().encode()
+        found = self.tenants_by_digest.get(hashlib.sha256(secret).digest())
+        if found is None or not hmac.compare_digest(found[0], secret):
+            return self.anonymous
+        return found[1]
+
+    def take(self, tenant: Tenant, now: float) -> tuple[float, TokenBucket]:
+        """Spends one of the tenant's tokens: (0 or seconds to wait, the tenant's bucket)."""
+        bucket = self._buckets.get(tenant.name)
+        if bucket is None:
+            limits = self.limits[tenant.tier]
+            bucket = TokenBucket(limits.rate, limits.burst, limits.burst, now)
+            self._buckets[tenant.name] = bucket
+        return bucket.take(now), bucket

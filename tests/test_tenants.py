@@ -1,0 +1,160 @@
+"""API keys, tiers and rate limits: the key ring and buckets with time passed in, then HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from batchserve.backends import simulated_factory
+from batchserve.errors import StartupError
+from batchserve.tenants import KeyRing, Tenant, TokenBucket
+
+KEYS = """
+[keys."sk-ent-123"]
+tenant = "acme"
+tier = "enterprise"
+
+[keys."sk-free-1"]
+tenant = "hobby"
+tier = "free"
+
+[keys."sk-free-2"]
+tenant = "tinker"
+tier = "free"
+
+[tiers.free]
+rate = 0.001
+burst = 2
+timeout_ms = 1500
+"""
+
+
+@pytest.fixture
+def keys_file(tmp_path: Path) -> str:
+    path = tmp_path / "keys.toml"
+    path.write_text(KEYS)
+    return str(path)
+
+
+def test_keys_map_to_tenants_and_tiers_and_unknown_keys_to_nobody(keys_file):
+    ring = KeyRing.load(keys_file, anonymous_tier=None)
+    assert ring.authenticate("Bearer sk-ent-123") == Tenant("acme", "enterprise")
+    assert ring.authenticate("bearer sk-free-1") == Tenant("hobby", "free")
+    for header in (None, "", "Bearer", "Bearer sk-ent-12", "Bearer sk-ent-1234", "Basic x"):
+        assert ring.authenticate(header) is None
+    anonymous = KeyRing.load(keys_file, anonymous_tier="free")
+    assert anonymous.authenticate("Bearer wrong") == Tenant("anonymous", "free")
+    assert anonymous.limits["free"].rate == 0.001  # the file overrides the defaults
+    assert anonymous.limits["paid"].rate == 50.0
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('[keys."sk-secret"]\ntenant = "a"\ntier = "gold"\n', "key number 1 needs"),
+        ("[tiers.gold]\nrate = 1\n", "unknown tier 'gold'"),
+        ("[tiers.free]\nspeed = 1\n", "takes rate, burst and timeout_ms"),
+        ("not toml [", "--keys-file"),
+    ],
+)
+def test_bad_keys_files_stop_start_up_without_printing_a_key(tmp_path, text, message):
+    path = tmp_path / "keys.toml"
+    path.write_text(text)
+    with pytest.raises(StartupError, match="keys-file") as raised:
+        KeyRing.load(str(path), anonymous_tier=None)
+    assert message in str(raised.value)
+    assert "sk-secret" not in str(raised.value)
+
+
+def test_token_bucket_refills_at_its_rate_up_to_its_burst():
+    bucket = TokenBucket(rate=2.0, burst=3.0, tokens=3.0, updated=0.0)
+    assert [bucket.take(0.0) for _ in range(3)] == [0.0, 0.0, 0.0]
+    assert bucket.take(0.0) == pytest.approx(0.5)  # one token takes half a second
+    assert bucket.take(0.5) == 0.0
+    assert bucket.take(100.0) == 0.0  # a long pause refills only up to the burst
+    assert bucket.tokens == pytest.approx(2.0)
+    assert bucket.seconds_to_full() == pytest.approx(0.5)
+
+
+async def test_requests_need_a_known_key_and_get_answered_as_their_tenant(
+    start_server, keys_file, caplog
+):
+    caplog.set_level("INFO", logger="batchserve.access")
+    client, _ = await start_server(simulated_factory(0.0, 100), keys_file=keys_file,
+                                   access_log=True)  # fmt: skip
+    missing = await client.post("/api/inference", json={"input": "x"})
+    assert missing.status == 401
+    assert (await missing.json())["error"] == "UNAUTHENTICATED"
+    assert missing.headers["WWW-Authenticate"] == "Bearer"
+    wrong = await client.post(
+        "/api/inference", json={"input": "x"}, headers={"Authorization": "Bearer sk-nope"}
+    )
+    assert wrong.status == 401
+    ok = await client.post(
+        "/api/inference", json={"input": "abc"}, headers={"Authorization": "Bearer sk-ent-123"}
+    )
+    assert (ok.status, (await ok.json())["output"]) == (200, "cba")
+    assert '"tenant":"acme"' in caplog.text
+    assert "sk-" not in caplog.text  # keys are never logged
+    metrics = await (await client.get("/metrics")).text()
+    assert 'code="200",error="",route="inference",tier="enterprise"' in metrics
+
+
+async def test_a_tenant_over_its_rate_gets_429_with_rate_limit_headers(start_server, keys_file):
+    client, _ = await start_server(simulated_factory(0.0, 100), keys_file=keys_file)
+    hobby = {"Authorization": "Bearer sk-free-1"}
+    statuses = [
+        (await client.post("/api/inference", json={"input": "x"}, headers=hobby)).status
+        for _ in range(2)
+    ]
+    assert statuses == [200, 200]  # the burst
+    limited = await client.post("/api/inference", json={"input": "x"}, headers=hobby)
+    assert limited.status == 429
+    body = await limited.json()
+    assert body["error"] == "RATE_LIMITED"
+    assert body["retry_after_ms"] > 0
+    assert int(limited.headers["Retry-After"]) >= 1
+    assert limited.headers["RateLimit-Limit"] == "2"
+    assert limited.headers["RateLimit-Remaining"] == "0"
+    assert int(limited.headers["RateLimit-Reset"]) >= 1
+    other = await client.post(
+        "/api/inference", json={"input": "x"}, headers={"Authorization": "Bearer sk-free-2"}
+    )
+    assert other.status == 200  # each tenant has its own bucket
+
+
+async def test_the_anonymous_tier_serves_requests_without_a_key(start_server, keys_file):
+    client, _ = await start_server(
+        simulated_factory(0.0, 100), keys_file=keys_file, anonymous_tier="free"
+    )
+    assert (await client.post("/api/inference", json={"input": "x"})).status == 200
+
+
+async def test_a_tier_deadline_caps_the_request_timeout(start_server, keys_file, gated):
+    client, _ = await start_server(gated, keys_file=keys_file)
+    answer = await client.post(
+        "/api/inference", json={"input": "x"}, headers={"Authorization": "Bearer sk-free-1"}
+    )
+    assert answer.status == 504  # free's 1,500 ms deadline, though the server allows 5,000
+    gated.gate.set()
+
+
+async def test_a_tenant_reads_only_its_own_submitted_requests(start_server, keys_file):
+    client, _ = await start_server(simulated_factory(0.0, 100), keys_file=keys_file)
+    acme = {"Authorization": "Bearer sk-ent-123"}
+    submitted = await client.post("/api/requests", json={"input": "mine"}, headers=acme)
+    request_id = (await submitted.json())["request_id"]
+    for _ in range(10_000):
+        own = await client.get(f"/api/requests/{request_id}", headers=acme)
+        if (await own.json())["status"] == "completed":
+            break
+        await asyncio.sleep(0)
+    else:
+        raise AssertionError("never completed")
+    other = await client.get(
+        f"/api/requests/{request_id}", headers={"Authorization": "Bearer sk-free-2"}
+    )
+    assert other.status == 404
+    assert (await client.get(f"/api/requests/{request_id}")).status == 401
