@@ -11,11 +11,12 @@ from __future__ import annotations
 import asyncio
 import itertools
 import math
-from collections import Counter, OrderedDict, deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from .errors import BackendError, BatchserveError, DeadlineExceeded, NotReady, Overloaded
+from .fair_queue import FairQueue, predicted_wait_s
 from .faults import BatchFailure, RetryBudget, plan_recovery
 from .gpu_pool import GpuPool
 from .item import QueuedRequest
@@ -44,6 +45,7 @@ class Batcher:
         max_queue: int,
         bisect_failures: bool,
         retry_budget: RetryBudget,
+        shed: bool = False,
     ):
         self._policy = policy
         self._pool = pool
@@ -51,7 +53,8 @@ class Batcher:
         self._max_queue = max_queue
         self._bisect = bisect_failures
         self._retry_budget = retry_budget
-        self._queue: OrderedDict[str, QueuedRequest] = OrderedDict()
+        self._queue = FairQueue()
+        self._shed = shed
         self._retries: deque[list[QueuedRequest]] = deque()
         self.recoveries: Counter[str] = Counter()
         """Requests sent round again by kind of failure, and those answered 500."""
@@ -96,7 +99,9 @@ class Batcher:
                 f"the queue holds its limit of {self._max_queue} requests",
                 retry_after_s=self._drain_time_s(),
             )
-        self._queue[request.request_id] = request
+        if self._shed:
+            self._refuse_if_late(request)
+        self._queue.push(request)
         self._arrival_rate.add(request.arrival, 1)
         if self._pool.free_count:
             self._wakeup.set()
@@ -105,11 +110,11 @@ class Batcher:
     def discard(self, request_id: str) -> None:
         """Forgets a request its handler is done with; it may have been answered while queued
         (timeout, disconnect), and then leaves the queue before any batch is formed."""
-        self._queue.pop(request_id, None)
+        self._queue.discard(request_id)
         self._changed()
 
     def fail_queued(self, error: BatchserveError) -> None:
-        for request in itertools.chain(self._queue.values(), *self._retries):
+        for request in itertools.chain(self._queue, *self._retries):
             if not request.future.done():
                 request.future.set_exception(error)
         self._queue.clear()
@@ -175,6 +180,21 @@ class Batcher:
             if not watcher[1].done():
                 watcher[1].set_result(None)
 
+    def _refuse_if_late(self, request: QueuedRequest) -> None:
+        """Sheds a request predicted to miss its deadline: the lowest tiers first, since
+        every higher tier's requests are ahead of theirs."""
+        ahead = self._queue.ahead_of(request.tenant, request.tier_rank) + sum(
+            map(len, self._retries)
+        )
+        capacity = self.capacity_rps()
+        wait_s = predicted_wait_s(ahead, capacity, self._pool.typical_call_s)
+        if wait_s > request.deadline - request.arrival:
+            assert capacity
+            raise Overloaded(
+                f"predicted to wait {wait_s:.2f} s behind {ahead} requests, past its deadline",
+                retry_after_s=ahead / capacity,
+            )
+
     def arrival_rps(self, now: float) -> float:
         return self._arrival_rate.at(now)
 
@@ -231,7 +251,7 @@ class Batcher:
         free = self._pool.free_count
         if not self._queue or not free:
             return self._policy.decide(now, QueueView(len(self._queue)), free, [])
-        head = list(itertools.islice(self._queue.values(), self._max_batch_size))
+        head = self._queue.head(self._max_batch_size)
         view = QueueView(
             size=len(self._queue),
             oldest_arrival=head[0].arrival,
@@ -240,13 +260,8 @@ class Batcher:
         return self._policy.decide(now, view, free, self._pool.busy_since)
 
     def _take(self, count: int, now: float) -> list[QueuedRequest]:
-        """The oldest `count` requests still waiting; expired ones are answered 504 instead."""
-        batch: list[QueuedRequest] = []
-        while self._queue and len(batch) < count:
-            _, request = self._queue.popitem(last=False)
-            if _waiting(request, now):
-                batch.append(request)
-        return batch
+        """`count` requests in batch order; expired ones are answered 504 instead."""
+        return [request for request in self._queue.take(count, now) if _waiting(request, now)]
 
     def _live(self, group: list[QueuedRequest], now: float) -> list[QueuedRequest]:
         return [request for request in group if _waiting(request, now)]

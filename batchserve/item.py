@@ -30,6 +30,9 @@ class QueuedRequest:
     arrival: float
     deadline: float
     future: asyncio.Future[Result]
+    tenant: str = ""
+    tier_rank: int = 0
+    """Batch order: see fair_queue.py. Without API keys, one tenant at the top rank."""
     malformed_retried: bool = False
     hang_retried: bool = False
     running: bool = False

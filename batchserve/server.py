@@ -30,6 +30,7 @@ from .errors import (
     RateLimited,
     Unauthenticated,
 )
+from .fair_queue import TIER_RANKS
 from .faults import BatchBudget, RetryBudget
 from .gpu_pool import GpuPool
 from .http_io import (
@@ -77,6 +78,7 @@ class Server:
             max_batch_size=config.max_batch_size,
             max_queue=config.max_queue,
             bisect_failures=config.bisect_failures,
+            shed=config.keys_file is not None,
             retry_budget=RetryBudget(
                 ratio=config.retry_budget,
                 reserve=config.retry_reserve,
@@ -150,7 +152,7 @@ class Server:
             if request_id in self.pending:
                 raise DuplicateRequestId(f"request id {request_id} is already in flight")
             result = await self._run(
-                loop, request_id, admitted.text, arrival, arrival + admitted.timeout_s
+                loop, request_id, admitted.text, arrival, arrival + admitted.timeout_s, tenant
             )
         except BatchserveError as error:
             self.record("inference", request_id, arrival, error, tenant)
@@ -235,11 +237,14 @@ class Server:
         text: str,
         arrival: float,
         deadline: float,
+        tenant: Tenant | None,
     ) -> tuple[QueuedRequest, asyncio.TimerHandle]:
         """Queues a request under the pending dict and arms its deadline; the caller must
         call `release` once its future is done."""
         future: asyncio.Future[Result] = loop.create_future()
         queued = QueuedRequest(request_id, text, arrival, deadline, future)
+        if tenant is not None:
+            queued.tenant, queued.tier_rank = tenant.name, TIER_RANKS[tenant.tier]
         self.batcher.submit(queued)
         self.pending[request_id] = future
         # One timer that fails the future, rather than asyncio.timeout_at: the hot path then
@@ -258,8 +263,9 @@ class Server:
         text: str,
         arrival: float,
         deadline: float,
+        tenant: Tenant | None,
     ) -> Result:
-        queued, expiry = self.submit(loop, request_id, text, arrival, deadline)
+        queued, expiry = self.submit(loop, request_id, text, arrival, deadline, tenant)
         try:
             return await queued.future
         finally:

@@ -55,7 +55,7 @@ class StatusApi:
             if not self.store.make_room(arrival):
                 raise Overloaded("the status store is full of unfinished requests", 1.0)
             queued, expiry = server.submit(
-                loop, request_id, admitted.text, arrival, arrival + admitted.timeout_s
+                loop, request_id, admitted.text, arrival, arrival + admitted.timeout_s, tenant
             )
         except BatchserveError as error:
             server.record("requests", request_id, arrival, error, tenant)

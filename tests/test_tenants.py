@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -158,3 +160,75 @@ async def test_a_tenant_reads_only_its_own_submitted_requests(start_server, keys
     )
     assert other.status == 404
     assert (await client.get(f"/api/requests/{request_id}")).status == 401
+
+
+def warm_then_gated(gate: threading.Event):
+    """Each device's first call takes 50 ms (so the call time is measured), later ones wait
+    for `gate`: the queue then builds up exactly as the test says."""
+
+    def load(device: str):
+        calls = 0
+
+        def run(inputs: list[str]) -> list[str]:
+            nonlocal calls
+            calls += 1
+            if calls == 1:
+                time.sleep(0.05)
+            else:
+                gate.wait()
+            return [text[::-1] for text in inputs]
+
+        return run
+
+    return load
+
+
+async def test_requests_predicted_to_miss_their_deadline_are_shed_lowest_tier_first(
+    start_server, tmp_path
+):
+    keys = tmp_path / "keys.toml"
+    keys.write_text(KEYS.replace("rate = 0.001\nburst = 2\ntimeout_ms = 1500", "timeout_ms = 300"))
+    gate = threading.Event()
+    client, server = await start_server(
+        warm_then_gated(gate), keys_file=str(keys), max_batch_size=1
+    )
+    acme = {"Authorization": "Bearer sk-ent-123"}
+    hobby = {"Authorization": "Bearer sk-free-1"}
+    try:
+        warm = await client.post("/api/inference", json={"input": "w"}, headers=acme)
+        assert warm.status == 200  # 50 ms measured: capacity 20 requests a second
+        queued = [
+            asyncio.ensure_future(
+                client.post("/api/inference", json={"input": f"q{n}"}, headers=acme)
+            )
+            for n in range(10)
+        ]
+        await server.batcher.wait_until(lambda s: s.queued == 9 and s.in_flight == 1)
+        shed = await client.post("/api/inference", json={"input": "late"}, headers=hobby)
+        assert shed.status == 503  # 9 enterprise requests queued: ~0.5 s against 300 ms
+        body = await shed.json()
+        assert body["error"] == "OVERLOADED"
+        assert "past its deadline" in body["message"]
+        call_s = server.pool.typical_call_s  # what is ahead, drained a request per call
+        assert body["retry_after_ms"] == max(1, round(9 * call_s * 1e3))  # 9 queued
+        kept = asyncio.ensure_future(
+            client.post("/api/inference", json={"input": "ent"}, headers=acme)
+        )
+        await server.batcher.wait_until(lambda s: s.queued == 10)  # enterprise: accepted
+    finally:
+        gate.set()
+    assert [(await task).status for task in [*queued, kept]] == [200] * 11
+
+
+async def test_capacity_follows_a_device_that_hangs(start_server, gated):
+    gated.gate.set()
+    client, server = await start_server(gated, devices=2, batch_timeout_ms=200)
+    await client.post("/api/inference", json={"input": "measure"})
+    full = server.batcher.capacity_rps()
+    assert full == 2 * 100 / server.pool.typical_call_s
+    gated.stuck = {"sim:0"}
+    await client.post("/api/inference", json={"input": "hangs sim:0, then runs on sim:1"})
+    assert server.pool.healthy == 1
+    assert server.batcher.capacity_rps() == 1 * 100 / server.pool.typical_call_s
+    metrics = await (await client.get("/metrics")).text()
+    assert f"batchserve_capacity_rps {server.batcher.capacity_rps()}" in metrics

@@ -1,0 +1,108 @@
+"""The waiting requests, in the order batches take them: by tier, fair between tenants.
+
+A batch is filled in two passes. First, any request that has waited `aging_s` or more, oldest
+first, whatever its tier: lower tiers are delayed, never starved. Then tier by tier
+(enterprise, paid, free), taking one request from each tenant in turn, so a tenant with
+10,000 queued requests cannot push another tenant's single request out of the next batch.
+Without API keys every request belongs to one tenant and this is plain first-in, first-out.
+Pure: no clock is read, `now` is passed in.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import OrderedDict, deque
+from collections.abc import Iterator
+
+from .item import QueuedRequest
+
+TIER_RANKS = {"enterprise": 0, "paid": 1, "free": 2}
+"""Lower goes first; requests without a tier rank with enterprise (the server is open)."""
+
+
+class FairQueue:
+    def __init__(self, aging_s: float = 1.0) -> None:
+        self.aging_s = aging_s
+        self._by_arrival: OrderedDict[str, QueuedRequest] = OrderedDict()
+        self._tenants: dict[str, OrderedDict[str, QueuedRequest]] = {}
+        self._turns: list[deque[str]] = [deque() for _ in range(len(TIER_RANKS))]
+        """Per tier rank, the tenants with requests waiting, in round-robin order."""
+        self._rank_of: dict[str, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._by_arrival)
+
+    def __iter__(self) -> Iterator[QueuedRequest]:
+        return iter(list(self._by_arrival.values()))
+
+    def __repr__(self) -> str:
+        return f"<FairQueue requests={len(self)} tenants={len(self._tenants)}>"
+
+    def push(self, request: QueuedRequest) -> None:
+        self._by_arrival[request.request_id] = request
+        waiting = self._tenants.get(request.tenant)
+        if waiting is None:
+            waiting = self._tenants[request.tenant] = OrderedDict()
+            self._rank_of[request.tenant] = request.tier_rank
+            self._turns[request.tier_rank].append(request.tenant)
+        waiting[request.request_id] = request
+
+    def discard(self, request_id: str) -> None:
+        request = self._by_arrival.pop(request_id, None)
+        if request is not None:
+            self._forget(request)
+
+    def clear(self) -> None:
+        self._by_arrival.clear()
+        self._tenants.clear()
+        self._rank_of.clear()
+        for turns in self._turns:
+            turns.clear()
+
+    def head(self, count: int) -> list[QueuedRequest]:
+        """The oldest `count` requests: what the policy judges urgency by."""
+        return list(itertools.islice(self._by_arrival.values(), count))
+
+    def take(self, count: int, now: float) -> list[QueuedRequest]:
+        """Up to `count` requests in batch order (see the module docstring)."""
+        batch: list[QueuedRequest] = []
+        for request in self.head(count):
+            if now - request.arrival < self.aging_s:
+                break
+            batch.append(request)
+        for request in batch:
+            self.discard(request.request_id)
+        for turns in self._turns:
+            while turns and len(batch) < count:
+                tenant = turns.popleft()
+                waiting = self._tenants[tenant]
+                _, request = waiting.popitem(last=False)
+                del self._by_arrival[request.request_id]
+                batch.append(request)
+                if waiting:
+                    turns.append(tenant)
+                else:
+                    del self._tenants[tenant], self._rank_of[tenant]
+        return batch
+
+    def ahead_of(self, tenant: str, tier_rank: int) -> int:
+        """How many queued requests a new one from `tenant` would wait behind: every higher
+        tier's, and in its own tier one per turn of each tenant until its own comes."""
+        ahead = sum(len(self._tenants[t]) for rank in range(tier_rank) for t in self._turns[rank])
+        own = len(self._tenants.get(tenant, ()))
+        return ahead + sum(min(len(self._tenants[t]), own + 1) for t in self._turns[tier_rank])
+
+    def _forget(self, request: QueuedRequest) -> None:
+        waiting = self._tenants[request.tenant]
+        del waiting[request.request_id]
+        if not waiting:
+            del self._tenants[request.tenant]
+            self._turns[self._rank_of.pop(request.tenant)].remove(request.tenant)
+
+
+def predicted_wait_s(ahead: int, capacity_rps: float | None, call_s: float | None) -> float:
+    """Time until a request with `ahead` requests before it has its answer; 0 if unknown."""
+    if not capacity_rps or call_s is None:
+        return 0.0
+    return ahead / capacity_rps + call_s if capacity_rps > 0 else math.inf

@@ -1,0 +1,80 @@
+"""Batch order by tier and fairness between tenants, with time passed in."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from batchserve.fair_queue import TIER_RANKS, FairQueue, predicted_wait_s
+from batchserve.item import QueuedRequest
+
+
+def request(name: str, tenant: str, tier: str, arrival: float = 0.0) -> QueuedRequest:
+    queued = QueuedRequest(name, name, arrival, arrival + 5.0, future=None)  # type: ignore[arg-type]
+    queued.tenant, queued.tier_rank = tenant, TIER_RANKS[tier]
+    return queued
+
+
+def names(batch: list[QueuedRequest]) -> list[str]:
+    return [r.request_id for r in batch]
+
+
+def test_higher_tiers_first_and_tenants_take_turns_within_a_tier():
+    queue = FairQueue()
+    for r in [
+        request("a1", "a", "free"), request("a2", "a", "free"), request("a3", "a", "free"),
+        request("b1", "b", "paid"), request("b2", "b", "paid"),
+        request("c1", "c", "enterprise"),
+        request("d1", "d", "free"),
+        request("e1", "e", "enterprise"), request("e2", "e", "enterprise"),
+    ]:  # fmt: skip
+        queue.push(r)
+    assert names(queue.take(5, now=0.0)) == ["c1", "e1", "e2", "b1", "b2"]
+    assert names(queue.take(10, now=0.0)) == ["a1", "d1", "a2", "a3"]
+    assert len(queue) == 0
+
+
+@given(
+    flood=st.integers(1, 3000), batch=st.integers(2, 100), tier=st.sampled_from(list(TIER_RANKS))
+)
+def test_a_flooding_tenant_never_pushes_another_tenant_out_of_the_next_batch(flood, batch, tier):
+    queue = FairQueue()
+    for n in range(flood):
+        queue.push(request(f"f{n}", "flooder", tier))
+    queue.push(request("quiet", "quiet", tier))
+    assert "quiet" in names(queue.take(batch, now=0.0))
+
+
+def test_lower_tiers_age_upward_and_are_never_starved():
+    queue = FairQueue(aging_s=1.0)
+    queue.push(request("old-free", "f", "free", arrival=0.0))
+    for n in range(200):
+        queue.push(request(f"ent{n}", "e", "enterprise", arrival=1.0))
+    assert "old-free" not in names(queue.take(10, now=0.5))  # not waited long enough yet
+    assert names(queue.take(10, now=1.2))[0] == "old-free"
+
+
+def test_discard_removes_a_request_and_a_tenant_with_nothing_left():
+    queue = FairQueue()
+    queue.push(request("x", "t", "paid"))
+    queue.push(request("y", "u", "paid"))
+    queue.discard("x")
+    queue.discard("missing")
+    assert names(queue.take(10, now=0.0)) == ["y"]
+    assert queue.ahead_of("t", TIER_RANKS["paid"]) == 0
+
+
+def test_what_is_ahead_of_a_new_request_decides_who_is_shed_first():
+    queue = FairQueue()
+    for n in range(50):
+        queue.push(request(f"f{n}", "flooder", "free"))
+    for n in range(10):
+        queue.push(request(f"p{n}", "payer", "paid"))
+    queue.push(request("e0", "ent", "enterprise"))
+    assert queue.ahead_of("ent", TIER_RANKS["enterprise"]) == 1
+    assert queue.ahead_of("newcomer", TIER_RANKS["paid"]) == 1 + 1  # one turn of the payer
+    assert queue.ahead_of("quiet", TIER_RANKS["free"]) == 1 + 10 + 1
+    assert queue.ahead_of("flooder", TIER_RANKS["free"]) == 1 + 10 + 50
+    assert predicted_wait_s(61, capacity_rps=100.0, call_s=0.1) == pytest.approx(0.71)
+    assert predicted_wait_s(61, capacity_rps=None, call_s=None) == 0.0  # nothing measured
