@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .errors import BackendError, BatchserveError, DeadlineExceeded, NotReady, Overloaded
-from .fair_queue import FairQueue, predicted_wait_s
+from .fair_queue import TIER_RANKS, FairQueue, predicted_wait_s
 from .faults import BatchFailure, RetryBudget, plan_recovery
 from .gpu_pool import GpuPool
 from .item import QueuedRequest
@@ -65,6 +65,8 @@ class Batcher:
         self._completed = 0
         self._drain_rate = DecayedRate()
         self._arrival_rate = DecayedRate()
+        self._tier_rates = [DecayedRate() for _ in TIER_RANKS]
+        """Arrivals a second by tier rank: what higher tiers will claim of the capacity."""
         self.batch_sizes: Counter[int] = Counter()
         """How many batches of each size were sent, retries included."""
 
@@ -101,6 +103,7 @@ class Batcher:
             )
         if self._shed:
             self._refuse_if_late(request)
+            self._tier_rates[request.tier_rank].add(request.arrival, 1)
         self._queue.push(request)
         self._arrival_rate.add(request.arrival, 1)
         if self._pool.free_count:
@@ -182,17 +185,21 @@ class Batcher:
 
     def _refuse_if_late(self, request: QueuedRequest) -> None:
         """Sheds a request predicted to miss its deadline: the lowest tiers first, since
-        every higher tier's requests are ahead of theirs."""
+        every higher tier's queued requests are ahead of theirs, and the higher tiers' new
+        arrivals will take their share of the capacity meanwhile."""
         ahead = self._queue.ahead_of(request.tenant, request.tier_rank) + sum(
             map(len, self._retries)
         )
         capacity = self.capacity_rps()
-        wait_s = predicted_wait_s(ahead, capacity, self._pool.typical_call_s)
+        if not capacity:
+            return  # nothing measured yet: no grounds to refuse
+        claimed = sum(rate.at(request.arrival) for rate in self._tier_rates[: request.tier_rank])
+        left = capacity - claimed
+        wait_s = predicted_wait_s(ahead, left, self._pool.typical_call_s) if left > 0 else math.inf
         if wait_s > request.deadline - request.arrival:
-            assert capacity
             raise Overloaded(
                 f"predicted to wait {wait_s:.2f} s behind {ahead} requests, past its deadline",
-                retry_after_s=ahead / capacity,
+                retry_after_s=ahead / left if left > 0 else self._drain_time_s(),
             )
 
     def arrival_rps(self, now: float) -> float:
@@ -261,7 +268,7 @@ class Batcher:
 
     def _take(self, count: int, now: float) -> list[QueuedRequest]:
         """`count` requests in batch order; expired ones are answered 504 instead."""
-        return [request for request in self._queue.take(count, now) if _waiting(request, now)]
+        return [request for request in self._queue.take(count) if _waiting(request, now)]
 
     def _live(self, group: list[QueuedRequest], now: float) -> list[QueuedRequest]:
         return [request for request in group if _waiting(request, now)]

@@ -1,11 +1,12 @@
 """The waiting requests, in the order batches take them: by tier, fair between tenants.
 
-A batch is filled in two passes. First, any request that has waited `aging_s` or more, oldest
-first, whatever its tier: lower tiers are delayed, never starved. Then tier by tier
-(enterprise, paid, free), taking one request from each tenant in turn, so a tenant with
-10,000 queued requests cannot push another tenant's single request out of the next batch.
-Without API keys every request belongs to one tenant and this is plain first-in, first-out.
-Pure: no clock is read, `now` is passed in.
+Each place in a batch goes to the tier whose oldest request has the earliest *priority time*:
+its arrival plus `aging_s` for each tier it is below enterprise. Enterprise goes first, but a
+free request that has waited 2 x `aging_s` longer than the oldest enterprise one goes before
+it: lower tiers are delayed, never starved. Inside the chosen tier the tenants take turns,
+one request each, so a tenant with 10,000 queued requests cannot push another tenant's
+request out of the next batch. Without API keys every request belongs to one tenant and this
+is plain first-in, first-out. Pure: nothing here reads a clock.
 """
 
 from __future__ import annotations
@@ -64,27 +65,31 @@ class FairQueue:
         """The oldest `count` requests: what the policy judges urgency by."""
         return list(itertools.islice(self._by_arrival.values(), count))
 
-    def take(self, count: int, now: float) -> list[QueuedRequest]:
+    def take(self, count: int) -> list[QueuedRequest]:
         """Up to `count` requests in batch order (see the module docstring)."""
         batch: list[QueuedRequest] = []
-        for request in self.head(count):
-            if now - request.arrival < self.aging_s:
-                break
+        while len(batch) < count and (turns := self._next_tier()) is not None:
+            tenant = turns.popleft()
+            waiting = self._tenants[tenant]
+            _, request = waiting.popitem(last=False)
+            del self._by_arrival[request.request_id]
             batch.append(request)
-        for request in batch:
-            self.discard(request.request_id)
-        for turns in self._turns:
-            while turns and len(batch) < count:
-                tenant = turns.popleft()
-                waiting = self._tenants[tenant]
-                _, request = waiting.popitem(last=False)
-                del self._by_arrival[request.request_id]
-                batch.append(request)
-                if waiting:
-                    turns.append(tenant)
-                else:
-                    del self._tenants[tenant], self._rank_of[tenant]
+            if waiting:
+                turns.append(tenant)
+            else:
+                del self._tenants[tenant], self._rank_of[tenant]
         return batch
+
+    def _next_tier(self) -> deque[str] | None:
+        best: tuple[float, deque[str]] | None = None
+        for rank, turns in enumerate(self._turns):
+            if not turns:
+                continue
+            oldest = min(next(iter(self._tenants[t].values())).arrival for t in turns)
+            priority_time = oldest + rank * self.aging_s
+            if best is None or priority_time < best[0]:
+                best = (priority_time, turns)
+        return None if best is None else best[1]
 
     def ahead_of(self, tenant: str, tier_rank: int) -> int:
         """How many queued requests a new one from `tenant` would wait behind: every higher

@@ -50,6 +50,8 @@ class Summary:
     batch_sizes: dict[str, int]
     """How many timed 200 answers came from a batch of each size."""
     compute_p50_ms: float
+    by_key: dict[str, dict[str, object]]
+    """With --keys: sent, success, p50/p99 (200s) and statuses for each named key."""
 
 
 class Connection(asyncio.Protocol):
@@ -85,12 +87,12 @@ class Connection(asyncio.Protocol):
         if self.waiter is not None and not self.waiter.done():
             self.waiter.set_exception(ConnectionError("the server closed the connection"))
 
-    async def request(self, payload: bytes, host: str) -> tuple[int, bytes]:
+    async def request(self, payload: bytes, host: str, extra: bytes = b"") -> tuple[int, bytes]:
         assert self.transport is not None
         self.waiter = asyncio.get_running_loop().create_future()
         self.transport.write(
             b"POST /api/inference HTTP/1.1\r\nHost: %b\r\nContent-Type: application/json\r\n"
-            b"Content-Length: %d\r\n\r\n%b" % (host.encode(), len(payload), payload)
+            b"%bContent-Length: %d\r\n\r\n%b" % (host.encode(), extra, len(payload), payload)
         )
         return await self.waiter
 
@@ -133,7 +135,8 @@ HANG_MARKER = "!hang!"
 
 async def run(url: str, rate: float, seconds: float, warmup_s: float, seed: int,
               connections: int, timeout_s: float, poison_rate: float = 0.0,
-              hang_at_s: float | None = None) -> Summary:  # fmt: skip
+              hang_at_s: float | None = None,
+              keys: list[tuple[str, str, float]] | None = None) -> Summary:  # fmt: skip
     parts = urlsplit(url)
     host, port = parts.hostname or "127.0.0.1", parts.port or 80
     loop = asyncio.get_running_loop()
@@ -143,6 +146,10 @@ async def run(url: str, rate: float, seconds: float, warmup_s: float, seed: int,
     while (clock := clock + rng.expovariate(rate)) < seconds:
         schedule.append(clock)
     poisoned = {index for index in range(len(schedule)) if rng.random() < poison_rate}
+    names = [name for name, _, _ in keys or []]
+    chosen = rng.choices(names, [w for _, _, w in keys or []], k=len(schedule)) if keys else []
+    headers = {name: b"Authorization: Bearer %b\r\n" % key.encode() for name, key, _ in keys or []}
+    per_key: dict[str, tuple[Counter[str], list[float]]] = {n: (Counter(), []) for n in names}
     hang_index = next(
         (index for index, at in enumerate(schedule) if hang_at_s is not None and at >= hang_at_s),
         None,
@@ -165,13 +172,17 @@ async def run(url: str, rate: float, seconds: float, warmup_s: float, seed: int,
             text += POISON_MARKER
         if index == hang_index:
             text += HANG_MARKER
+        name = chosen[index] if chosen else ""
         conn = await pool.acquire()
         try:
             status, body = await asyncio.wait_for(
-                conn.request(orjson.dumps({"input": text}), host), timeout_s
+                conn.request(orjson.dumps({"input": text}), host, headers.get(name, b"")),
+                timeout_s,
             )
         except (TimeoutError, ConnectionError):
             statuses["lost"] += 1
+            if name:
+                per_key[name][0]["lost"] += 1
             conn.closed = True
             if conn.transport is not None:
                 conn.transport.close()
@@ -183,8 +194,12 @@ async def run(url: str, rate: float, seconds: float, warmup_s: float, seed: int,
             poison_500 += status == 500
             return
         statuses[str(status)] += 1
+        if name:
+            per_key[name][0][str(status)] += 1
         if status == 200:
             answer = orjson.loads(body)
+            if name and counted:
+                per_key[name][1].append(loop.time() - scheduled)
             if answer["output"] != text[::-1]:
                 wrong += 1
             if counted:
@@ -203,10 +218,18 @@ async def run(url: str, rate: float, seconds: float, warmup_s: float, seed: int,
     await asyncio.gather(*tasks)
     latencies.sort()
 
-    def pct(q: float) -> float:
-        if not latencies:
+    def pct(q: float, values: list[float] = latencies) -> float:
+        if not values:
             return float("nan")
-        return 1e3 * latencies[min(len(latencies) - 1, int(len(latencies) * q))]
+        return 1e3 * values[min(len(values) - 1, int(len(values) * q))]
+
+    by_key: dict[str, dict[str, object]] = {}
+    for name, (counts, times) in per_key.items():
+        times.sort()
+        sent = sum(counts.values())
+        by_key[name] = {"sent": sent, "success": counts["200"] / sent if sent else 0.0,
+                        "p50_ms": pct(0.5, times), "p99_ms": pct(0.99, times),
+                        "statuses": dict(counts)}  # fmt: skip
 
     ok = statuses["200"]
     clean = len(schedule) - len(poisoned)
@@ -229,6 +252,7 @@ async def run(url: str, rate: float, seconds: float, warmup_s: float, seed: int,
         mean_batch=sum(batch_sizes) / len(batch_sizes) if batch_sizes else 0.0,
         batch_sizes={str(size): n for size, n in sorted(Counter(batch_sizes).items())},
         compute_p50_ms=sorted(computes)[len(computes) // 2] if computes else float("nan"),
+        by_key=by_key,
     )
 
 
@@ -249,10 +273,20 @@ def main() -> None:
     parser.add_argument(
         "--hang-at-s", type=float, default=None, help="send the hang marker at this time"
     )
+    parser.add_argument(
+        "--keys",
+        default="",
+        help="API keys to mix, name=key:weight,...; each request draws one by weight",
+    )
     args = parser.parse_args()
+    keys = [
+        (name, key, float(weight))
+        for name, rest in (part.split("=", 1) for part in args.keys.split(",") if part)
+        for key, weight in [rest.rsplit(":", 1)]
+    ]
     summary = uvloop.run(
         run(args.url, args.rate, args.seconds, args.warmup_s, args.seed, args.connections,
-            args.timeout_s, args.poison_rate, args.hang_at_s)
+            args.timeout_s, args.poison_rate, args.hang_at_s, keys or None)
     )  # fmt: skip
     sys.stdout.write(orjson.dumps(asdict(summary)).decode() + "\n")
 

@@ -209,8 +209,8 @@ async def test_requests_predicted_to_miss_their_deadline_are_shed_lowest_tier_fi
         body = await shed.json()
         assert body["error"] == "OVERLOADED"
         assert "past its deadline" in body["message"]
-        call_s = server.pool.typical_call_s  # what is ahead, drained a request per call
-        assert body["retry_after_ms"] == max(1, round(9 * call_s * 1e3))  # 9 queued
+        call_s = server.pool.typical_call_s  # 9 queued ahead, drained at most one per call
+        assert body["retry_after_ms"] >= round(9 * call_s * 1e3)
         kept = asyncio.ensure_future(
             client.post("/api/inference", json={"input": "ent"}, headers=acme)
         )
