@@ -22,6 +22,10 @@ from .gpu_pool import GpuPool
 from .item import QueuedRequest
 from .policy import Decision, Policy, QueueView
 
+ADMISSION_UTILIZATION = 0.9
+"""The share of the measured capacity that shedding counts on: headroom for the policy's
+holds, partly filled batches and error in the estimate."""
+
 
 @dataclass(frozen=True, slots=True)
 class BatcherStats:
@@ -187,12 +191,13 @@ class Batcher:
         """Sheds a request predicted to miss its deadline: the lowest tiers first, since
         every higher tier's queued requests are ahead of theirs, and the higher tiers' new
         arrivals will take their share of the capacity meanwhile."""
-        ahead = self._queue.ahead_of(request.tenant, request.tier_rank) + sum(
-            map(len, self._retries)
-        )
+        ahead = self._queue.ahead_of(
+            request.tenant, request.tier_rank, request.tenant_weight
+        ) + sum(map(len, self._retries))
         capacity = self.capacity_rps()
         if not capacity:
             return  # nothing measured yet: no grounds to refuse
+        capacity *= ADMISSION_UTILIZATION
         claimed = sum(rate.at(request.arrival) for rate in self._tier_rates[: request.tier_rank])
         left = capacity - claimed
         wait_s = predicted_wait_s(ahead, left, self._pool.typical_call_s) if left > 0 else math.inf

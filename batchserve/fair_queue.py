@@ -3,10 +3,12 @@
 Each place in a batch goes to the tier whose oldest request has the earliest *priority time*:
 its arrival plus `aging_s` for each tier it is below enterprise. Enterprise goes first, but a
 free request that has waited 2 x `aging_s` longer than the oldest enterprise one goes before
-it: lower tiers are delayed, never starved. Inside the chosen tier the tenants take turns,
-one request each, so a tenant with 10,000 queued requests cannot push another tenant's
-request out of the next batch. Without API keys every request belongs to one tenant and this
-is plain first-in, first-out. Pure: nothing here reads a clock.
+it: lower tiers are delayed, never starved. Inside the chosen tier the tenants take turns by
+deficit round robin: each turn adds the tenant's weight (1 unless its key says otherwise) to
+its credit, and it sends one request per whole unit of credit, so a tenant with 10,000 queued
+requests cannot push another tenant's request out of the next batch. Without API keys every
+request belongs to one tenant and this is plain first-in, first-out. Pure: nothing here
+reads a clock.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ class FairQueue:
         self._turns: list[deque[str]] = [deque() for _ in range(len(TIER_RANKS))]
         """Per tier rank, the tenants with requests waiting, in round-robin order."""
         self._rank_of: dict[str, int] = {}
+        self._weight: dict[str, float] = {}
+        self._credit: dict[str, float] = {}
 
     def __len__(self) -> int:
         return len(self._by_arrival)
@@ -46,6 +50,8 @@ class FairQueue:
         if waiting is None:
             waiting = self._tenants[request.tenant] = OrderedDict()
             self._rank_of[request.tenant] = request.tier_rank
+            self._weight[request.tenant] = request.tenant_weight
+            self._credit[request.tenant] = 0.0
             self._turns[request.tier_rank].append(request.tenant)
         waiting[request.request_id] = request
 
@@ -58,6 +64,8 @@ class FairQueue:
         self._by_arrival.clear()
         self._tenants.clear()
         self._rank_of.clear()
+        self._weight.clear()
+        self._credit.clear()
         for turns in self._turns:
             turns.clear()
 
@@ -69,15 +77,22 @@ class FairQueue:
         """Up to `count` requests in batch order (see the module docstring)."""
         batch: list[QueuedRequest] = []
         while len(batch) < count and (turns := self._next_tier()) is not None:
-            tenant = turns.popleft()
+            tenant = turns[0]
+            if self._credit[tenant] < 1:
+                self._credit[tenant] += self._weight[tenant]
+                if self._credit[tenant] < 1:
+                    turns.rotate(-1)  # a weight under 1 sends only every few turns
+                    continue
             waiting = self._tenants[tenant]
             _, request = waiting.popitem(last=False)
             del self._by_arrival[request.request_id]
             batch.append(request)
-            if waiting:
-                turns.append(tenant)
-            else:
-                del self._tenants[tenant], self._rank_of[tenant]
+            self._credit[tenant] -= 1
+            if not waiting:
+                turns.popleft()
+                self._drop_tenant(tenant)
+            elif self._credit[tenant] < 1:
+                turns.rotate(-1)
         return batch
 
     def _next_tier(self) -> deque[str] | None:
@@ -91,19 +106,26 @@ class FairQueue:
                 best = (priority_time, turns)
         return None if best is None else best[1]
 
-    def ahead_of(self, tenant: str, tier_rank: int) -> int:
+    def ahead_of(self, tenant: str, tier_rank: int, weight: float = 1.0) -> int:
         """How many queued requests a new one from `tenant` would wait behind: every higher
-        tier's, and in its own tier one per turn of each tenant until its own comes."""
+        tier's, and in its own tier each other tenant's share of the turns until its own."""
         ahead = sum(len(self._tenants[t]) for rank in range(tier_rank) for t in self._turns[rank])
-        own = len(self._tenants.get(tenant, ()))
-        return ahead + sum(min(len(self._tenants[t]), own + 1) for t in self._turns[tier_rank])
+        turns_needed = (len(self._tenants.get(tenant, ())) + 1) / weight
+        return ahead + sum(
+            min(len(self._tenants[t]), math.ceil(turns_needed * self._weight[t]))
+            for t in self._turns[tier_rank]
+        )
 
     def _forget(self, request: QueuedRequest) -> None:
         waiting = self._tenants[request.tenant]
         del waiting[request.request_id]
         if not waiting:
-            del self._tenants[request.tenant]
-            self._turns[self._rank_of.pop(request.tenant)].remove(request.tenant)
+            self._turns[self._rank_of[request.tenant]].remove(request.tenant)
+            self._drop_tenant(request.tenant)
+
+    def _drop_tenant(self, tenant: str) -> None:
+        del self._tenants[tenant], self._rank_of[tenant], self._weight[tenant]
+        del self._credit[tenant]
 
 
 def predicted_wait_s(ahead: int, capacity_rps: float | None, call_s: float | None) -> float:

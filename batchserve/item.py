@@ -32,6 +32,7 @@ class QueuedRequest:
     future: asyncio.Future[Result]
     tenant: str = ""
     tier_rank: int = 0
+    tenant_weight: float = 1.0
     """Batch order: see fair_queue.py. Without API keys, one tenant at the top rank."""
     malformed_retried: bool = False
     hang_retried: bool = False

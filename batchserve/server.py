@@ -245,6 +245,7 @@ class Server:
         queued = QueuedRequest(request_id, text, arrival, deadline, future)
         if tenant is not None:
             queued.tenant, queued.tier_rank = tenant.name, TIER_RANKS[tenant.tier]
+            queued.tenant_weight = tenant.weight
         self.batcher.submit(queued)
         self.pending[request_id] = future
         # One timer that fails the future, rather than asyncio.timeout_at: the hot path then

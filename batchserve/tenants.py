@@ -5,6 +5,7 @@
     [keys."sk-ent-123"]
     tenant = "acme"
     tier = "enterprise"          # free | paid | enterprise
+    weight = 2.0                 # optional: twice the turns of its tier's other tenants
 
     [tiers.free]                 # optional; these override the defaults below
     rate = 5.0                   # requests a second, sustained
@@ -47,6 +48,8 @@ DEFAULT_LIMITS = {
 class Tenant:
     name: str
     tier: str
+    weight: float = 1.0
+    """Its share of the turns among the tenants of its tier."""
 
 
 ANONYMOUS = "anonymous"
@@ -100,14 +103,24 @@ class KeyRing:
         tenants: dict[bytes, tuple[bytes, Tenant]] = {}
         for number, (key, entry) in enumerate(data.get("keys", {}).items(), start=1):
             tier = entry.get("tier")
-            if not isinstance(entry.get("tenant"), str) or tier not in TIERS:
+            weight = entry.get("weight", 1.0)
+            if (
+                not isinstance(entry.get("tenant"), str)
+                or tier not in TIERS
+                or isinstance(weight, bool)
+                or not isinstance(weight, int | float)
+                or not weight > 0
+            ):
                 # The key itself is never printed: the message names its position.
                 raise StartupError(
-                    f"--keys-file {path}: key number {number} needs a string tenant and a tier"
-                    f" of {', '.join(TIERS)}"
+                    f"--keys-file {path}: key number {number} needs a string tenant, a tier"
+                    f" of {', '.join(TIERS)} and, if any, a weight above 0"
                 )
             secret = key.encode()
-            tenants[hashlib.sha256(secret).digest()] = (secret, Tenant(entry["tenant"], tier))
+            tenants[hashlib.sha256(secret).digest()] = (
+                secret,
+                Tenant(entry["tenant"], tier, float(weight)),
+            )
         if anonymous_tier is not None and anonymous_tier not in TIERS:
             raise StartupError(f"--anonymous-tier must be one of {', '.join(TIERS)}")
         anonymous = Tenant(ANONYMOUS, anonymous_tier) if anonymous_tier else None

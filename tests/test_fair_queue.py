@@ -78,3 +78,24 @@ def test_what_is_ahead_of_a_new_request_decides_who_is_shed_first():
     assert queue.ahead_of("flooder", TIER_RANKS["free"]) == 1 + 10 + 50
     assert predicted_wait_s(61, capacity_rps=100.0, call_s=0.1) == pytest.approx(0.71)
     assert predicted_wait_s(61, capacity_rps=None, call_s=None) == 0.0  # nothing measured
+
+
+def weighted(name: str, tenant: str, weight: float) -> QueuedRequest:
+    queued = request(name, tenant, "paid")
+    queued.tenant_weight = weight
+    return queued
+
+
+def test_tenants_share_their_tier_in_proportion_to_their_weights():
+    queue = FairQueue()
+    for n in range(6):
+        queue.push(weighted(f"a{n}", "a", 2.0))
+        queue.push(weighted(f"b{n}", "b", 1.0))
+    assert names(queue.take(6)) == ["a0", "a1", "b0", "a2", "a3", "b1"]
+    half = FairQueue()
+    for n in range(6):
+        half.push(weighted(f"c{n}", "c", 0.5))
+        half.push(weighted(f"d{n}", "d", 1.0))
+    taken = names(half.take(6))
+    assert sum(name.startswith("d") for name in taken) == 4  # twice c's turns
+    assert half.ahead_of("new", TIER_RANKS["paid"], weight=1.0) == 1 + 1  # one turn each

@@ -25,6 +25,7 @@ tier = "free"
 [keys."sk-free-2"]
 tenant = "tinker"
 tier = "free"
+weight = 3
 
 [tiers.free]
 rate = 0.001
@@ -44,6 +45,7 @@ def test_keys_map_to_tenants_and_tiers_and_unknown_keys_to_nobody(keys_file):
     ring = KeyRing.load(keys_file, anonymous_tier=None)
     assert ring.authenticate("Bearer sk-ent-123") == Tenant("acme", "enterprise")
     assert ring.authenticate("bearer sk-free-1") == Tenant("hobby", "free")
+    assert ring.authenticate("Bearer sk-free-2") == Tenant("tinker", "free", weight=3.0)
     for header in (None, "", "Bearer", "Bearer sk-ent-12", "Bearer sk-ent-1234", "Basic x"):
         assert ring.authenticate(header) is None
     anonymous = KeyRing.load(keys_file, anonymous_tier="free")
@@ -56,6 +58,7 @@ def test_keys_map_to_tenants_and_tiers_and_unknown_keys_to_nobody(keys_file):
     ("text", "message"),
     [
         ('[keys."sk-secret"]\ntenant = "a"\ntier = "gold"\n', "key number 1 needs"),
+        ('[keys."sk-secret"]\ntenant = "a"\ntier = "free"\nweight = 0\n', "weight above 0"),
         ("[tiers.gold]\nrate = 1\n", "unknown tier 'gold'"),
         ("[tiers.free]\nspeed = 1\n", "takes rate, burst and timeout_ms"),
         ("not toml [", "--keys-file"),
