@@ -80,7 +80,7 @@ class Batcher:
 
     def stats(self) -> BatcherStats:
         return BatcherStats(
-            queued=len(self._queue) + sum(map(len, self._retries)),
+            queued=len(self._queue) + self._retrying(),
             in_flight=self._pool.in_flight_requests,
             free_devices=self._pool.free_count,
             healthy_devices=self._pool.healthy,
@@ -191,9 +191,10 @@ class Batcher:
         """Sheds a request predicted to miss its deadline: the lowest tiers first, since
         every higher tier's queued requests are ahead of theirs, and the higher tiers' new
         arrivals will take their share of the capacity meanwhile."""
-        ahead = self._queue.ahead_of(
-            request.tenant, request.tier_rank, request.tenant_weight
-        ) + sum(map(len, self._retries))
+        ahead = (
+            self._queue.ahead_of(request.tenant, request.tier_rank, request.tenant_weight)
+            + self._retrying()
+        )
         capacity = self.capacity_rps()
         if not capacity:
             return  # nothing measured yet: no grounds to refuse
@@ -218,13 +219,16 @@ class Batcher:
             return None
         return self._pool.healthy * self._max_batch_size / typical_s
 
-    def predicted_wait_s(self) -> float:
-        """How long a request arriving now would wait for the queue ahead of it to drain."""
-        queued = self.stats().queued
+    def predicted_queue_wait_s(self, queued: int) -> float:
+        """How long a request arriving now would wait for the `queued` ahead of it to drain."""
         capacity = self.capacity_rps()
         if not queued:
             return 0.0
         return queued / capacity if capacity else math.inf
+
+    def _retrying(self) -> int:
+        """Requests in the retry lane, which batches take before the queue."""
+        return sum(map(len, self._retries))
 
     def _drain_time_s(self) -> float:
         rate = self._drain_rate.at(asyncio.get_running_loop().time())

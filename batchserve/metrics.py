@@ -149,7 +149,7 @@ class _StateCollector(Collector):
             "healthy_devices": stats.healthy_devices,
             "capacity_rps": capacity,
             "arrival_rps": arrival,
-            "predicted_wait_s": self._batcher.predicted_wait_s(),
+            "predicted_wait_s": self._batcher.predicted_queue_wait_s(stats.queued),
             "slo_s": self._slo_s,
             "desired_replicas": desired_replicas(arrival, capacity),
             "batch_sizes": {str(size): n for size, n in sorted(self._batcher.batch_sizes.items())},
@@ -175,7 +175,7 @@ class _StateCollector(Collector):
         yield gauge(
             "batchserve_in_flight_requests", "Requests inside a batch call.", state["in_flight"]
         )
-        busy = sum(d.state is DeviceState.BUSY for d in self._pool.devices)
+        busy = sum(d["state"] == DeviceState.BUSY.value for d in state["devices"])
         yield gauge("batchserve_in_flight_batches", "Batch calls running now.", busy)
         yield gauge(
             "batchserve_capacity_rps",
@@ -195,7 +195,7 @@ class _StateCollector(Collector):
             " this replica's measured capacity.",
             state["desired_replicas"],
         )
-        yield from self._devices(now)
+        yield from self._devices(state["devices"])
         yield self._batch_sizes()
         faults = CounterMetricFamily(
             "batchserve_faults", "Device and batch faults, by kind.", labels=["kind"]
@@ -210,7 +210,8 @@ class _StateCollector(Collector):
             retries.add_metric([kind], count)
         yield retries
 
-    def _devices(self, now: float) -> Iterator[Metric]:
+    def _devices(self, devices: list[dict[str, Any]]) -> Iterator[Metric]:
+        """The gauges of each device, from the summary already taken at this scrape."""
         ratio = GaugeMetricFamily(
             "batchserve_device_busy_ratio",
             "Share of the last 10 s each device spent in batch calls.",
@@ -229,11 +230,11 @@ class _StateCollector(Collector):
             "1 for each device's current state.",
             labels=["device", "state"],
         )
-        for device in self._pool.devices:
-            ratio.add_metric([device.name], device.busy_ratio(now))
-            busy.add_metric([device.name], device.busy_total_s)
-            healthy.add_metric([device.name], float(device.state in HEALTHY))
-            state.add_metric([device.name, device.state.value], 1.0)
+        for device in devices:
+            ratio.add_metric([device["name"]], device["busy_ratio"])
+            busy.add_metric([device["name"]], device["busy_seconds"])
+            healthy.add_metric([device["name"]], float(DeviceState(device["state"]) in HEALTHY))
+            state.add_metric([device["name"], device["state"]], 1.0)
         yield from (ratio, busy, healthy, state)
 
     def _batch_sizes(self) -> Metric:

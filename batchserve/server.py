@@ -151,9 +151,7 @@ class Server:
             tenant = admitted.tenant
             if request_id in self.pending:
                 raise DuplicateRequestId(f"request id {request_id} is already in flight")
-            result = await self._run(
-                loop, request_id, admitted.text, arrival, arrival + admitted.timeout_s, tenant
-            )
+            result = await self._run(loop, request_id, arrival, admitted)
         except BatchserveError as error:
             self.record("inference", request_id, arrival, error, tenant)
             return error_response(error, request_id)
@@ -231,19 +229,14 @@ class Server:
             access_log.info(line)
 
     def submit(
-        self,
-        loop: asyncio.AbstractEventLoop,
-        request_id: str,
-        text: str,
-        arrival: float,
-        deadline: float,
-        tenant: Tenant | None,
+        self, loop: asyncio.AbstractEventLoop, request_id: str, arrival: float, admitted: Admitted
     ) -> tuple[QueuedRequest, asyncio.TimerHandle]:
         """Queues a request under the pending dict and arms its deadline; the caller must
         call `release` once its future is done."""
+        deadline = arrival + admitted.timeout_s
         future: asyncio.Future[Result] = loop.create_future()
-        queued = QueuedRequest(request_id, text, arrival, deadline, future)
-        if tenant is not None:
+        queued = QueuedRequest(request_id, admitted.text, arrival, deadline, future)
+        if (tenant := admitted.tenant) is not None:
             queued.tenant, queued.tier_rank = tenant.name, TIER_RANKS[tenant.tier]
             queued.tenant_weight = tenant.weight
         self.batcher.submit(queued)
@@ -258,15 +251,9 @@ class Server:
         self.batcher.discard(request_id)
 
     async def _run(
-        self,
-        loop: asyncio.AbstractEventLoop,
-        request_id: str,
-        text: str,
-        arrival: float,
-        deadline: float,
-        tenant: Tenant | None,
+        self, loop: asyncio.AbstractEventLoop, request_id: str, arrival: float, admitted: Admitted
     ) -> Result:
-        queued, expiry = self.submit(loop, request_id, text, arrival, deadline, tenant)
+        queued, expiry = self.submit(loop, request_id, arrival, admitted)
         try:
             return await queued.future
         finally:

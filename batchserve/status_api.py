@@ -54,9 +54,7 @@ class StatusApi:
                 )
             if not self.store.make_room(arrival):
                 raise Overloaded("the status store is full of unfinished requests", 1.0)
-            queued, expiry = server.submit(
-                loop, request_id, admitted.text, arrival, arrival + admitted.timeout_s, tenant
-            )
+            queued, expiry = server.submit(loop, request_id, arrival, admitted)
         except BatchserveError as error:
             server.record("requests", request_id, arrival, error, tenant)
             return error_response(error, request_id)
