@@ -53,16 +53,17 @@ class Policy(Protocol):
 
 
 class AdaptivePolicy:
-    """Keeps devices staggered, so a new request never waits long for the next free device.
+    """Keeps devices' start times evenly spaced, so a new request never waits long for one.
 
-    With two or more devices free, sending now costs nothing: the next arrival still finds a
-    free device. With one free and the others busy, sending now leaves every later arrival
-    waiting until a busy device finishes (`next_free`). Holding the batch until `h` makes the
-    oldest request wait `h - oldest_arrival` and the next arrival at most `next_free - h`; the
-    worst of the two is least at the midpoint, which spreads the devices' start times evenly
-    over one batch time. A lone device has nobody to stagger with, so it never holds. Holds
-    never pass the oldest request's linger budget or leave less than one batch time before a
-    queued request's deadline.
+    With D devices and batch time S, a device frees every S / D when starts are evenly
+    spaced, so no request waits longer than S / D for its batch to start. Sending a partial
+    batch sooner than S / D after the last start bunches the devices: they then free
+    together, and a request that arrives just after they all started waits nearly a whole
+    batch time. So a partial batch leaves no sooner than S / D after the most recent start;
+    a full batch leaves at once. After a quiet spell the last start is long past and a
+    request leaves as soon as it arrives; a lone device (S / 1 after its start it is free
+    again) never holds. Holds never pass the oldest request's linger budget or leave less
+    than one batch time before a queued request's deadline.
     """
 
     def __init__(self, *, max_batch_size: int, max_linger_s: float) -> None:
@@ -88,11 +89,11 @@ class AdaptivePolicy:
         if queue.size >= self.max_batch_size:
             return Decision(self.max_batch_size)
         service = self.service_s
-        if service is None or free_devices > 1 or not busy_since:
+        if service is None or not busy_since:
             return Decision(queue.size)
-        next_free = min(busy_since) + service
+        spacing = service / (free_devices + len(busy_since))
         latest = min(
-            (queue.oldest_arrival + next_free) / 2,
+            max(busy_since) + spacing,
             queue.oldest_arrival + self.max_linger_s,
             queue.earliest_deadline - service,
         )

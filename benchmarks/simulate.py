@@ -37,6 +37,7 @@ def simulate(
     rate: float,
     seconds: float,
     service_s: float = 0.1,
+    jitter_s: float = 0.0,
     timeout_s: float = 5.0,
     seed: int = 1,
 ) -> SimResult:
@@ -78,7 +79,8 @@ def simulate(
             busy_since[device] = now
             batches[device] = [queue.popleft() for _ in range(decision.dispatch)]
             batch_sizes.append(decision.dispatch)
-            heapq.heappush(events, (now + service_s, _DONE, device))
+            took = service_s + rng.uniform(0.0, jitter_s)
+            heapq.heappush(events, (now + took, _DONE, device))
     latencies.sort()
     return SimResult(
         p50_ms=1e3 * latencies[len(latencies) // 2],
@@ -95,6 +97,9 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=4)
     parser.add_argument("--rates", default="50,200,1000,3500")
     parser.add_argument("--seconds", type=float, default=30.0)
+    parser.add_argument(
+        "--jitter-ms", type=float, default=0.0, help="each call takes 100 ms + uniform(0, this)"
+    )
     args = parser.parse_args()
     variants = {
         "adaptive": Config(),
@@ -105,7 +110,13 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|")
     for rate in (float(r) for r in args.rates.split(",")):
         for name, config in variants.items():
-            r = simulate(make_policy(config), devices=args.devices, rate=rate, seconds=args.seconds)
+            r = simulate(
+                make_policy(config),
+                devices=args.devices,
+                rate=rate,
+                seconds=args.seconds,
+                jitter_s=args.jitter_ms / 1e3,
+            )
             print(
                 f"| {name} | {args.devices} | {rate:g} | {r.p50_ms:.0f} | {r.p99_ms:.0f} |"
                 f" {r.max_ms:.0f} | {r.mean_batch:.1f} | {r.answered}/{r.offered} |"

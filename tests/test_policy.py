@@ -32,8 +32,25 @@ def test_a_full_batch_leaves_at_once_and_no_bigger():
     assert adaptive(max_batch_size=8).decide(1.0, queue(30, 1.0), 1, [0.99]) == Decision(8)
 
 
-def test_with_two_free_devices_a_partial_batch_leaves_at_once():
-    assert adaptive().decide(1.0, queue(3, 1.0), 2, [0.95]) == Decision(3)
+def test_a_partial_batch_leaves_at_once_when_the_last_start_is_a_spacing_ago():
+    # Four devices, 100 ms batches: starts 25 ms apart keep them evenly spread.
+    assert adaptive().decide(1.0, queue(3, 1.0), 2, [0.95, 0.975]) == Decision(3)
+    assert adaptive().decide(1.0, queue(3, 1.0), 3, [0.9]) == Decision(3)
+
+
+def test_a_partial_batch_waits_a_spacing_after_the_last_start_even_with_devices_free():
+    # Three free, one started at 0.99: sending now would start two devices 10 ms apart.
+    decision = adaptive().decide(1.0, queue(1, 1.0), 3, [0.99])
+    assert decision.dispatch == 0
+    assert decision.wake_at is not None
+    assert math.isclose(decision.wake_at, 1.015)
+
+
+def test_spacing_counts_only_the_devices_that_run():
+    # Two devices in all (one free, one busy since 0.96): starts 50 ms apart.
+    decision = adaptive().decide(1.0, queue(1, 1.0), 1, [0.96])
+    assert decision.wake_at is not None
+    assert math.isclose(decision.wake_at, 1.01)
 
 
 def test_a_lone_device_never_holds():
@@ -45,33 +62,21 @@ def test_before_any_batch_is_timed_the_policy_is_greedy():
     assert policy.decide(1.0, queue(1, 1.0), 1, [0.99]) == Decision(1)
 
 
-def test_last_free_device_holds_until_midway_to_the_next_free_device():
-    # Busy device started at 0.96, so it frees at 1.06; the oldest arrived at 1.0.
-    decision = adaptive().decide(1.0, queue(1, 1.0), 1, [0.96])
-    assert decision.dispatch == 0
-    assert decision.wake_at is not None
-    assert math.isclose(decision.wake_at, 1.03)
-
-
 def test_hold_ends_at_the_linger_budget():
-    decision = adaptive(max_linger_s=0.01).decide(1.0, queue(1, 1.0), 1, [0.96])
+    decision = adaptive(max_linger_s=0.01).decide(1.0, queue(1, 0.995), 1, [0.99])
     assert decision.wake_at is not None
-    assert math.isclose(decision.wake_at, 1.01)
+    assert math.isclose(decision.wake_at, 1.005)
 
 
 def test_linger_spent_sends_the_batch():
-    assert adaptive(max_linger_s=0.01).decide(1.011, queue(2, 1.0), 1, [0.96]) == Decision(2)
+    assert adaptive(max_linger_s=0.01).decide(1.011, queue(2, 1.0), 1, [1.0]) == Decision(2)
 
 
 def test_hold_leaves_a_batch_time_before_the_earliest_deadline():
-    decision = adaptive().decide(1.0, queue(1, 1.0, deadline=1.12), 1, [0.96])
+    decision = adaptive().decide(1.0, queue(1, 1.0, deadline=1.105), 1, [0.99])
     assert decision.wake_at is not None
-    assert math.isclose(decision.wake_at, 1.02)
-    assert adaptive().decide(1.0, queue(1, 1.0, deadline=1.1), 1, [0.96]) == Decision(1)
-
-
-def test_when_the_busy_device_is_about_to_free_the_batch_leaves_now():
-    assert adaptive().decide(1.0, queue(4, 0.99), 1, [0.9]) == Decision(4)
+    assert math.isclose(decision.wake_at, 1.005)
+    assert adaptive().decide(1.0, queue(1, 1.0, deadline=1.1), 1, [0.99]) == Decision(1)
 
 
 def test_service_estimate_follows_observed_batches():
