@@ -40,6 +40,12 @@ class Decision:
 
 WAIT = Decision(0)
 
+SPACING_SHARE = 0.9
+"""Starts are spaced a little under S / D: each is late by however long the event loop takes
+to get to it, and measured from the last actual start that lateness would add up, leaving
+devices idle under load (simulated with 0-6 ms late starts at D=4 / 3,000 rps: mean batch 84
+at the full S / D, 80 at 0.9 of it, 79 for the rule that spaces nothing)."""
+
 MIN_HOLD_S = 0.0005
 """A shorter hold saves less than the wake-up costs (and could round to no time at all)."""
 
@@ -91,7 +97,7 @@ class AdaptivePolicy:
         service = self.service_s
         if service is None or not busy_since:
             return Decision(queue.size)
-        spacing = service / (free_devices + len(busy_since))
+        spacing = SPACING_SHARE * service / (free_devices + len(busy_since))
         latest = min(
             max(busy_since) + spacing,
             queue.oldest_arrival + self.max_linger_s,
