@@ -195,13 +195,12 @@ class Batcher:
             self._queue.ahead_of(request.tenant, request.tier_rank, request.tenant_weight)
             + self._retrying()
         )
-        capacity = self.capacity_rps()
-        if not capacity:
+        capacity, call_s = self.capacity_rps(), self._pool.typical_call_s
+        if not capacity or not call_s:
             return  # nothing measured yet: no grounds to refuse
-        capacity *= ADMISSION_UTILIZATION
         claimed = sum(rate.at(request.arrival) for rate in self._tier_rates[: request.tier_rank])
-        left = capacity - claimed
-        wait_s = predicted_wait_s(ahead, left, self._pool.typical_call_s) if left > 0 else math.inf
+        left = capacity * ADMISSION_UTILIZATION - claimed
+        wait_s = predicted_wait_s(ahead, left, call_s)
         if wait_s > request.deadline - request.arrival:
             raise Overloaded(
                 f"predicted to wait {wait_s:.2f} s behind {ahead} requests, past its deadline",

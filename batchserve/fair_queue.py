@@ -128,8 +128,7 @@ class FairQueue:
         del self._credit[tenant]
 
 
-def predicted_wait_s(ahead: int, capacity_rps: float | None, call_s: float | None) -> float:
-    """Time until a request with `ahead` requests before it has its answer; 0 if unknown."""
-    if not capacity_rps or call_s is None:
-        return 0.0
+def predicted_wait_s(ahead: int, capacity_rps: float, call_s: float) -> float:
+    """Time until a request with `ahead` requests before it has its answer: never, if
+    nothing is left of the capacity for it."""
     return ahead / capacity_rps + call_s if capacity_rps > 0 else math.inf

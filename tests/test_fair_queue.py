@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -77,7 +79,7 @@ def test_what_is_ahead_of_a_new_request_decides_who_is_shed_first():
     assert queue.ahead_of("quiet", TIER_RANKS["free"]) == 1 + 10 + 1
     assert queue.ahead_of("flooder", TIER_RANKS["free"]) == 1 + 10 + 50
     assert predicted_wait_s(61, capacity_rps=100.0, call_s=0.1) == pytest.approx(0.71)
-    assert predicted_wait_s(61, capacity_rps=None, call_s=None) == 0.0  # nothing measured
+    assert predicted_wait_s(61, capacity_rps=0.0, call_s=0.1) == math.inf  # nothing left
 
 
 def weighted(name: str, tenant: str, weight: float) -> QueuedRequest:
