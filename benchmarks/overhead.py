@@ -1,9 +1,12 @@
-"""What metrics cost per request: server CPU time per answered request, metrics on and off.
+"""Server CPU time per answered request: batchserve with metrics on and off, and bare aiohttp.
 
 The front end is CPU-bound (one event loop), so CPU per request sets the saturation rate:
-on / off of that cost is the share of saturation throughput that metrics take. Each run is a
-fresh server on core 0 (D=4 simulated devices) with the load generator on core 1; CPU time
-is read from /proc/PID/stat before and after the load. Medians over repeats.
+on / off of that cost is the share of saturation throughput that metrics take, and
+batchserve / bare is what batching costs on top of aiohttp itself. The bare handler holds
+each request 100 ms (`bare_server.py --hold-ms 100`), so it keeps as many connections open
+as batchserve does. Each run is a fresh server on core 0 (D=4 simulated devices) with the
+load generator on core 1; CPU time is read from /proc/PID/stat before and after the load.
+The three alternate, so that drift hits each alike. Medians over repeats.
 
     python benchmarks/overhead.py --repeats 3 --rate 3000 --seconds 8
 """
@@ -29,12 +32,20 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / TICKS  # utime, stime
 
 
-def run(metrics: str, rate: float, seconds: float, seed: int) -> float:
+SERVERS = {
+    "metrics on": ["-m", "batchserve", "--devices", "sim:4", "--log-level", "WARNING",
+                   "--metrics", "on"],
+    "metrics off": ["-m", "batchserve", "--devices", "sim:4", "--log-level", "WARNING",
+                    "--metrics", "off"],
+    "bare aiohttp, 100 ms hold": ["benchmarks/bare_server.py", "--hold-ms", "100"],
+}  # fmt: skip
+
+
+def run(server_args: list[str], rate: float, seconds: float, seed: int) -> float:
     """Microseconds of server CPU per answered request."""
     log = (ROOT / "benchmarks/results/server.log").open("a")
     server = subprocess.Popen(
-        ["taskset", "-c", "0", sys.executable, "-m", "batchserve", "--port", str(PORT),
-         "--devices", "sim:4", "--log-level", "WARNING", "--metrics", metrics],
+        ["taskset", "-c", "0", sys.executable, *server_args, "--port", str(PORT)],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=log, text=True,
     )  # fmt: skip
     try:
@@ -62,15 +73,16 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=8.0)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    costs: dict[str, list[float]] = {"on": [], "off": []}
+    costs: dict[str, list[float]] = {name: [] for name in SERVERS}
     for seed in range(1, args.repeats + 1):
-        for metrics in ("on", "off"):  # interleaved, so drift hits both alike
-            costs[metrics].append(run(metrics, args.rate, args.seconds, seed))
-            print(f"metrics {metrics}: {costs[metrics][-1]:.1f} us/request", flush=True)
-    on, off = statistics.median(costs["on"]), statistics.median(costs["off"])
+        for name, server_args in SERVERS.items():
+            costs[name].append(run(server_args, args.rate, args.seconds, seed))
+            print(f"{name}: {costs[name][-1]:.1f} us/request", flush=True)
+    on, off, bare = (statistics.median(costs[name]) for name in SERVERS)
     print(
-        f"median us/request: metrics on {on:.1f}, off {off:.1f}; on/off = {on / off:.3f};"
-        f" saturation throughput with metrics = {off / on:.3f} of without"
+        f"median us/request: metrics on {on:.1f}, off {off:.1f}, bare aiohttp {bare:.1f};"
+        f" on/off = {on / off:.3f} (saturation throughput with metrics = {off / on:.3f} of"
+        f" without); batchserve/bare = {on / bare:.3f}"
     )
 
 
