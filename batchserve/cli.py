@@ -59,8 +59,9 @@ _FLAGS: list[tuple[str, Callable[[str], object], str]] = [
     (
         "policy",
         str,
-        f"when a batch leaves: {' or '.join(POLICIES)}. adaptive sends at once while devices"
-        " are free and staggers them under load; fixed is the textbook size-or-linger rule",
+        f"when a batch leaves: {' or '.join(POLICIES)}. adaptive sends a full batch at once"
+        " and spaces partial ones a batch time / devices apart, so devices stay staggered;"
+        " fixed is the textbook size-or-linger rule",
     ),
     ("max-batch-size", int, f"most requests in one batch call (1 to {BACKEND_BATCH_LIMIT})"),
     (
