@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import pytest
+from aiohttp import ClientResponse
 from aiohttp.test_utils import TestClient
 
 from batchserve.backends import POISON_MARKER, BatchFn, simulate
@@ -98,6 +99,18 @@ def start_server(
         return client, app[SERVER_KEY]
 
     return start
+
+
+async def hold_one_and_queue_one(
+    client: TestClient, server: Server
+) -> tuple[asyncio.Future[ClientResponse], asyncio.Future[ClientResponse]]:
+    """Posts "a", which a closed gate holds on the device, then "b", which waits queued behind
+    it: a queue of one, filled, for tests of what the next request gets."""
+    running = asyncio.ensure_future(client.post("/api/inference", json={"input": "a"}))
+    await server.batcher.wait_until(lambda s: s.in_flight == 1)
+    queued = asyncio.ensure_future(client.post("/api/inference", json={"input": "b"}))
+    await server.batcher.wait_until(lambda s: s.queued == 1)
+    return running, queued
 
 
 ROOT = Path(__file__).resolve().parent.parent

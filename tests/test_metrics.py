@@ -15,6 +15,8 @@ from batchserve.gpu_pool import BUSY_WINDOW_S, Device
 from batchserve.item import Result
 from batchserve.metrics import RecentWindow, desired_replicas
 
+from .conftest import hold_one_and_queue_one
+
 
 async def scrape(client: TestClient) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     response = await client.get("/metrics")
@@ -63,10 +65,7 @@ async def test_metrics_count_answers_by_status_and_time_them(start_server, gated
 
 async def test_rejections_are_counted_by_reason(start_server, gated):
     client, server = await start_server(gated, max_queue=1)
-    running = asyncio.ensure_future(client.post("/api/inference", json={"input": "a"}))
-    await server.batcher.wait_until(lambda s: s.in_flight == 1)
-    queued = asyncio.ensure_future(client.post("/api/inference", json={"input": "b"}))
-    await server.batcher.wait_until(lambda s: s.queued == 1)
+    running, queued = await hold_one_and_queue_one(client, server)
     refused = await client.post("/api/inference", json={"input": "c"})
     assert refused.status == 503
     samples = await scrape(client)

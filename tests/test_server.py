@@ -13,7 +13,7 @@ from aiohttp import ClientResponse
 from batchserve.backends import simulate, simulated_factory
 from batchserve.server import Server
 
-from .conftest import GatedBackend
+from .conftest import GatedBackend, hold_one_and_queue_one
 
 
 async def finish_and_check_never_ran(
@@ -162,10 +162,7 @@ async def test_input_over_the_byte_limit_gets_413(start_server):
 
 async def test_full_queue_gets_503_overloaded_with_retry_after(start_server, gated):
     client, server = await start_server(gated, max_batch_size=1, max_queue=1)
-    running = asyncio.ensure_future(client.post("/api/inference", json={"input": "a"}))
-    await server.batcher.wait_until(lambda s: s.in_flight == 1)
-    queued = asyncio.ensure_future(client.post("/api/inference", json={"input": "b"}))
-    await server.batcher.wait_until(lambda s: s.queued == 1)
+    running, queued = await hold_one_and_queue_one(client, server)
     response = await client.post("/api/inference", json={"input": "c"})
     assert response.status == 503
     body = await response.json()
