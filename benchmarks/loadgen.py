@@ -109,6 +109,18 @@ POISON_MARKER = "!poison!"
 HANG_MARKER = "!hang!"
 
 
+@dataclass(frozen=True)
+class Workload:
+    """What each scheduled request sends: its input and the key it sends it with."""
+
+    texts: list[str]
+    poisoned: set[int]
+    """Indexes of the inputs that carry the poison marker."""
+    key_names: list[str]
+    """The key each request draws, by index; empty when the run uses no keys."""
+    key_headers: dict[str, bytes]
+
+
 class Run:
     """Sends each request when it is due and counts each answer as it arrives.
 
@@ -120,26 +132,32 @@ class Run:
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop, url: str, limit: int, timeout_s: float,
-                 seed: int, warmup_s: float, count: int) -> None:  # fmt: skip
+                 warmup_s: float, workload: Workload) -> None:  # fmt: skip
         parts = urlsplit(url)
         self.host, self.port = parts.hostname or "127.0.0.1", parts.port or 80
         self.loop, self.limit, self.timeout_s = loop, limit, timeout_s
-        self.seed, self.warmup_s = seed, warmup_s
+        self.warmup_s = warmup_s
+        self.workload = workload
+        host = self.host.encode()
+        self.heads = {
+            name: b"POST /api/inference HTTP/1.1\r\nHost: %b\r\nContent-Type: application/json\r\n"
+            b"%b" % (host, header)
+            for name, header in {"": b"", **workload.key_headers}.items()
+        }
+        """Each request's bytes up to its Content-Length, by key name ("" for none)."""
         self.idle: list[Connection] = []
         self.opened = 0
         """Connections open or opening."""
         self.queued: deque[Pending] = deque()
         self.openings: set[asyncio.Task[None]] = set()
-        self.unfinished = count
+        self.unfinished = len(workload.texts)
         self.finished: asyncio.Future[None] = loop.create_future()
-        if not count:
+        if not self.unfinished:
             self.finished.set_result(None)
         self.start = 0.0
-        self.poisoned: set[int] = set()
-        self.hang_index: int | None = None
-        self.chosen: list[str] = []
-        self.headers: dict[str, bytes] = {}
-        self.per_key: dict[str, tuple[Counter[str], list[float]]] = {}
+        self.per_key: dict[str, tuple[Counter[str], list[float]]] = {
+            name: (Counter(), []) for name in workload.key_headers
+        }
         self.latencies: list[float] = []
         self.statuses: Counter[str] = Counter()
         self.batch_sizes: list[int] = []
@@ -157,12 +175,10 @@ class Run:
         self.idle = list(await asyncio.gather(*(self.open() for _ in range(count))))
 
     def due(self, index: int, scheduled: float) -> None:
-        text = f"req-{self.seed}-{index}-{'abcdefgh'[: index % 9]}"
-        if index in self.poisoned:
-            text += POISON_MARKER
-        if index == self.hang_index:
-            text += HANG_MARKER
-        pending = Pending(index, scheduled, text, self.chosen[index] if self.chosen else "")
+        names = self.workload.key_names
+        pending = Pending(
+            index, scheduled, self.workload.texts[index], names[index] if names else ""
+        )
         if self.idle:
             self.write(self.idle.pop(), pending)
         elif self.opened < self.limit:
@@ -191,9 +207,7 @@ class Run:
         payload = orjson.dumps({"input": pending.text})
         conn.send(
             pending,
-            b"POST /api/inference HTTP/1.1\r\nHost: %b\r\nContent-Type: application/json\r\n"
-            b"%bContent-Length: %d\r\n\r\n%b"
-            % (self.host.encode(), self.headers.get(pending.name, b""), len(payload), payload),
+            b"%bContent-Length: %d\r\n\r\n%b" % (self.heads[pending.name], len(payload), payload),
         )
 
     def answered(self, conn: Connection, pending: Pending, status: int, body: bytes) -> None:
@@ -232,7 +246,7 @@ class Run:
     def count_answer(self, pending: Pending, status: int, body: bytes) -> None:
         now = self.loop.time()
         self.last_answer = now
-        if pending.index in self.poisoned:
+        if pending.index in self.workload.poisoned:
             self.poison_500 += status == 500
             return
         name = pending.name
@@ -263,19 +277,24 @@ async def run(url: str, rate: float, seconds: float, warmup_s: float, seed: int,
     clock = 0.0
     while (clock := clock + rng.expovariate(rate)) < seconds:
         schedule.append(clock)
-    load = Run(loop, url, connections, timeout_s, seed, warmup_s, len(schedule))
-    load.poisoned = {index for index in range(len(schedule)) if rng.random() < poison_rate}
+    poisoned = {index for index in range(len(schedule)) if rng.random() < poison_rate}
     names = [name for name, _, _ in keys or []]
-    if keys:
-        load.chosen = rng.choices(names, [w for _, _, w in keys], k=len(schedule))
-    load.headers = {
-        name: b"Authorization: Bearer %b\r\n" % key.encode() for name, key, _ in keys or []
-    }
-    load.per_key = {name: (Counter(), []) for name in names}
-    load.hang_index = next(
+    key_names = rng.choices(names, [w for _, _, w in keys], k=len(schedule)) if keys else []
+    hang_index = next(
         (index for index, at in enumerate(schedule) if hang_at_s is not None and at >= hang_at_s),
         None,
     )
+    texts = [
+        f"req-{seed}-{index}-{'abcdefgh'[: index % 9]}"
+        + (POISON_MARKER if index in poisoned else "")
+        + (HANG_MARKER if index == hang_index else "")
+        for index in range(len(schedule))
+    ]
+    key_headers = {
+        name: b"Authorization: Bearer %b\r\n" % key.encode() for name, key, _ in keys or []
+    }
+    workload = Workload(texts, poisoned, key_names, key_headers)
+    load = Run(loop, url, connections, timeout_s, warmup_s, workload)
     await load.warm(min(connections, max(8, int(rate * 0.3))))
     load.start = start = loop.time() + 0.05
     # The cyclic GC stops this loop for milliseconds at a time, and every request due then
@@ -310,7 +329,7 @@ async def run(url: str, rate: float, seconds: float, warmup_s: float, seed: int,
 
     statuses = load.statuses
     ok = statuses["200"]
-    clean = len(schedule) - len(load.poisoned)
+    clean = len(schedule) - len(poisoned)
     computes = sorted(load.computes)
     batch_sizes = load.batch_sizes
     return Summary(
@@ -319,7 +338,7 @@ async def run(url: str, rate: float, seconds: float, warmup_s: float, seed: int,
         sent=len(schedule),
         ok=ok,
         success=ok / clean if clean else 0.0,
-        poison_sent=len(load.poisoned),
+        poison_sent=len(poisoned),
         poison_500=load.poison_500,
         statuses=dict(statuses),
         wrong_output=load.wrong,
