@@ -32,13 +32,12 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / TICKS  # utime, stime
 
 
+BATCHSERVE = ["-m", "batchserve", "--devices", "sim:4", "--log-level", "WARNING"]
 SERVERS = {
-    "metrics on": ["-m", "batchserve", "--devices", "sim:4", "--log-level", "WARNING",
-                   "--metrics", "on"],
-    "metrics off": ["-m", "batchserve", "--devices", "sim:4", "--log-level", "WARNING",
-                    "--metrics", "off"],
+    "metrics on": [*BATCHSERVE, "--metrics", "on"],
+    "metrics off": [*BATCHSERVE, "--metrics", "off"],
     "bare aiohttp, 100 ms hold": ["benchmarks/bare_server.py", "--hold-ms", "100"],
-}  # fmt: skip
+}
 
 
 def run(server_args: list[str], rate: float, seconds: float, seed: int) -> float:
