@@ -1,3 +1,14 @@
-"""batchserve: turns a batch function into an HTTP API that batches single requests."""
+"""batchserve: turns a batch function into an HTTP API that batches single requests.
 
+Embedded in a Python program, the same engine serves without HTTP:
+
+    async with batchserve.Engine(batchserve.Config(), fn=my_batch_fn) as engine:
+        result = await engine.infer("some input")
+"""
+
+from .config import Config
+from .engine import Engine
+from .item import Result, Ticket
+
+__all__ = ["Config", "Engine", "Result", "Ticket"]
 __version__ = "0.1.0"

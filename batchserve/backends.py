@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from .config import BACKEND_BATCH_LIMIT, Config
 from .errors import StartupError
 
 BatchFn = Callable[[list[str]], list[str]]
@@ -123,26 +124,51 @@ def simulated_factory(latency_s: float, limit: int, chaos: Chaos | None = None) 
     return load
 
 
-def shared_fn_factory(path: str) -> DeviceFactory:
-    """--fn: one batch function that every device calls."""
-    fn = import_attr(path, "--fn")
+def device_factory(
+    config: Config,
+    device_names: list[str],
+    *,
+    fn: BatchFn | None = None,
+    fn_per_device: DeviceFactory | None = None,
+) -> DeviceFactory:
+    """The backend to load on each device: a function or factory handed over in Python,
+    else the one `--fn` / `--fn-per-device` names, else the simulated model."""
+    if fn is not None and fn_per_device is not None:
+        raise StartupError("give fn or fn_per_device, not both")
+    if fn is None and config.fn is not None:
+        fn = import_attr(config.fn, "--fn")
+    if fn is not None:
+        shared = fn
+        return lambda device: shared
+    if fn_per_device is not None:
+        return _checked_factory(fn_per_device, getattr(fn_per_device, "__name__", "the factory"))
+    if config.fn_per_device is not None:
+        factory = import_attr(config.fn_per_device, "--fn-per-device")
+        return _checked_factory(factory, f"--fn-per-device {config.fn_per_device}")
+    if not all(name.startswith("sim:") for name in device_names):
+        raise StartupError(
+            f"--devices {config.devices} needs a model: give --fn or --fn-per-device"
+            " (the simulated backend runs on sim:N devices)"
+        )
+    chaos = Chaos(
+        hang_rate=config.sim_hang_rate,
+        fail_rate=config.sim_fail_rate,
+        bad_output_rate=config.sim_bad_output_rate,
+        hang_s=config.sim_hang_ms / 1e3,
+        seed=config.sim_seed,
+    )
+    return simulated_factory(config.sim_latency_ms / 1e3, BACKEND_BATCH_LIMIT, chaos)
 
-    def load(device: str) -> BatchFn:
-        return fn
 
-    return load
-
-
-def per_device_factory(path: str) -> DeviceFactory:
-    """--fn-per-device: the user's factory, which loads weights once on each device."""
-    factory = import_attr(path, "--fn-per-device")
+def _checked_factory(factory: Callable[[str], object], name: str) -> DeviceFactory:
+    """The user's factory, which loads weights once on each device; what it returns must be
+    a batch function."""
 
     def load(device: str) -> BatchFn:
         fn = factory(device)
         if not callable(fn):
             raise StartupError(
-                f"--fn-per-device {path} returned {type(fn).__name__} for {device},"
-                " not a batch function"
+                f"{name} returned {type(fn).__name__} for {device}, not a batch function"
             )
         return fn
 

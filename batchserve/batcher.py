@@ -15,12 +15,15 @@ from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .errors import BackendError, BatchserveError, DeadlineExceeded, NotReady, Overloaded
+from .capacity import CallTime, DecayedRate
+from .clock import Clock
+from .errors import BackendError, BatchserveError, NotReady, Overloaded
 from .fair_queue import TIER_RANKS, FairQueue, predicted_wait_s
 from .faults import BatchFailure, RetryBudget, plan_recovery
 from .gpu_pool import GpuPool
 from .item import QueuedRequest
 from .policy import Decision, Policy, QueueView
+from .tasks import CrashHandler, TaskSet
 
 ADMISSION_UTILIZATION = 0.9
 """The share of the measured capacity that shedding counts on: headroom for the policy's
@@ -38,21 +41,26 @@ class BatcherStats:
 
 
 class Batcher:
-    """The pool's listener: it hears of finished and failed batches and of health changes."""
+    """Hears from the engine of finished and failed batches and of health changes."""
 
     def __init__(
         self,
         policy: Policy,
         pool: GpuPool,
         *,
+        clock: Clock,
+        call_time: CallTime,
         max_batch_size: int,
         max_queue: int,
         bisect_failures: bool,
         retry_budget: RetryBudget,
-        shed: bool = False,
+        shed: bool,
+        on_crash: CrashHandler,
     ):
         self._policy = policy
         self._pool = pool
+        self._clock = clock
+        self._call_time = call_time
         self._max_batch_size = max_batch_size
         self._max_queue = max_queue
         self._bisect = bisect_failures
@@ -63,7 +71,7 @@ class Batcher:
         self.recoveries: Counter[str] = Counter()
         """Requests sent round again by kind of failure, and those answered 500."""
         self._wakeup = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
+        self._tasks = TaskSet(on_crash)
         self._watchers: list[tuple[Callable[[BatcherStats], bool], asyncio.Future[None]]] = []
         self._batches = 0
         self._completed = 0
@@ -89,15 +97,11 @@ class Batcher:
         )
 
     async def __aenter__(self) -> Batcher:
-        self._task = asyncio.create_task(self._run(), name="batchserve-batcher")
+        self._tasks.start(self._run(), name="batchserve-batcher")
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
-        assert self._task is not None
-        self._task.cancel()
-        # gather reports the loop's own cancellation as a result, yet still raises if the
-        # task closing us is itself cancelled.
-        await asyncio.gather(self._task, return_exceptions=True)
+        await self._tasks.aclose()
 
     def submit(self, request: QueuedRequest) -> None:
         if len(self._queue) >= self._max_queue:
@@ -128,11 +132,9 @@ class Batcher:
         self._retries.clear()
         self._changed()
 
-    def batch_done(self, duration_s: float, answered: int) -> None:
-        now = asyncio.get_running_loop().time()
+    def batch_done(self, finished: float, answered: int) -> None:
         self._completed += answered
-        self._drain_rate.add(now, answered)
-        self._policy.on_batch_done(duration_s)
+        self._drain_rate.add(finished, answered)
         self._wakeup.set()
         self._changed()
 
@@ -195,7 +197,7 @@ class Batcher:
             self._queue.ahead_of(request.tenant, request.tier_rank, request.tenant_weight)
             + self._retrying()
         )
-        capacity, call_s = self.capacity_rps(), self._pool.typical_call_s
+        capacity, call_s = self.capacity_rps(), self._call_time.seconds
         if not capacity or not call_s:
             return  # nothing measured yet: no grounds to refuse
         claimed = sum(rate.at(request.arrival) for rate in self._tier_rates[: request.tier_rank])
@@ -213,10 +215,10 @@ class Batcher:
     def capacity_rps(self) -> float | None:
         """Requests a second the healthy devices can take in full batches; None until a batch
         has finished, since the call time is measured, not assumed."""
-        typical_s = self._pool.typical_call_s
-        if not typical_s:
+        call_s = self._call_time.seconds
+        if not call_s:
             return None
-        return self._pool.healthy * self._max_batch_size / typical_s
+        return self._pool.healthy * self._max_batch_size / call_s
 
     def predicted_queue_wait_s(self, queued: int) -> float:
         """How long a request arriving now would wait for the `queued` ahead of it to drain."""
@@ -230,14 +232,14 @@ class Batcher:
         return sum(map(len, self._retries))
 
     def _drain_time_s(self) -> float:
-        rate = self._drain_rate.at(asyncio.get_running_loop().time())
+        rate = self._drain_rate.at(self._clock.time())
         return len(self._queue) / rate if rate > 0 else 1.0
 
     async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
+        clock = self._clock
         while True:
             self._wakeup.clear()
-            now = loop.time()
+            now = clock.time()
             if self._retries and self._pool.free_count:
                 self._send(self._live(self._retries.popleft(), now))
                 continue
@@ -249,11 +251,12 @@ class Batcher:
                 if len(self._queue) < self._max_batch_size:
                     self._retry_budget.on_first_try()
                 continue
-            try:
-                async with asyncio.timeout_at(decision.wake_at):
-                    await self._wakeup.wait()
-            except TimeoutError:
-                pass
+            if decision.wake_at is None:
+                await self._wakeup.wait()
+                continue
+            alarm = clock.call_at(decision.wake_at, self._wakeup.set)
+            await self._wakeup.wait()
+            alarm.cancel()
 
     def _send(self, batch: list[QueuedRequest]) -> None:
         if batch:
@@ -284,27 +287,6 @@ class Batcher:
 
 def _waiting(request: QueuedRequest, now: float) -> bool:
     """False for a request already answered; one whose deadline passed is answered 504."""
-    if request.future.done():
-        return False
     if request.deadline <= now:
-        request.future.set_exception(
-            DeadlineExceeded("the deadline passed before a device was free")
-        )
-        return False
-    return True
-
-
-class DecayedRate:
-    """Events per second, exponentially decayed: an O(1) estimate of the drain rate."""
-
-    def __init__(self, horizon_s: float = 2.0) -> None:
-        self._horizon_s = horizon_s
-        self._rate = 0.0
-        self._updated = 0.0
-
-    def add(self, now: float, count: int) -> None:
-        self._rate = self.at(now) + count / self._horizon_s
-        self._updated = now
-
-    def at(self, now: float) -> float:
-        return self._rate * math.exp(-(now - self._updated) / self._horizon_s)
+        request.expire()
+    return not request.future.done()

@@ -13,19 +13,11 @@ from collections.abc import Callable, Sequence
 
 from aiohttp import web
 
-from .backends import (
-    HANG_MARKER,
-    POISON_MARKER,
-    Chaos,
-    DeviceFactory,
-    per_device_factory,
-    shared_fn_factory,
-    simulated_factory,
-)
+from .backends import HANG_MARKER, POISON_MARKER
 from .config import BACKEND_BATCH_LIMIT, POLICIES, Config
-from .devices import parse_devices
+from .engine import Engine
 from .errors import StartupError
-from .server import SERVER_KEY, create_app
+from .server import create_app
 
 log = logging.getLogger("batchserve")
 
@@ -94,7 +86,12 @@ _FLAGS: list[tuple[str, Callable[[str], object], str]] = [
         float,
         "the latency objective: /metrics sets the predicted queue wait against it",
     ),
-    ("metrics", _on_off, "on: serve Prometheus metrics at /metrics and the dashboard's numbers"),
+    (
+        "metrics",
+        _on_off,
+        "on: Prometheus metrics at /metrics, the live dashboard at / and its numbers at"
+        " /api/stats; off removes all three, and their per-request cost",
+    ),
     (
         "access-log",
         _on_off,
@@ -157,9 +154,9 @@ _FLAGS: list[tuple[str, Callable[[str], object], str]] = [
 ]
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = "batchserve") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m batchserve",
+        prog=prog,
         description="Serve a batch function over HTTP: one input per request, batched inside.",
         epilog="Every flag also reads from the environment: --max-queue from"
         " BATCHSERVE_MAX_QUEUE, and so on. A flag given on the command line wins.",
@@ -170,12 +167,14 @@ def build_parser() -> argparse.ArgumentParser:
         default = getattr(defaults, dest)
         env = f"BATCHSERVE_{dest.upper()}"
         shown = ("on" if default else "off") if isinstance(default, bool) else default
+        values = "on or off; " if kind is _on_off else ""
         parser.add_argument(
             f"--{flag}",
             type=kind,
             default=os.environ.get(env, default),
             choices=POLICIES if flag == "policy" else None,
-            help=f"{text} (default: {shown}; env {env})",
+            metavar="{on,off}" if kind is _on_off else None,
+            help=f"{text} ({values}default: {shown}; env {env})",
         )
     parser.add_argument(
         "--log-level",
@@ -186,41 +185,30 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def config_from_args(argv: Sequence[str] | None = None) -> tuple[Config, str]:
-    args = vars(build_parser().parse_args(argv))
+def config_from_args(
+    argv: Sequence[str] | None = None, prog: str = "batchserve"
+) -> tuple[Config, str]:
+    args = vars(build_parser(prog).parse_args(argv))
     log_level = args.pop("log_level")
     return Config(**args), log_level
 
 
-def backend_factory(config: Config, device_names: list[str]) -> DeviceFactory:
-    if config.fn is not None:
-        return shared_fn_factory(config.fn)
-    if config.fn_per_device is not None:
-        return per_device_factory(config.fn_per_device)
-    if not all(name.startswith("sim:") for name in device_names):
-        raise StartupError(
-            f"--devices {config.devices} needs a model: give --fn or --fn-per-device"
-            " (the simulated backend runs on sim:N devices)"
-        )
-    chaos = Chaos(
-        hang_rate=config.sim_hang_rate,
-        fail_rate=config.sim_fail_rate,
-        bad_output_rate=config.sim_bad_output_rate,
-        hang_s=config.sim_hang_ms / 1e3,
-        seed=config.sim_seed,
-    )
-    return simulated_factory(config.sim_latency_ms / 1e3, BACKEND_BATCH_LIMIT, chaos)
-
-
-async def serve(config: Config) -> None:
-    """Runs until SIGTERM or SIGINT, then drains: readiness fails, accepted work finishes."""
-    device_names = parse_devices(config.devices)
-    app = create_app(config, device_names, backend_factory(config, device_names))
+async def serve(engine: Engine) -> int:
+    """Serves until SIGTERM or SIGINT, then drains (readiness fails, accepted work finishes)
+    and returns 0; returns 1 at once if the engine fails, rather than serve into it."""
+    config = engine.config
+    app = create_app(engine)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5)
     await runner.setup()
+    loop = asyncio.get_running_loop()
     try:
         site = web.TCPSite(runner, config.host, config.port, backlog=4096)
-        await site.start()
+        try:
+            await site.start()
+        except OSError as exc:
+            raise StartupError(
+                f"cannot listen on {config.host}:{config.port}: {exc.strerror or exc}"
+            ) from None
         host, port = runner.addresses[0][:2]
         # Everything loaded so far lives for the whole run: keep it out of the collector's
         # scans, and collect young objects less often (each request makes a few).
@@ -230,19 +218,27 @@ async def serve(config: Config) -> None:
         # loop writes a batch's responses, the default 5 ms switch interval idles the device.
         sys.setswitchinterval(0.001)
         print(
-            f"batchserve listening on http://{host}:{port} devices={','.join(device_names)}"
+            f"batchserve listening on http://{host}:{port} devices={','.join(engine.device_names)}"
             f" policy={config.policy} max_batch_size={config.max_batch_size}"
             f" max_linger_ms={config.max_linger_ms:g}",
             flush=True,
         )
         stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, stop.set)
-        await stop.wait()
-        log.info("stopping: draining %d accepted requests", len(app[SERVER_KEY].pending))
-        await app[SERVER_KEY].drain()
+        waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(engine.failed.wait())]
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        for wait in waits:
+            wait.cancel()
+        if engine.failed.is_set():
+            log.critical("exiting 1: %s", engine.failure)
+            return 1
+        log.info("stopping: draining %d accepted requests", engine.stats().pending)
+        await engine.drain()
+        return 0
     finally:
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(signum)
         await runner.cleanup()
 
 
@@ -256,18 +252,20 @@ def _route_access_log_to_stdout() -> None:
     access.propagate = False
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, prog: str = "batchserve") -> int:
+    """`batchserve` and `python -m batchserve`: 0 after a clean drain, 1 if it could not
+    start (one line on stderr) or its engine failed."""
     import uvloop
 
     try:
-        config, log_level = config_from_args(argv)
+        config, log_level = config_from_args(argv, prog)
         logging.basicConfig(
             level=log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s"
         )
         _route_access_log_to_stdout()
+        engine = Engine(config)
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-            runner.run(serve(config))
+            return runner.run(serve(engine))
     except StartupError as error:
-        print(f"batchserve: error: {error}", file=sys.stderr)
+        print(f"{prog}: error: {error}", file=sys.stderr)
         return 1
-    return 0

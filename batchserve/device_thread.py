@@ -19,36 +19,40 @@ from typing import Any, TypeVar
 Arg = TypeVar("Arg")
 Ret = TypeVar("Ret")
 
-_Job = tuple[asyncio.AbstractEventLoop, "asyncio.Future[Any]", Callable[[Any], Any], Any]
+_Job = tuple["asyncio.Future[Any]", Callable[[Any], Any], Any]
 
 
 class DeviceThread:
-    """Runs calls one at a time, in the order they were submitted."""
+    """Runs calls one at a time, in the order they were submitted; each outcome goes back to
+    the loop that started the thread."""
 
     def __init__(self, device: str) -> None:
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._work, name=f"batchserve-{device}", daemon=True)
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     def __repr__(self) -> str:
         return f"<DeviceThread {self._thread.name} alive={self._thread.is_alive()}>"
 
-    def start(self) -> None:
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
         self._thread.start()
 
     def stop(self) -> None:
         """Lets the thread end after the calls already submitted; does not wait for them."""
         self._jobs.put(None)
 
-    def submit(
-        self, loop: asyncio.AbstractEventLoop, fn: Callable[[Arg], Ret], arg: Arg
-    ) -> asyncio.Future[Ret]:
-        future: asyncio.Future[Ret] = loop.create_future()
-        self._jobs.put((loop, future, fn, arg))
+    def submit(self, fn: Callable[[Arg], Ret], arg: Arg) -> asyncio.Future[Ret]:
+        assert self._loop is not None, "submit only to a started thread"
+        future: asyncio.Future[Ret] = self._loop.create_future()
+        self._jobs.put((future, fn, arg))
         return future
 
     def _work(self) -> None:
+        loop = self._loop
+        assert loop is not None
         while (job := self._jobs.get()) is not None:
-            loop, future, fn, arg = job
+            future, fn, arg = job
             try:
                 outcome = functools.partial(_set_result, future, fn(arg))
             except Exception as exc:

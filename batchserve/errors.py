@@ -1,45 +1,70 @@
 """The errors a request can end with, and the one for a failed start-up.
 
-BatchserveError            one request's failure; server.py maps each to an HTTP answer
-├── InvalidInput           the body is not what the API takes              (400)
-├── DuplicateRequestId     the X-Request-Id is already in flight           (409)
+BatchserveError            one request's failure; its class declares the HTTP status and
+│                          the error code it is answered with
+├── InvalidInput           the body or input is not what the API takes     (400)
 ├── Unauthenticated        no API key, or one the server does not know     (401)
 ├── NotFound               no such request in the status store             (404)
+├── MethodNotAllowed       the path exists, the method does not            (405)
+├── DuplicateRequestId     the X-Request-Id is already in flight           (409)
 ├── InputTooLarge          body or input over --max-input-bytes           (413)
 ├── RateLimited            the tenant is over its tier's rate             (429)
 ├── BackendError           the batch function raised or answered badly     (500)
 ├── Overloaded             the queue is full; carries a retry estimate     (503)
-├── NotReady               starting, draining or shut down                 (503)
+├── NotReady               starting, draining, failed or no healthy device (503)
 └── DeadlineExceeded       the request's deadline passed                   (504)
 
 StartupError               bad configuration or a backend that cannot load; the CLI
                            prints its one-line message and exits 1
+
+The engine raises these to library callers as they are; `http_io.py` is the one place that
+writes them to the wire (status, JSON body, headers such as Retry-After), and the metrics
+count answers by the same status and code.
 """
 
 from __future__ import annotations
+
+from typing import ClassVar
 
 
 class BatchserveError(Exception):
     """A failure that belongs to one request and becomes its response."""
 
+    status: ClassVar[int]
+    code: ClassVar[str]
+
 
 class InvalidInput(BatchserveError):
-    pass
-
-
-class DuplicateRequestId(BatchserveError):
-    pass
+    status, code = 400, "INVALID_INPUT"
 
 
 class Unauthenticated(BatchserveError):
-    pass
+    status, code = 401, "UNAUTHENTICATED"
 
 
 class NotFound(BatchserveError):
-    pass
+    status, code = 404, "NOT_FOUND"
+
+
+class MethodNotAllowed(BatchserveError):
+    status, code = 405, "METHOD_NOT_ALLOWED"
+
+    def __init__(self, message: str, allowed: list[str]) -> None:
+        super().__init__(message)
+        self.allowed = allowed
+
+
+class DuplicateRequestId(BatchserveError):
+    status, code = 409, "DUPLICATE_REQUEST_ID"
+
+
+class InputTooLarge(BatchserveError):
+    status, code = 413, "INPUT_TOO_LARGE"
 
 
 class RateLimited(BatchserveError):
+    status, code = 429, "RATE_LIMITED"
+
     def __init__(self, message: str, retry_after_s: float, limit: float, reset_s: float) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
@@ -47,26 +72,24 @@ class RateLimited(BatchserveError):
         self.reset_s = reset_s
 
 
-class InputTooLarge(BatchserveError):
-    pass
-
-
 class BackendError(BatchserveError):
-    pass
+    status, code = 500, "BACKEND_ERROR"
 
 
 class Overloaded(BatchserveError):
+    status, code = 503, "OVERLOADED"
+
     def __init__(self, message: str, retry_after_s: float) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
 
 
 class NotReady(BatchserveError):
-    pass
+    status, code = 503, "NOT_READY"
 
 
 class DeadlineExceeded(BatchserveError):
-    pass
+    status, code = 504, "DEADLINE_EXCEEDED"
 
 
 class StartupError(Exception):

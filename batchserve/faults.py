@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from .capacity import CallTime
 from .errors import BackendError
 from .item import QueuedRequest
 
@@ -97,29 +98,23 @@ def plan_recovery(
 class BatchBudget:
     """How long one batch call may run before its device counts as hung.
 
-    A fixed budget when the operator gives one; otherwise `multiple` times the typical call
-    (an average of recent successful calls), never below `floor_s`, and `unknown_s` until a
-    call has been seen, since first calls may compile kernels or warm caches.
+    A fixed budget when the operator gives one; otherwise `multiple` times the engine's
+    batch-time estimate, never below `floor_s`, and `unknown_s` until a call has been seen,
+    since first calls may compile kernels or warm caches.
     """
 
+    call_time: CallTime
     fixed_s: float | None = None
     multiple: float = 5.0
     floor_s: float = 1.0
     unknown_s: float = 10.0
-    typical_s: float | None = None
-
-    def observe(self, duration_s: float) -> None:
-        if self.typical_s is None:
-            self.typical_s = duration_s
-        else:
-            self.typical_s += 0.1 * (duration_s - self.typical_s)
 
     def seconds(self) -> float:
         if self.fixed_s is not None:
             return self.fixed_s
-        if self.typical_s is None:
+        if self.call_time.seconds is None:
             return self.unknown_s
-        return max(self.floor_s, self.multiple * self.typical_s)
+        return max(self.floor_s, self.multiple * self.call_time.seconds)
 
 
 PROBE_INPUT = "batchserve-probe"

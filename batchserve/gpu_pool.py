@@ -2,10 +2,11 @@
 
 The pool loads each device's batch function on that device's thread (so weights land where
 they will be used), runs batches there, checks what comes back and resolves the waiting
-futures on the event loop. A failed batch goes back to its listener (the batcher), which
-decides what runs again. A call past its budget marks its device hung: the device gets no
-work until that call has returned and a probe has answered in time. The pool owns every
-task it starts and cancels what is left of them on close.
+futures on the event loop. A failed batch goes back to its listener (the engine, which hands
+it to the batcher to decide what runs again). A call past its budget marks its device hung:
+the device gets no work until that call has returned and a probe has answered in time. The
+pool owns every task it starts and cancels what is left of them on close. Each successful
+call's duration goes into the engine's one batch-time estimate; all timing reads its clock.
 """
 
 from __future__ import annotations
@@ -14,22 +15,25 @@ import asyncio
 import enum
 import logging
 from collections import Counter, deque
-from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from .backends import BatchFn, DeviceFactory
+from .capacity import CallTime
+from .clock import Clock, Timer, sleep_until, wait_until
 from .device_thread import DeviceThread
 from .errors import BackendError, BatchserveError, StartupError
 from .faults import MAX_PROBE_DELAY_S, PROBE_INPUT, BatchBudget, BatchFailure, FailureKind
 from .item import QueuedRequest, Result
+from .tasks import CrashHandler, TaskSet
 
 log = logging.getLogger(__name__)
 
 
 class PoolListener(Protocol):
-    def batch_done(self, duration_s: float, answered: int) -> None:
-        """A batch succeeded and its device is free; called before anyone is answered."""
+    def batch_done(self, finished: float, answered: int) -> None:
+        """A batch succeeded at `finished` and its device is free; called before anyone is
+        answered."""
 
     def batch_failed(self, batch: list[QueuedRequest], failure: BatchFailure) -> None:
         """Nobody in `batch` has been answered; the listener retries or fails them."""
@@ -51,6 +55,8 @@ class DeviceState(enum.Enum):
 
 HEALTHY = frozenset({DeviceState.IDLE, DeviceState.BUSY})
 BUSY_WINDOW_S = 10.0
+LOGGED_IDS = 5
+"""A failed batch's log line names this many request ids and counts the rest."""
 
 
 @dataclass(eq=False)
@@ -78,15 +84,27 @@ class Device:
 
 
 class GpuPool:
-    def __init__(self, device_names: list[str], factory: DeviceFactory, budget: BatchBudget):
+    def __init__(
+        self,
+        device_names: list[str],
+        factory: DeviceFactory,
+        *,
+        clock: Clock,
+        call_time: CallTime,
+        budget: BatchBudget,
+        listener: PoolListener,
+        on_crash: CrashHandler,
+    ) -> None:
         self._factory = factory
+        self._clock = clock
+        self._call_time = call_time
         self._budget = budget
+        self._listener = listener
         self._devices = [Device(name, DeviceThread(name)) for name in device_names]
-        self._tasks: set[asyncio.Task[None]] = set()
-        self.listener: PoolListener | None = None
+        self._tasks = TaskSet(on_crash)
         self.healthy = 0
         self.faults: Counter[str] = Counter()
-        """Faults by kind, for logs now and the metrics endpoint later."""
+        """Faults by kind, counted in the logs and on /metrics."""
 
     def __repr__(self) -> str:
         return (
@@ -110,20 +128,15 @@ class GpuPool:
     def devices(self) -> list[Device]:
         return list(self._devices)
 
-    @property
-    def typical_call_s(self) -> float | None:
-        """The recent average of successful batch calls; None until one has finished."""
-        return self._budget.typical_s
-
     def states(self) -> dict[str, str]:
         return {device.name: device.state.value for device in self._devices}
 
     async def __aenter__(self) -> GpuPool:
         loop = asyncio.get_running_loop()
         for device in self._devices:
-            device.thread.start()
+            device.thread.start(loop)
         loaded = await asyncio.gather(
-            *(d.thread.submit(loop, self._factory, d.name) for d in self._devices),
+            *(d.thread.submit(self._factory, d.name) for d in self._devices),
             return_exceptions=True,
         )
         failures: list[str] = []
@@ -147,9 +160,7 @@ class GpuPool:
 
     async def __aexit__(self, *exc_info: object) -> None:
         """Cancels what is left: probes, and calls nobody waits for after the drain."""
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._tasks.aclose()
         for device in self._devices:
             device.thread.stop()
 
@@ -157,20 +168,24 @@ class GpuPool:
         """Starts `batch` on a free device; the caller has checked that one is free."""
         device = next(d for d in self._devices if d.state is DeviceState.IDLE)
         assert device.fn is not None
-        loop = asyncio.get_running_loop()
         device.state = DeviceState.BUSY
-        device.busy_since = started = loop.time()
+        device.busy_since = started = self._clock.time()
         device.batch = batch
         for request in batch:
             request.running = True
         # Submitted here, not in the task's first step: that step would queue behind every
         # handler that the last finished batch just woke, leaving the device idle meanwhile.
-        call = device.thread.submit(loop, device.fn, [r.input for r in batch])
+        call = device.thread.submit(device.fn, [r.input for r in batch])
         # A plain timer, not asyncio.wait: that would add a loop pass between the call's end
         # and this device's next batch, and under load each pass waits behind every handler.
         budget_s = self._budget.seconds()
-        watchdog = loop.call_at(started + budget_s, self._hung, device, batch, batch_id, budget_s)
-        self._start(self._finish(device, batch, batch_id, started, call, watchdog))
+        watchdog = self._clock.call_at(
+            started + budget_s, self._hung, device, batch, batch_id, budget_s
+        )
+        self._tasks.start(
+            self._finish(device, batch, batch_id, started, call, watchdog),
+            name=f"batchserve-batch-{batch_id}",
+        )
 
     def fail_in_flight(self, error: BatchserveError) -> None:
         """Answers everyone whose batch is still running; late results are then dropped."""
@@ -179,11 +194,6 @@ class GpuPool:
                 if not request.future.done():
                     request.future.set_exception(error)
 
-    def _start(self, coroutine: Coroutine[object, object, None]) -> None:
-        task = asyncio.create_task(coroutine)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
     async def _finish(
         self,
         device: Device,
@@ -191,9 +201,8 @@ class GpuPool:
         batch_id: int,
         started: float,
         call: asyncio.Future[list[str]],
-        watchdog: asyncio.TimerHandle,
+        watchdog: Timer,
     ) -> None:
-        loop = asyncio.get_running_loop()
         try:
             returned: object = await call
         except Exception as exc:
@@ -202,14 +211,12 @@ class GpuPool:
         if device.state is DeviceState.HUNG:  # the watchdog already handed the batch back
             await self._recover(device)
             return
-        finished = loop.time()
+        finished = self._clock.time()
         device.state = DeviceState.IDLE
         device.busy_since = None
         device.batch = []
         device.busy_total_s += finished - started
         device.recent_calls.append((started, finished))
-        listener = self.listener
-        assert listener is not None
         if isinstance(returned, Exception):
             error = BackendError(f"the batch function raised {type(returned).__name__}: {returned}")
             self._failed(batch, BatchFailure(FailureKind.RAISED, error, device.name, batch_id))
@@ -219,10 +226,10 @@ class GpuPool:
         except BackendError as exc:
             self._failed(batch, BatchFailure(FailureKind.MALFORMED, exc, device.name, batch_id))
             return
-        self._budget.observe(finished - started)
+        self._call_time.observe(finished - started)
         # Wake the batcher before the waiting handlers: its wake-up is then queued ahead of
         # theirs, so the device gets its next batch before a hundred responses are written.
-        listener.batch_done(finished - started, len(batch))
+        self._listener.batch_done(finished, len(batch))
         for request, output in zip(batch, outputs, strict=True):
             if not request.future.done():
                 request.future.set_result(
@@ -238,6 +245,9 @@ class GpuPool:
 
     def _failed(self, batch: list[QueuedRequest], failure: BatchFailure, then: str = "") -> None:
         self.faults[f"batch_{failure.kind.value}"] += 1
+        ids = ",".join(r.request_id for r in batch[:LOGGED_IDS])
+        if len(batch) > LOGGED_IDS:
+            ids += f" and {len(batch) - LOGGED_IDS} more"
         log.warning(
             "batch %d of %d on %s failed: %s%s; request ids: %s",
             failure.batch_id,
@@ -245,10 +255,9 @@ class GpuPool:
             failure.device,
             failure.error,
             then,
-            ",".join(r.request_id for r in batch),
+            ids,
         )
-        assert self.listener is not None
-        self.listener.batch_failed(batch, failure)
+        self._listener.batch_failed(batch, failure)
 
     def _hung(
         self, device: Device, batch: list[QueuedRequest], batch_id: int, budget_s: float
@@ -265,8 +274,7 @@ class GpuPool:
             BatchFailure(FailureKind.HUNG, error, device.name, batch_id),
             then="; the device gets no work until a probe answers in time",
         )
-        assert self.listener is not None
-        self.listener.health_changed()
+        self._listener.health_changed()
 
     async def _recover(self, device: Device) -> None:
         """After a hung call returns (its results are dropped), probes until one answers."""
@@ -275,7 +283,7 @@ class GpuPool:
         device.state = DeviceState.RECOVERING
         delay_s = self._budget.seconds()
         while True:
-            await asyncio.sleep(delay_s)
+            await sleep_until(self._clock, self._clock.time() + delay_s)
             if await self._probe(device):
                 break
             delay_s = min(2 * delay_s, MAX_PROBE_DELAY_S)
@@ -283,15 +291,13 @@ class GpuPool:
         self.healthy += 1
         self.faults["device_recovered"] += 1
         log.warning("%s answered its probe in time and takes work again", device.name)
-        assert self.listener is not None
-        self.listener.health_changed()
+        self._listener.health_changed()
 
     async def _probe(self, device: Device) -> bool:
         assert device.fn is not None
         budget_s = self._budget.seconds()
-        call = device.thread.submit(asyncio.get_running_loop(), device.fn, [PROBE_INPUT])
-        done, _ = await asyncio.wait((call,), timeout=budget_s)
-        if done:
+        call = device.thread.submit(device.fn, [PROBE_INPUT])
+        if await wait_until(self._clock, call, self._clock.time() + budget_s):
             try:
                 _checked(call.result(), 1)
                 return True

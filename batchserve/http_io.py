@@ -1,67 +1,88 @@
 """The API's wire format: reading a request's id and body, writing answers and errors.
 
-Only this module maps the error tree to HTTP statuses and codes.
+The only module that turns the error tree (`errors.py`) into HTTP answers.
 """
 
 from __future__ import annotations
 
 import math
 import secrets
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import orjson
 from aiohttp import web
 
-from .config import Config
 from .errors import (
-    BackendError,
     BatchserveError,
-    DeadlineExceeded,
-    DuplicateRequestId,
     InputTooLarge,
     InvalidInput,
-    NotFound,
-    NotReady,
+    MethodNotAllowed,
     Overloaded,
     RateLimited,
     Unauthenticated,
 )
 from .item import Result
 
-STATUS: dict[type[BatchserveError], tuple[int, str]] = {
-    InvalidInput: (400, "INVALID_INPUT"),
-    Unauthenticated: (401, "UNAUTHENTICATED"),
-    NotFound: (404, "NOT_FOUND"),
-    DuplicateRequestId: (409, "DUPLICATE_REQUEST_ID"),
-    InputTooLarge: (413, "INPUT_TOO_LARGE"),
-    RateLimited: (429, "RATE_LIMITED"),
-    BackendError: (500, "BACKEND_ERROR"),
-    Overloaded: (503, "OVERLOADED"),
-    NotReady: (503, "NOT_READY"),
-    DeadlineExceeded: (504, "DEADLINE_EXCEEDED"),
-}
+if TYPE_CHECKING:
+    from .engine import Engine
+    from .tenants import Tenant
+
 _BODY_FIELDS = frozenset({"input", "timeout_ms"})
 MAX_REQUEST_ID = 128
+
+
+class Call(NamedTuple):
+    """Who asks for what: a request read off the wire, before the engine sees it."""
+
+    request_id: str
+    tenant: Tenant | None
+    text: str
+    timeout_ms: float | None
+
+
+async def read_call(
+    request: web.Request, engine: Engine, route: str, arrival: float
+) -> Call | web.Response:
+    """The request's id, tenant, input and timeout; or, for a request refused here (bad id,
+    unknown key, bad body), its recorded error answer."""
+    request_id, problem = request_id_of(request)
+    tenant = None
+    try:
+        if problem is not None:
+            raise problem
+        tenant = engine.authenticate(request.headers.get("Authorization"))
+        text, timeout_ms = await read_input(request, engine.config.max_body_bytes)
+    except BatchserveError as error:
+        engine.record(route, request_id, arrival, error, tenant)
+        return error_response(error, request_id)
+    return Call(request_id, tenant, text, timeout_ms)
 
 
 def request_id_of(request: web.Request) -> tuple[str, InvalidInput | None]:
     """The client's X-Request-Id, or a fresh one; an unusable id is replaced, never echoed."""
     given = request.headers.get("X-Request-Id")
     if not given:
-        # Unguessable, since an id is what the status API is polled by; token_hex costs a
-        # fifth of uuid4().hex, which builds a UUID object around the same random bytes.
-        return secrets.token_hex(16), None
+        return new_request_id(), None
     if len(given) > MAX_REQUEST_ID or not given.isprintable():
         problem = InvalidInput(
             f"X-Request-Id must be at most {MAX_REQUEST_ID} printable characters"
         )
-        return secrets.token_hex(16), problem
+        return new_request_id(), problem
     return given, None
 
 
-async def read_input(request: web.Request, config: Config) -> tuple[str, float]:
-    """The body's input text and the request's timeout in seconds."""
-    limit = config.max_body_bytes
+def new_request_id() -> str:
+    """Unguessable, since an id is what the status API is polled by; token_hex costs a
+    fifth of uuid4().hex, which builds a UUID object around the same random bytes."""
+    return secrets.token_hex(16)
+
+
+async def read_input(request: web.Request, limit: int) -> tuple[str, float | None]:
+    """The body's input text and the request's own timeout in ms (None: the server's).
+
+    Only the shape is checked here; the engine checks the input's size and text and caps
+    the timeout, for library callers as for HTTP ones.
+    """
     if request.content_length is not None and request.content_length > limit:
         raise InputTooLarge(f"the body is over the limit of {limit} bytes")
     try:
@@ -71,7 +92,7 @@ async def read_input(request: web.Request, config: Config) -> tuple[str, float]:
     try:
         payload: Any = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
-        raise InvalidInput(f"the body is not valid UTF-8 JSON: {exc}") from None
+        raise InvalidInput(_json_problem(exc)) from None
     if not isinstance(payload, dict):
         raise InvalidInput('the body must be a JSON object like {"input": "..."}')
     unknown = payload.keys() - _BODY_FIELDS
@@ -80,17 +101,23 @@ async def read_input(request: web.Request, config: Config) -> tuple[str, float]:
     text = payload.get("input")
     if not isinstance(text, str):
         raise InvalidInput('the body needs a string field "input"')
-    try:
-        size = len(text.encode())
-    except UnicodeEncodeError:
-        raise InvalidInput('"input" is not valid Unicode text') from None
-    if size > config.max_input_bytes:
-        raise InputTooLarge(f"the input is {size} bytes; the limit is {config.max_input_bytes}")
-    return text, _timeout_s(payload.get("timeout_ms"), request, config.timeout_ms)
+    return text, _timeout_ms(payload.get("timeout_ms"), request)
 
 
-def _timeout_s(in_body: object, request: web.Request, cap_ms: float) -> float:
-    """The request's own timeout (body first, then header), capped by the server's."""
+def _json_problem(exc: orjson.JSONDecodeError) -> str:
+    """orjson's words for bad UTF-8 ("surrogates not allowed") mislead; say what is wrong."""
+    if "not valid UTF-8" in exc.msg:
+        return "the body is not valid UTF-8 text"
+    if "surrogate" in exc.msg:
+        return (
+            f"the body is not valid UTF-8 JSON: the \\u escape before char {exc.pos} is half"
+            " of a UTF-16 surrogate pair, which is not Unicode text"
+        )
+    return f"the body is not valid UTF-8 JSON: {exc}"
+
+
+def _timeout_ms(in_body: object, request: web.Request) -> float | None:
+    """The request's own timeout: the body's, else the header's, else None."""
     requested: object = in_body
     if requested is None and "X-Request-Timeout-Ms" in request.headers:
         try:
@@ -98,7 +125,7 @@ def _timeout_s(in_body: object, request: web.Request, cap_ms: float) -> float:
         except ValueError:
             raise InvalidInput("X-Request-Timeout-Ms must be a number") from None
     if requested is None:
-        return cap_ms / 1e3
+        return None
     if (
         isinstance(requested, bool)
         or not isinstance(requested, int | float)
@@ -106,7 +133,7 @@ def _timeout_s(in_body: object, request: web.Request, cap_ms: float) -> float:
         or requested <= 0
     ):
         raise InvalidInput("timeout_ms must be a number above 0")
-    return min(float(requested), cap_ms) / 1e3
+    return float(requested)
 
 
 def answer_body(request_id: str, result: Result, latency_s: float) -> dict[str, Any]:
@@ -121,7 +148,7 @@ def answer_body(request_id: str, result: Result, latency_s: float) -> dict[str, 
 
 
 def error_body(error: BatchserveError, request_id: str) -> dict[str, Any]:
-    return {"error": STATUS[type(error)][1], "message": str(error), "request_id": request_id}
+    return {"error": error.code, "message": str(error), "request_id": request_id}
 
 
 _JSON_TYPE = {"Content-Type": "application/json"}
@@ -151,4 +178,6 @@ def error_response(error: BatchserveError, request_id: str) -> web.Response:
         headers["RateLimit-Reset"] = str(max(1, math.ceil(error.reset_s)))
     if isinstance(error, Unauthenticated):
         headers["WWW-Authenticate"] = "Bearer"
-    return json_response(STATUS[type(error)][0], body, headers)
+    if isinstance(error, MethodNotAllowed):
+        headers["Allow"] = ", ".join(error.allowed)
+    return json_response(error.status, body, headers)

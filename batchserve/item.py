@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
+
+from .errors import BackendError, BatchserveError, DeadlineExceeded
 
 
 class Result(NamedTuple):
@@ -40,3 +43,61 @@ class QueuedRequest:
     hang_retried: bool = False
     running: bool = False
     """Set when a batch carrying it starts on a device (for the status API)."""
+
+    def expire(self) -> None:
+        """Answers 504. The one rule for deadlines: the engine's timer calls it at the
+        deadline, and a batch formed after the deadline (before the timer ran) leaves it out."""
+        if not self.future.done():
+            self.future.set_exception(DeadlineExceeded("the request's deadline passed"))
+
+
+class Ticket:
+    """A submitted request: its status now and, awaited, its result (its error raises)."""
+
+    __slots__ = ("_request",)
+
+    def __init__(self, request: QueuedRequest) -> None:
+        self._request = request
+
+    def __repr__(self) -> str:
+        return f"<Ticket {self.request_id} {self.status}>"
+
+    @property
+    def request_id(self) -> str:
+        return self._request.request_id
+
+    @property
+    def arrival(self) -> float:
+        return self._request.arrival
+
+    @property
+    def status(self) -> str:
+        """queued, running (in a batch call now), completed or failed."""
+        if self._request.future.done():
+            return "completed" if isinstance(self.outcome(), Result) else "failed"
+        return "running" if self._request.running else "queued"
+
+    def done(self) -> bool:
+        return self._request.future.done()
+
+    def outcome(self) -> Result | BatchserveError:
+        """The result or the error, once done."""
+        future = self._request.future
+        error = None if future.cancelled() else future.exception()
+        if future.cancelled() or (error is not None and not isinstance(error, BatchserveError)):
+            return BackendError(f"the request ended unexpectedly: {error!r}")
+        return error if isinstance(error, BatchserveError) else future.result()
+
+    def add_done_callback(self, callback: Callable[[Ticket], object]) -> None:
+        self._request.future.add_done_callback(lambda _: callback(self))
+
+    async def result(self) -> Result:
+        """Waits for the answer; cancelling the wait leaves the request running."""
+        await asyncio.wait([self._request.future])
+        outcome = self.outcome()
+        if isinstance(outcome, BatchserveError):
+            raise outcome
+        return outcome
+
+    def __await__(self) -> Generator[Any, None, Result]:
+        return self.result().__await__()

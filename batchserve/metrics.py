@@ -8,7 +8,6 @@ and the pool when scraped, so it costs the hot path nothing.
 
 from __future__ import annotations
 
-import asyncio
 import math
 import time
 from collections import deque
@@ -25,6 +24,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from .batcher import Batcher
+from .clock import Clock
 from .gpu_pool import HEALTHY, DeviceState, GpuPool
 from .item import Result
 
@@ -43,7 +43,8 @@ WINDOW_S = 2.0
 
 
 class Metrics:
-    def __init__(self, batcher: Batcher, pool: GpuPool, *, slo_s: float) -> None:
+    def __init__(self, batcher: Batcher, pool: GpuPool, *, clock: Clock, slo_s: float) -> None:
+        self._clock = clock
         self.registry = CollectorRegistry()
         self._requests = Counter(
             "batchserve_requests",
@@ -76,7 +77,7 @@ class Metrics:
             registry=self.registry,
         )
         self._ok = self._requests.labels("inference", "200", NO_TIER, "")
-        self._state = _StateCollector(batcher, pool, slo_s)
+        self._state = _StateCollector(batcher, pool, clock, slo_s)
         self.registry.register(self._state)
         self.recent = RecentWindow()
 
@@ -96,8 +97,10 @@ class Metrics:
         if code in REJECTIONS:
             self._rejections.labels(code).inc()
 
-    def snapshot(self, now: float) -> dict[str, Any]:
-        """The dashboard's numbers: the last WINDOW_S of answers and the state right now."""
+    def snapshot(self) -> dict[str, Any]:
+        """The dashboard's numbers: the last WINDOW_S of answers and the state right now.
+        `time` is wall-clock, for the page's time axis."""
+        now = self._clock.time()
         return {"time": time.time(), **self.recent.summary(now), **self._state.summary(now)}
 
 
@@ -134,9 +137,10 @@ def _percentile_ms(values: tuple[float, ...] | tuple[()], q: float) -> float | N
 class _StateCollector(Collector):
     """Reads the batcher and the pool at scrape time."""
 
-    def __init__(self, batcher: Batcher, pool: GpuPool, slo_s: float) -> None:
+    def __init__(self, batcher: Batcher, pool: GpuPool, clock: Clock, slo_s: float) -> None:
         self._batcher = batcher
         self._pool = pool
+        self._clock = clock
         self._slo_s = slo_s
 
     def summary(self, now: float) -> dict[str, Any]:
@@ -165,8 +169,7 @@ class _StateCollector(Collector):
         }
 
     def collect(self) -> Iterator[Metric]:
-        now = asyncio.get_running_loop().time()  # scraped from a handler, on the loop
-        state = self.summary(now)
+        state = self.summary(self._clock.time())
 
         def gauge(name: str, text: str, value: float | None) -> GaugeMetricFamily:
             return GaugeMetricFamily(name, text, value=math.nan if value is None else value)

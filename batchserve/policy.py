@@ -1,8 +1,9 @@
 """When a batch leaves and how big it is: pure decisions on plain numbers (sans-IO).
 
-The batcher feeds a policy what happened (arrivals, finished batches) and asks it, with `now`
-passed in, what to do. Nothing here reads a clock or awaits, so the same objects drive the
-live server, the virtual-time simulator in benchmarks/ and property tests.
+The batcher asks a policy, with `now` and the queue's state passed in, what to do; the batch
+time comes from the engine's one estimate (`capacity.CallTime`). Nothing here reads a clock
+or awaits, so the same objects drive the live server, the virtual-time simulator in
+benchmarks/ and property tests.
 
 Both policies bind late: a batch is formed only when a device is free to take it, so a
 batch keeps growing while every device is busy.
@@ -15,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from .capacity import CallTime
 from .config import Config
 
 
@@ -51,8 +53,6 @@ MIN_HOLD_S = 0.0005
 
 
 class Policy(Protocol):
-    def on_batch_done(self, duration_s: float) -> None: ...
-
     def decide(
         self, now: float, queue: QueueView, free_devices: int, busy_since: Sequence[float]
     ) -> Decision: ...
@@ -72,20 +72,10 @@ class AdaptivePolicy:
     than one batch time before a queued request's deadline.
     """
 
-    def __init__(self, *, max_batch_size: int, max_linger_s: float) -> None:
+    def __init__(self, *, max_batch_size: int, max_linger_s: float, call_time: CallTime) -> None:
         self.max_batch_size = max_batch_size
         self.max_linger_s = max_linger_s
-        self.service_s: float | None = None
-
-    @classmethod
-    def from_config(cls, config: Config) -> AdaptivePolicy:
-        return cls(max_batch_size=config.max_batch_size, max_linger_s=config.max_linger_ms / 1e3)
-
-    def on_batch_done(self, duration_s: float) -> None:
-        if self.service_s is None:
-            self.service_s = duration_s
-        else:
-            self.service_s += 0.2 * (duration_s - self.service_s)
+        self._call_time = call_time
 
     def decide(
         self, now: float, queue: QueueView, free_devices: int, busy_since: Sequence[float]
@@ -94,7 +84,7 @@ class AdaptivePolicy:
             return WAIT
         if queue.size >= self.max_batch_size:
             return Decision(self.max_batch_size)
-        service = self.service_s
+        service = self._call_time.seconds
         if service is None or not busy_since:
             return Decision(queue.size)
         spacing = SPACING_SHARE * service / (free_devices + len(busy_since))
@@ -115,13 +105,6 @@ class FixedPolicy:
         self.max_batch_size = max_batch_size
         self.max_linger_s = max_linger_s
 
-    @classmethod
-    def from_config(cls, config: Config) -> FixedPolicy:
-        return cls(max_batch_size=config.max_batch_size, max_linger_s=config.max_linger_ms / 1e3)
-
-    def on_batch_done(self, duration_s: float) -> None:
-        pass
-
     def decide(
         self, now: float, queue: QueueView, free_devices: int, busy_since: Sequence[float]
     ) -> Decision:
@@ -135,7 +118,11 @@ class FixedPolicy:
         return Decision(min(queue.size, self.max_batch_size))
 
 
-def make_policy(config: Config) -> Policy:
+def make_policy(config: Config, call_time: CallTime) -> Policy:
+    """The policy --policy names; the adaptive one reads the engine's batch-time estimate."""
+    max_linger_s = config.max_linger_ms / 1e3
     if config.policy == "fixed":
-        return FixedPolicy.from_config(config)
-    return AdaptivePolicy.from_config(config)
+        return FixedPolicy(max_batch_size=config.max_batch_size, max_linger_s=max_linger_s)
+    return AdaptivePolicy(
+        max_batch_size=config.max_batch_size, max_linger_s=max_linger_s, call_time=call_time
+    )

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any
 
-from .item import QueuedRequest
+from .item import Ticket
 from .tenants import Tenant
 
 
@@ -18,7 +18,7 @@ class ResultStore:
     def __init__(self, *, capacity: int, ttl_s: float) -> None:
         self._capacity = capacity
         self._ttl_s = ttl_s
-        self._pending: dict[str, QueuedRequest] = {}
+        self._pending: dict[str, Ticket] = {}
         self._finished: OrderedDict[str, tuple[float, dict[str, Any]]] = OrderedDict()
         """request id -> (finished at, answer), oldest first."""
         self._owners: dict[str, Tenant | None] = {}
@@ -36,9 +36,9 @@ class ResultStore:
             self._owners.pop(self._finished.popitem(last=False)[0], None)
         return len(self._pending) + len(self._finished) < self._capacity
 
-    def add(self, request: QueuedRequest, owner: Tenant | None = None) -> None:
-        self._pending[request.request_id] = request
-        self._owners[request.request_id] = owner
+    def add(self, ticket: Ticket, owner: Tenant | None = None) -> None:
+        self._pending[ticket.request_id] = ticket
+        self._owners[ticket.request_id] = owner
 
     def finish(self, request_id: str, answer: dict[str, Any], now: float) -> None:
         del self._pending[request_id]
@@ -51,8 +51,10 @@ class ResultStore:
         self._expire(now)
         if request_id in self._owners and self._owners[request_id] != owner:
             return None
-        if (request := self._pending.get(request_id)) is not None:
-            return {"request_id": request_id, "status": "running" if request.running else "queued"}
+        if (ticket := self._pending.get(request_id)) is not None:
+            # Its answer is stored by the callback that runs as it finishes.
+            running = ticket.status == "running"
+            return {"request_id": request_id, "status": "running" if running else "queued"}
         if (finished := self._finished.get(request_id)) is not None:
             return finished[1]
         return None

@@ -1,67 +1,68 @@
 """Submit, then poll, for clients that cannot hold a connection open for the answer.
 
-`POST /api/requests` takes the same body as /api/inference, queues it and answers 202 at
-once; `GET /api/requests/{id}` says queued, running, completed (with the answer) or failed
-(with the error), until the result expires. The request runs exactly like a synchronous one:
-same queue, deadline, batching and fault handling.
+`POST /api/requests` takes the same body as /api/inference, hands it to `engine.submit` and
+answers 202 at once; `GET /api/requests/{id}` says queued, running, completed (with the
+answer) or failed (with the error), until the result expires. The request runs exactly like
+a synchronous one: the engine's queue, deadline, batching and fault handling.
 """
 
 from __future__ import annotations
 
-import asyncio
-import functools
-from typing import TYPE_CHECKING
 from urllib.parse import quote
 
 from aiohttp import web
 
-from .errors import BackendError, BatchserveError, DuplicateRequestId, NotFound, Overloaded
+from .engine import Engine
+from .errors import BatchserveError, DuplicateRequestId, NotFound, Overloaded
 from .http_io import (
     MAX_REQUEST_ID,
     answer_body,
     error_body,
     error_response,
     json_response,
+    read_call,
     request_id_of,
 )
-from .item import Result
+from .item import Result, Ticket
 from .results import ResultStore
-
-if TYPE_CHECKING:
-    from .server import Server
-    from .tenants import Tenant
 
 
 class StatusApi:
-    def __init__(self, server: Server) -> None:
-        self._server = server
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
         self.store = ResultStore(
-            capacity=server.config.result_store_size, ttl_s=server.config.result_ttl_s
+            capacity=engine.config.result_store_size, ttl_s=engine.config.result_ttl_s
         )
 
     async def submit(self, request: web.Request) -> web.Response:
-        server = self._server
-        loop = server.loop
-        arrival = loop.time()
-        request_id, problem = request_id_of(request)
-        tenant = None
+        engine = self._engine
+        arrival = engine.clock.time()
+        call = await read_call(request, engine, "requests", arrival)
+        if isinstance(call, web.Response):
+            return call
+        request_id = call.request_id
         try:
-            admitted = await server.admit(request, problem)
-            tenant = admitted.tenant
-            if request_id in server.pending or request_id in self.store:
+            if request_id in self.store:
                 raise DuplicateRequestId(
                     f"request id {request_id} is in use until its result expires"
                 )
             if not self.store.make_room(arrival):
                 raise Overloaded("the status store is full of unfinished requests", 1.0)
-            queued, expiry = server.submit(loop, request_id, arrival, admitted)
         except BatchserveError as error:
-            server.record("requests", request_id, arrival, error, tenant)
+            engine.record("requests", request_id, arrival, error, call.tenant)
             return error_response(error, request_id)
-        self.store.add(queued, tenant)
-        queued.future.add_done_callback(
-            functools.partial(self._finished, request_id, tenant, arrival, expiry)
-        )
+        try:
+            ticket = engine.submit(
+                call.text,
+                timeout_ms=call.timeout_ms,
+                request_id=request_id,
+                tenant=call.tenant,
+                arrival=arrival,
+            )
+        except BatchserveError as error:
+            return error_response(error, request_id)
+        self.store.add(ticket, call.tenant)
+        ticket.add_done_callback(self._finished)
         return json_response(
             202,
             {"request_id": request_id, "status": "queued"},
@@ -74,38 +75,28 @@ class StatusApi:
         if len(request_id) > MAX_REQUEST_ID or not request_id.isprintable():
             return error_response(NotFound("no such request"), request_id_of(request)[0])
         try:
-            tenant = self._server.authenticate(request)
+            tenant = self._engine.authenticate(request.headers.get("Authorization"))
         except BatchserveError as refused:
             return error_response(refused, request_id)
-        answer = self.store.get(request_id, self._server.loop.time(), tenant)
+        answer = self.store.get(request_id, self._engine.clock.time(), tenant)
         if answer is None:
             missing = NotFound(f"no request {request_id}: never submitted, or its result expired")
             return error_response(missing, request_id)
         return json_response(200, answer)
 
-    def _finished(
-        self,
-        request_id: str,
-        tenant: Tenant | None,
-        arrival: float,
-        expiry: asyncio.TimerHandle,
-        future: asyncio.Future[Result],
-    ) -> None:
-        server = self._server
-        server.release(request_id, expiry)
-        now = server.loop.time()
-        error = None if future.cancelled() else future.exception()
-        if future.cancelled() or (error is not None and not isinstance(error, BatchserveError)):
-            error = BackendError(f"the request ended unexpectedly: {error!r}")
-        if isinstance(error, BatchserveError):
-            server.record("requests", request_id, arrival, error, tenant, now)
+    def _finished(self, ticket: Ticket) -> None:
+        now = self._engine.clock.time()
+        outcome = ticket.outcome()
+        request_id = ticket.request_id
+        if isinstance(outcome, Result):
+            answer = {
+                "status": "completed",
+                **answer_body(request_id, outcome, now - ticket.arrival),
+            }
+        else:
             answer = {
                 "request_id": request_id,
                 "status": "failed",
-                "error": error_body(error, request_id),
+                "error": error_body(outcome, request_id),
             }
-        else:
-            result = future.result()
-            server.record("requests", request_id, arrival, result, tenant, now)
-            answer = {"status": "completed", **answer_body(request_id, result, now - arrival)}
         self.store.finish(request_id, answer, now)

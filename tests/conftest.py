@@ -17,8 +17,11 @@ from aiohttp import ClientResponse
 from aiohttp.test_utils import TestClient
 
 from batchserve.backends import POISON_MARKER, BatchFn, simulate
+from batchserve.clock import Clock
 from batchserve.config import Config
-from batchserve.server import SERVER_KEY, Server, create_app
+from batchserve.engine import Engine, EngineStats
+from batchserve.policy import Policy
+from batchserve.server import create_app
 
 
 @dataclass
@@ -85,31 +88,50 @@ Factory = Callable[[str], BatchFn]
 def start_server(
     aiohttp_client: Callable[..., object],
 ) -> Callable[..., object]:
-    """Starts the real app in-process; returns (client, server)."""
+    """Starts the real app over an engine in-process; returns (client, engine)."""
 
     async def start(
-        factory: Factory, devices: int = 1, **settings: object
-    ) -> tuple[TestClient, Server]:
+        factory: Factory,
+        devices: int = 1,
+        clock: Clock | None = None,
+        policy: Policy | None = None,
+        **settings: object,
+    ) -> tuple[TestClient, Engine]:
         config = Config(**settings)  # type: ignore[arg-type]
-        names = [f"sim:{index}" for index in range(devices)]
-        app = create_app(config, names, factory)
-        client = await aiohttp_client(  # type: ignore[operator]
-            app, server_kwargs={"handler_cancellation": True}
+        engine = Engine(
+            config, fn_per_device=factory, devices=f"sim:{devices}", clock=clock, policy=policy
         )
-        return client, app[SERVER_KEY]
+        client = await aiohttp_client(  # type: ignore[operator]
+            create_app(engine), server_kwargs={"handler_cancellation": True}
+        )
+        return client, engine
 
     return start
 
 
+HANG_GUARD_S = 60.0
+"""A wait for a state that never comes fails the test after this long instead of hanging
+the suite; no test relies on it as a timing."""
+
+
+async def reach(engine: Engine, predicate: Callable[[EngineStats], bool]) -> None:
+    """`engine.wait_until`, bounded: fails with the engine's state if it never holds."""
+    try:
+        async with asyncio.timeout(HANG_GUARD_S):
+            await engine.wait_until(predicate)
+    except TimeoutError:
+        pytest.fail(f"the engine never reached the state; it is {engine.stats()}")
+
+
 async def hold_one_and_queue_one(
-    client: TestClient, server: Server
+    client: TestClient, engine: Engine
 ) -> tuple[asyncio.Future[ClientResponse], asyncio.Future[ClientResponse]]:
     """Posts "a", which a closed gate holds on the device, then "b", which waits queued behind
     it: a queue of one, filled, for tests of what the next request gets."""
     running = asyncio.ensure_future(client.post("/api/inference", json={"input": "a"}))
-    await server.batcher.wait_until(lambda s: s.in_flight == 1)
+    await reach(engine, lambda s: s.in_flight == 1)
     queued = asyncio.ensure_future(client.post("/api/inference", json={"input": "b"}))
-    await server.batcher.wait_until(lambda s: s.queued == 1)
+    await reach(engine, lambda s: s.queued == 1)
     return running, queued
 
 

@@ -12,7 +12,9 @@ from collections import Counter
 from aiohttp.test_utils import TestClient
 
 from batchserve.backends import HANG_MARKER, POISON_MARKER, Chaos, simulate, simulated_factory
-from batchserve.server import Server
+from batchserve.engine import Engine
+
+from .conftest import reach
 
 ALLOWED_ERRORS = {500: "BACKEND_ERROR", 503: "NOT_READY", 504: "DEADLINE_EXCEEDED"}
 
@@ -26,7 +28,7 @@ async def run_load(client: TestClient, texts: list[str]) -> list[tuple[int, dict
 
 
 def check_invariants(
-    server: Server, texts: list[str], answers: list[tuple[int, dict[str, object]]]
+    engine: Engine, texts: list[str], answers: list[tuple[int, dict[str, object]]]
 ) -> Counter[int]:
     assert len(answers) == len(texts)
     for text, (status, body) in zip(texts, answers, strict=True):
@@ -36,8 +38,8 @@ def check_invariants(
         else:
             assert body["error"] == ALLOWED_ERRORS[status], body
             assert "two batch calls at once" not in str(body["message"])
-    assert server.pending == {}
-    stats = server.batcher.stats()
+    assert engine.stats().pending == 0
+    stats = engine.stats()
     assert (stats.queued, stats.in_flight) == (0, 0)
     return Counter(status for status, _ in answers)
 
@@ -54,31 +56,31 @@ async def test_poison_and_a_hang_fail_only_the_poison_requests(start_server):
     earns nothing, so its reserve must pay for all three isolations (about 14 calls each).
     """
     factory = simulated_factory(0.002, 100, Chaos(hang_s=0.5))
-    client, server = await start_server(factory, devices=4, batch_timeout_ms=250, retry_reserve=100)
+    client, engine = await start_server(factory, devices=4, batch_timeout_ms=250, retry_reserve=100)
     texts = texts_with_poison(3000, every=1000)
     texts[1500] += HANG_MARKER  # wedges the first call that carries it, once
     answers = await run_load(client, texts)
-    statuses = check_invariants(server, texts, answers)
+    statuses = check_invariants(engine, texts, answers)
     poison = [status for text, (status, _) in zip(texts, answers, strict=True)
               if POISON_MARKER in text]  # fmt: skip
     assert poison == [500] * 3
     assert statuses == Counter({200: 2997, 500: 3})
-    assert server.pool.faults["batch_hung"] == 1
-    await server.batcher.wait_until(lambda s: s.healthy_devices == 4)  # the hung one rejoins
+    assert engine.faults["batch_hung"] == 1
+    await reach(engine, lambda s: s.healthy_devices == 4)  # the hung one rejoins
 
 
 async def test_random_faults_never_lose_or_mix_up_a_request(start_server):
     chaos = Chaos(hang_rate=0.03, fail_rate=0.1, bad_output_rate=0.1, hang_s=0.3, seed=7)
-    client, server = await start_server(
+    client, engine = await start_server(
         simulated_factory(0.002, 100, chaos), devices=4, batch_timeout_ms=100
     )
     texts = texts_with_poison(3000, every=100)
     answers = await run_load(client, texts)
-    statuses = check_invariants(server, texts, answers)
+    statuses = check_invariants(engine, texts, answers)
     assert statuses[200] > 0
-    faults = server.pool.faults
+    faults = engine.faults
     assert faults["batch_raised"] > 0
     assert faults["batch_malformed"] > 0
     assert faults["batch_hung"] > 0
-    await server.batcher.wait_until(lambda s: s.healthy_devices == 4)
+    await reach(engine, lambda s: s.healthy_devices == 4)
     assert (await client.get("/readyz")).status == 200

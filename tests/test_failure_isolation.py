@@ -12,10 +12,10 @@ import math
 from aiohttp.test_utils import TestClient
 
 from batchserve.backends import POISON_MARKER, simulate
+from batchserve.engine import Engine
 from batchserve.faults import PROBE_INPUT
-from batchserve.server import Server
 
-from .conftest import GatedBackend
+from .conftest import GatedBackend, reach
 
 
 async def ask(client: TestClient, text: str) -> tuple[int, dict[str, object]]:
@@ -24,25 +24,25 @@ async def ask(client: TestClient, text: str) -> tuple[int, dict[str, object]]:
 
 
 async def fill_one_batch(
-    client: TestClient, server: Server, backend: GatedBackend, texts: list[str]
+    client: TestClient, engine: Engine, backend: GatedBackend, texts: list[str]
 ) -> list[tuple[int, dict[str, object]]]:
     """Holds the device with a first request so that `texts` leave together, as one batch.
 
     At most 99 texts: the test client opens at most 100 connections at once.
     """
     first = asyncio.ensure_future(ask(client, "first"))
-    await server.batcher.wait_until(lambda s: s.in_flight == 1)
+    await reach(engine, lambda s: s.in_flight == 1)
     answers = [asyncio.ensure_future(ask(client, text)) for text in texts]
-    await server.batcher.wait_until(lambda s: s.queued == len(texts))
+    await reach(engine, lambda s: s.queued == len(texts))
     backend.gate.set()
     assert (await first)[0] == 200
     return list(await asyncio.gather(*answers))
 
 
 async def test_poison_inputs_fail_alone_and_the_rest_of_their_batch_succeeds(start_server, gated):
-    client, server = await start_server(gated, retry_reserve=100)  # isolating 3 takes ~30
+    client, engine = await start_server(gated, retry_reserve=100)  # isolating 3 takes ~30
     texts = [f"in-{n}" + (POISON_MARKER if n in {3, 40, 41} else "") for n in range(99)]
-    answers = await fill_one_batch(client, server, gated, texts)
+    answers = await fill_one_batch(client, engine, gated, texts)
     for text, (status, body) in zip(texts, answers, strict=True):
         if POISON_MARKER in text:
             assert status == 500
@@ -55,24 +55,24 @@ async def test_poison_inputs_fail_alone_and_the_rest_of_their_batch_succeeds(sta
             assert body["output"] == simulate(text)
     retries = len(gated.calls) - 2  # the first request's call and the whole batch's
     assert 0 < retries <= 2 * math.ceil(math.log2(99)) * 3
-    assert server.batcher.recoveries["failed"] == 3
-    assert server.pool.faults["batch_raised"] > 0
-    assert server.pending == {}
+    assert engine.recoveries["failed"] == 3
+    assert engine.faults["batch_raised"] > 0
+    assert engine.stats().pending == 0
 
 
 async def test_the_default_retry_reserve_isolates_a_poison_input_in_a_full_batch(
     start_server, gated
 ):
-    client, server = await start_server(gated)
+    client, engine = await start_server(gated)
     texts = [f"in-{n}" + (POISON_MARKER if n == 77 else "") for n in range(99)]
-    answers = await fill_one_batch(client, server, gated, texts)
+    answers = await fill_one_batch(client, engine, gated, texts)
     assert [status for status, _ in answers] == [200] * 77 + [500] + [200] * 21
 
 
 async def test_without_bisection_one_poison_input_fails_its_whole_batch(start_server, gated):
-    client, server = await start_server(gated, bisect_failures=False)
+    client, engine = await start_server(gated, bisect_failures=False)
     texts = [f"in-{n}" + (POISON_MARKER if n == 5 else "") for n in range(10)]
-    answers = await fill_one_batch(client, server, gated, texts)
+    answers = await fill_one_batch(client, engine, gated, texts)
     assert [status for status, _ in answers] == [500] * 10
     assert len(gated.calls) == 2
 
@@ -80,17 +80,17 @@ async def test_without_bisection_one_poison_input_fails_its_whole_batch(start_se
 async def test_a_flood_of_failures_spends_the_retry_budget_then_batches_fail_whole(
     start_server, gated
 ):
-    client, server = await start_server(gated, retry_budget=0, retry_reserve=30)
+    client, engine = await start_server(gated, retry_budget=0, retry_reserve=30)
     texts = [f"in-{n}{POISON_MARKER}" for n in range(99)]
-    answers = await fill_one_batch(client, server, gated, texts)
+    answers = await fill_one_batch(client, engine, gated, texts)
     assert [status for status, _ in answers] == [500] * 99
     assert len(gated.calls) <= 2 + 30  # the reserve pays for 15 splits of two calls
     gated.gate.clear()
-    answers = await fill_one_batch(client, server, gated, ["innocent", f"bad{POISON_MARKER}"])
+    answers = await fill_one_batch(client, engine, gated, ["innocent", f"bad{POISON_MARKER}"])
     for status, body in answers:
         assert status == 500
         assert "not retried, so innocent inputs may share this answer" in str(body["message"])
-    assert server.batcher.recoveries["not_retried_over_budget"] >= 2
+    assert engine.recoveries["not_retried_over_budget"] >= 2
 
 
 async def test_a_malformed_result_is_retried_once_and_nobody_takes_from_it(start_server, gated):
@@ -105,18 +105,18 @@ async def test_a_malformed_result_is_retried_once_and_nobody_takes_from_it(start
 async def test_a_result_malformed_twice_gets_500_naming_the_fault(start_server, gated):
     gated.gate.set()
     gated.malformed_calls = 2
-    client, server = await start_server(gated)
+    client, engine = await start_server(gated)
     status, body = await ask(client, "abc")
     assert status == 500
     assert body["message"] == "the batch function returned 0 outputs for 1 inputs"
     assert len(gated.calls) == 2
-    assert server.pool.faults["batch_malformed"] == 2
+    assert engine.faults["batch_malformed"] == 2
 
 
 async def test_a_hung_device_hands_its_batch_to_another_then_rejoins(start_server, gated):
     gated.gate.set()
     gated.stuck = {"sim:0"}
-    client, server = await start_server(gated, devices=2, batch_timeout_ms=200)
+    client, engine = await start_server(gated, devices=2, batch_timeout_ms=200)
     status, body = await ask(client, "abc")  # the first free device is sim:0
     assert (status, body["output"]) == (200, "cba")
     assert gated.calls == [("sim:0", ["abc"]), ("sim:1", ["abc"])]
@@ -127,17 +127,17 @@ async def test_a_hung_device_hands_its_batch_to_another_then_rejoins(start_serve
     assert all(status == 200 for status, _ in answers)
     assert gated.calls_on("sim:0") == [["abc"]]  # no second call while the first is inside
     gated.unstick.set()
-    await server.batcher.wait_until(lambda s: s.healthy_devices == 2)
+    await reach(engine, lambda s: s.healthy_devices == 2)
     assert gated.calls_on("sim:0") == [["abc"], [PROBE_INPUT]]
     assert set(gated.max_concurrent.values()) == {1}
-    assert server.pool.faults["late_result_discarded"] == 1
-    assert server.pool.states() == {"sim:0": "idle", "sim:1": "idle"}
+    assert engine.faults["late_result_discarded"] == 1
+    assert engine.device_states() == {"sim:0": "idle", "sim:1": "idle"}
 
 
 async def test_with_no_healthy_device_left_requests_get_503_until_one_recovers(start_server, gated):
     gated.gate.set()
     gated.stuck = {"sim:0", "sim:1"}
-    client, server = await start_server(gated, devices=2, batch_timeout_ms=200)
+    client, engine = await start_server(gated, devices=2, batch_timeout_ms=200)
     status, body = await ask(client, "abc")  # hangs sim:0, then its one retry hangs sim:1
     assert status == 500
     assert "ran past its budget of 200 ms" in str(body["message"])
@@ -148,7 +148,7 @@ async def test_with_no_healthy_device_left_requests_get_503_until_one_recovers(s
     assert (status, body["error"]) == (503, "NOT_READY")
     gated.stuck.clear()
     gated.unstick.set()
-    await server.batcher.wait_until(lambda s: s.healthy_devices == 2)
+    await reach(engine, lambda s: s.healthy_devices == 2)
     assert (await client.get("/readyz")).status == 200
     status, body = await ask(client, "new")
     assert (status, body["output"]) == (200, "wen")
@@ -159,26 +159,26 @@ async def test_when_the_last_device_hangs_its_batch_and_the_queue_are_answered_5
 ):
     gated.gate.set()
     gated.stuck = {"sim:0"}
-    client, server = await start_server(gated, batch_timeout_ms=200)
+    client, engine = await start_server(gated, batch_timeout_ms=200)
     running = asyncio.ensure_future(ask(client, "running"))
-    await server.batcher.wait_until(lambda s: s.in_flight == 1)
+    await reach(engine, lambda s: s.in_flight == 1)
     queued = asyncio.ensure_future(ask(client, "queued"))
-    await server.batcher.wait_until(lambda s: s.queued == 1)
+    await reach(engine, lambda s: s.queued == 1)
     for status, body in [await running, await queued]:
         assert (status, body["error"]) == (503, "NOT_READY")
         assert body["message"] == "no healthy device is left to run this request"
     assert gated.calls == [("sim:0", ["running"])]
-    assert server.pending == {}
+    assert engine.stats().pending == 0
 
 
 async def test_a_hung_device_never_holds_a_request_past_its_deadline(start_server, gated):
     gated.gate.set()
     gated.stuck = {"sim:0"}
-    client, server = await start_server(gated, batch_timeout_ms=60_000)
+    client, engine = await start_server(gated, batch_timeout_ms=60_000)
     response = await client.post("/api/inference", json={"input": "x", "timeout_ms": 50})
     assert response.status == 504
-    assert server.pending == {}
-    assert server.batcher.stats().in_flight == 0  # the drain at teardown need not wait
+    assert engine.stats().pending == 0
+    assert engine.stats().in_flight == 0  # the drain at teardown need not wait
 
 
 async def test_a_device_that_fails_to_load_is_left_out(start_server):
@@ -190,11 +190,11 @@ async def test_a_device_that_fails_to_load_is_left_out(start_server):
             raise RuntimeError("CUDA error: out of memory")
         return backend(device)
 
-    client, server = await start_server(factory, devices=3)
+    client, engine = await start_server(factory, devices=3)
     ready = await client.get("/readyz")
     assert ready.status == 200
     assert (await ready.json())["devices"] == {"sim:0": "idle", "sim:1": "dead", "sim:2": "idle"}
     answers = await asyncio.gather(*(ask(client, f"x{n}") for n in range(100)))
     assert all(status == 200 for status, _ in answers)
     assert {device for device, _ in backend.calls} <= {"sim:0", "sim:2"}
-    assert server.pool.healthy == 2
+    assert engine.stats().healthy_devices == 2

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from batchserve.capacity import CALL_TIME_WEIGHT, CallTime
 from batchserve.faults import BatchBudget, FailureKind, RetryBudget, plan_recovery
 from batchserve.item import QueuedRequest
 
@@ -99,16 +100,27 @@ def test_the_retry_budget_pays_for_halves_until_spent_then_batches_fail_whole():
 
 
 def test_a_given_budget_is_used_as_it_is():
-    budget = BatchBudget(fixed_s=0.25)
-    budget.observe(9.0)
+    call_time = CallTime()
+    budget = BatchBudget(call_time, fixed_s=0.25)
+    call_time.observe(9.0)
     assert budget.seconds() == 0.25
 
 
 def test_a_derived_budget_follows_the_typical_call_above_its_floor():
-    budget = BatchBudget(multiple=5.0, floor_s=1.0, unknown_s=10.0)
+    call_time = CallTime()
+    budget = BatchBudget(call_time, multiple=5.0, floor_s=1.0, unknown_s=10.0)
     assert budget.seconds() == 10.0  # nothing seen yet: first calls may warm up
-    budget.observe(0.1)
+    call_time.observe(0.1)
     assert budget.seconds() == 1.0  # 5 x 100 ms is under the floor
     for _ in range(200):
-        budget.observe(2.0)
+        call_time.observe(2.0)
     assert budget.seconds() == pytest.approx(10.0, rel=1e-3)
+
+
+def test_the_call_time_is_one_moving_average_of_successful_calls():
+    call_time = CallTime()
+    assert call_time.seconds is None
+    call_time.observe(0.1)
+    assert call_time.seconds == 0.1  # the first call is taken as it is
+    call_time.observe(0.2)
+    assert call_time.seconds == pytest.approx(0.1 + CALL_TIME_WEIGHT * 0.1)

@@ -35,7 +35,7 @@ def labels(**pairs: str) -> tuple[tuple[str, str], ...]:
 
 async def test_metrics_count_answers_by_status_and_time_them(start_server, gated):
     gated.gate.set()
-    client, server = await start_server(gated, devices=2)
+    client, engine = await start_server(gated, devices=2)
     answers = await asyncio.gather(
         *(client.post("/api/inference", json={"input": f"x{n}"}) for n in range(20))
     )
@@ -51,7 +51,7 @@ async def test_metrics_count_answers_by_status_and_time_them(start_server, gated
     assert samples[("batchserve_requests_total", failed)] == 1
     for name in ("request_latency", "queue_wait", "compute"):
         assert samples[(f"batchserve_{name}_seconds_count", ())] == 20
-    batches = server.batcher.stats().batches
+    batches = engine.stats().batches
     assert samples[("batchserve_batch_size_count", ())] == batches
     assert samples[("batchserve_batch_size_sum", ())] == 21  # 20 answered, 1 poison alone
     assert samples[("batchserve_device_healthy", labels(device="sim:0"))] == 1
@@ -64,8 +64,8 @@ async def test_metrics_count_answers_by_status_and_time_them(start_server, gated
 
 
 async def test_rejections_are_counted_by_reason(start_server, gated):
-    client, server = await start_server(gated, max_queue=1)
-    running, queued = await hold_one_and_queue_one(client, server)
+    client, engine = await start_server(gated, max_queue=1)
+    running, queued = await hold_one_and_queue_one(client, engine)
     refused = await client.post("/api/inference", json={"input": "c"})
     assert refused.status == 503
     samples = await scrape(client)

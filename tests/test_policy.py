@@ -7,15 +7,23 @@ import math
 from hypothesis import given
 from hypothesis import strategies as st
 
+from batchserve.capacity import CallTime
 from batchserve.policy import SPACING_SHARE, AdaptivePolicy, Decision, FixedPolicy, QueueView
 
 SERVICE = 0.1
 
 
 def adaptive(max_batch_size: int = 100, max_linger_s: float = 0.05) -> AdaptivePolicy:
-    policy = AdaptivePolicy(max_batch_size=max_batch_size, max_linger_s=max_linger_s)
-    policy.on_batch_done(SERVICE)
-    return policy
+    return AdaptivePolicy(
+        max_batch_size=max_batch_size, max_linger_s=max_linger_s, call_time=timed(SERVICE)
+    )
+
+
+def timed(seconds: float) -> CallTime:
+    """The engine's batch-time estimate after one call of `seconds`."""
+    call_time = CallTime()
+    call_time.observe(seconds)
+    return call_time
 
 
 def queue(size: int, oldest: float = 0.0, deadline: float = math.inf) -> QueueView:
@@ -58,7 +66,7 @@ def test_a_lone_device_never_holds():
 
 
 def test_before_any_batch_is_timed_the_policy_is_greedy():
-    policy = AdaptivePolicy(max_batch_size=100, max_linger_s=0.05)
+    policy = AdaptivePolicy(max_batch_size=100, max_linger_s=0.05, call_time=CallTime())
     assert policy.decide(1.0, queue(1, 1.0), 1, [0.99]) == Decision(1)
 
 
@@ -79,12 +87,14 @@ def test_hold_leaves_a_batch_time_before_the_earliest_deadline():
     assert adaptive().decide(1.0, queue(1, 1.0, deadline=1.1), 1, [0.99]) == Decision(1)
 
 
-def test_service_estimate_follows_observed_batches():
-    policy = adaptive()
+def test_spacing_follows_the_engine_s_batch_time_estimate():
+    call_time = timed(SERVICE)
+    policy = AdaptivePolicy(max_batch_size=100, max_linger_s=1.0, call_time=call_time)
     for _ in range(50):
-        policy.on_batch_done(0.2)
-    assert policy.service_s is not None
-    assert math.isclose(policy.service_s, 0.2, rel_tol=1e-3)
+        call_time.observe(0.2)
+    decision = policy.decide(1.0, queue(1, 1.0), 1, [0.99])
+    assert decision.wake_at is not None
+    assert math.isclose(decision.wake_at, 0.99 + SPACING_SHARE * 0.2 / 2, rel_tol=1e-3)
 
 
 def test_fixed_waits_for_size_or_linger_then_a_free_device():
@@ -112,8 +122,7 @@ busy_lists = st.lists(st.floats(0.0, 10.0), max_size=16)
 def test_adaptive_decisions_are_always_sound(
     now, size, age, slack, free, busy, max_batch, linger, service
 ):
-    policy = AdaptivePolicy(max_batch_size=max_batch, max_linger_s=linger)
-    policy.on_batch_done(service)
+    policy = AdaptivePolicy(max_batch_size=max_batch, max_linger_s=linger, call_time=timed(service))
     view = queue(size, oldest=now - age, deadline=now + slack) if size else QueueView(0)
     busy_since = [min(start, now) for start in busy]
     decision = policy.decide(now, view, free, busy_since)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from batchserve.item import QueuedRequest
+from batchserve.item import QueuedRequest, Ticket
 from batchserve.results import ResultStore
 
 
@@ -16,10 +16,14 @@ def request(request_id: str) -> QueuedRequest:
         loop.close()
 
 
+def ticket(request_id: str) -> Ticket:
+    return Ticket(request(request_id))
+
+
 def test_a_request_is_queued_then_running_then_has_its_answer():
     store = ResultStore(capacity=10, ttl_s=60)
     queued = request("a")
-    store.add(queued)
+    store.add(Ticket(queued))
     assert store.get("a", 0.0) == {"request_id": "a", "status": "queued"}
     queued.running = True
     assert store.get("a", 0.0) == {"request_id": "a", "status": "running"}
@@ -31,8 +35,8 @@ def test_a_request_is_queued_then_running_then_has_its_answer():
 
 def test_a_full_store_evicts_the_oldest_finished_never_an_unfinished_one():
     store = ResultStore(capacity=2, ttl_s=60)
-    store.add(request("old"))
-    store.add(request("pending"))
+    store.add(ticket("old"))
+    store.add(ticket("pending"))
     assert not store.make_room(0.0)  # full of unfinished requests: refuse the next
     store.finish("old", {"status": "completed"}, now=1.0)
     assert store.make_room(2.0)

@@ -11,20 +11,20 @@ import pytest
 from aiohttp import ClientResponse
 
 from batchserve.backends import simulate, simulated_factory
-from batchserve.server import Server
+from batchserve.engine import Engine
 
-from .conftest import GatedBackend, hold_one_and_queue_one
+from .conftest import GatedBackend, hold_one_and_queue_one, reach
 
 
 async def finish_and_check_never_ran(
-    server: Server, gated: GatedBackend, running: asyncio.Future[ClientResponse], text: str
+    engine: Engine, gated: GatedBackend, running: asyncio.Future[ClientResponse], text: str
 ) -> None:
     """Lets the blocking batch finish, then proves `text` never reached a device."""
     gated.gate.set()
     assert (await running).status == 200
-    await server.batcher.wait_until(lambda s: s.in_flight == 0)
+    await reach(engine, lambda s: s.in_flight == 0)
     assert text not in gated.seen_inputs()
-    assert server.pending == {}
+    assert engine.stats().pending == 0
 
 
 async def test_answers_with_output_and_timings(start_server):
@@ -45,7 +45,7 @@ async def test_answers_with_output_and_timings(start_server):
 
 
 async def test_two_thousand_concurrent_requests_each_get_their_own_output(start_server):
-    client, server = await start_server(simulated_factory(0.002, 100), devices=4)
+    client, engine = await start_server(simulated_factory(0.002, 100), devices=4)
     inputs = [f"request-{index}-{'x' * (index % 7)}" for index in range(2000)]
 
     async def ask(text: str) -> tuple[str, dict[str, object]]:
@@ -57,15 +57,15 @@ async def test_two_thousand_concurrent_requests_each_get_their_own_output(start_
     assert [body["output"] for _, body in answers] == [simulate(text) for text in inputs]
     assert len({body["request_id"] for _, body in answers}) == len(inputs)
     assert max(body["batch_size"] for _, body in answers) > 1  # it really batched
-    assert server.pending == {}
-    stats = server.batcher.stats()
+    assert engine.stats().pending == 0
+    stats = engine.stats()
     assert (stats.queued, stats.in_flight, stats.completed) == (0, 0, len(inputs))
 
 
 async def test_a_device_never_runs_two_batches_and_batches_respect_the_limit(start_server):
     backend = GatedBackend()
     backend.gate.set()
-    client, _server = await start_server(backend, devices=3, max_batch_size=7)
+    client, _engine = await start_server(backend, devices=3, max_batch_size=7)
     responses = await asyncio.gather(
         *(client.post("/api/inference", json={"input": f"in-{n}"}) for n in range(300))
     )
@@ -76,14 +76,14 @@ async def test_a_device_never_runs_two_batches_and_batches_respect_the_limit(sta
 
 
 async def test_a_batch_grows_while_every_device_is_busy(start_server, gated):
-    client, server = await start_server(gated, devices=1)
+    client, engine = await start_server(gated, devices=1)
     first = asyncio.ensure_future(client.post("/api/inference", json={"input": "first"}))
-    await server.batcher.wait_until(lambda s: s.in_flight == 1)
+    await reach(engine, lambda s: s.in_flight == 1)
     rest = [
         asyncio.ensure_future(client.post("/api/inference", json={"input": f"r{n}"}))
         for n in range(5)
     ]
-    await server.batcher.wait_until(lambda s: s.queued == 5)
+    await reach(engine, lambda s: s.queued == 5)
     gated.gate.set()
     bodies = [await (await task).json() for task in [first, *rest]]
     assert [body["batch_size"] for body in bodies] == [1, 5, 5, 5, 5, 5]
@@ -107,14 +107,14 @@ async def test_a_batch_grows_while_every_device_is_busy(start_server, gated):
     ],
 )
 async def test_bad_bodies_get_400_invalid_input(start_server, body, fragment):
-    client, server = await start_server(simulated_factory(0.0, 100))
+    client, engine = await start_server(simulated_factory(0.0, 100))
     response = await client.post("/api/inference", data=body)
     assert response.status == 400
     answer = await response.json()
     assert answer["error"] == "INVALID_INPUT"
     assert fragment in answer["message"]
     assert answer["request_id"]
-    assert server.pending == {}
+    assert engine.stats().pending == 0
 
 
 async def test_bad_timeout_header_and_overlong_request_id_get_400(start_server):
@@ -131,13 +131,13 @@ async def test_bad_timeout_header_and_overlong_request_id_get_400(start_server):
 
 
 async def test_ten_megabyte_body_gets_413(start_server):
-    client, server = await start_server(simulated_factory(0.0, 100), max_input_bytes=1024)
+    client, engine = await start_server(simulated_factory(0.0, 100), max_input_bytes=1024)
     response = await client.post("/api/inference", data=io.BytesIO(b"x" * (10 << 20)))
     assert response.status == 413
     assert (await response.json())["error"] == "INPUT_TOO_LARGE"
     ok = await client.post("/api/inference", json={"input": "fine"})
     assert ok.status == 200
-    assert server.pending == {}
+    assert engine.stats().pending == 0
 
 
 async def test_ten_megabyte_chunked_body_without_length_gets_413(start_server):
@@ -161,8 +161,8 @@ async def test_input_over_the_byte_limit_gets_413(start_server):
 
 
 async def test_full_queue_gets_503_overloaded_with_retry_after(start_server, gated):
-    client, server = await start_server(gated, max_batch_size=1, max_queue=1)
-    running, queued = await hold_one_and_queue_one(client, server)
+    client, engine = await start_server(gated, max_batch_size=1, max_queue=1)
+    running, queued = await hold_one_and_queue_one(client, engine)
     response = await client.post("/api/inference", json={"input": "c"})
     assert response.status == 503
     body = await response.json()
@@ -175,12 +175,12 @@ async def test_full_queue_gets_503_overloaded_with_retry_after(start_server, gat
 
 
 async def test_duplicate_request_id_in_flight_gets_409(start_server, gated):
-    client, server = await start_server(gated)
+    client, engine = await start_server(gated)
     headers = {"X-Request-Id": "same"}
     first = asyncio.ensure_future(
         client.post("/api/inference", json={"input": "a"}, headers=headers)
     )
-    await server.batcher.wait_until(lambda s: s.in_flight == 1)
+    await reach(engine, lambda s: s.in_flight == 1)
     response = await client.post("/api/inference", json={"input": "b"}, headers=headers)
     assert response.status == 409
     assert (await response.json())["error"] == "DUPLICATE_REQUEST_ID"
@@ -189,18 +189,18 @@ async def test_duplicate_request_id_in_flight_gets_409(start_server, gated):
 
 
 async def test_expired_request_gets_504_and_never_reaches_a_device(start_server, gated):
-    client, server = await start_server(gated)
+    client, engine = await start_server(gated)
     running = asyncio.ensure_future(client.post("/api/inference", json={"input": "slow"}))
-    await server.batcher.wait_until(lambda s: s.in_flight == 1)
+    await reach(engine, lambda s: s.in_flight == 1)
     response = await client.post("/api/inference", json={"input": "late", "timeout_ms": 20})
     assert response.status == 504
     assert (await response.json())["error"] == "DEADLINE_EXCEEDED"
-    assert server.batcher.stats().queued == 0
-    await finish_and_check_never_ran(server, gated, running, "late")
+    assert engine.stats().queued == 0
+    await finish_and_check_never_ran(engine, gated, running, "late")
 
 
 async def test_timeout_header_is_used_and_capped_by_the_server(start_server, gated):
-    client, _server = await start_server(gated, timeout_ms=30)
+    client, _engine = await start_server(gated, timeout_ms=30)
     # Asks for a minute; the server's 30 ms cap still applies while the device is stuck.
     response = await client.post(
         "/api/inference", json={"input": "x"}, headers={"X-Request-Timeout-Ms": "60000"}
@@ -216,7 +216,7 @@ async def test_backend_exception_gets_500_with_its_type_and_message(start_server
 
         return fail
 
-    client, _server = await start_server(factory)
+    client, _engine = await start_server(factory)
     response = await client.post("/api/inference", json={"input": "x"})
     assert response.status == 500
     body = await response.json()
@@ -246,9 +246,9 @@ async def test_malformed_results_resolve_nobody_and_get_500(start_server, return
 
 
 async def test_client_disconnect_removes_the_queued_request(start_server, gated):
-    client, server = await start_server(gated)
+    client, engine = await start_server(gated)
     running = asyncio.ensure_future(client.post("/api/inference", json={"input": "kept"}))
-    await server.batcher.wait_until(lambda s: s.in_flight == 1)
+    await reach(engine, lambda s: s.in_flight == 1)
     _reader, writer = await asyncio.open_connection(client.host, client.port)
     body = b'{"input": "gone"}'
     writer.write(
@@ -256,21 +256,21 @@ async def test_client_disconnect_removes_the_queued_request(start_server, gated)
         b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
     )
     await writer.drain()
-    await server.batcher.wait_until(lambda s: s.queued == 1)
+    await reach(engine, lambda s: s.queued == 1)
     writer.close()
     await writer.wait_closed()
-    await server.batcher.wait_until(lambda s: s.queued == 0)
-    await finish_and_check_never_ran(server, gated, running, "gone")
+    await reach(engine, lambda s: s.queued == 0)
+    await finish_and_check_never_ran(engine, gated, running, "gone")
 
 
 async def test_drain_answers_everything_accepted_and_refuses_new_work(start_server, gated):
-    client, server = await start_server(gated, max_batch_size=1)
+    client, engine = await start_server(gated, max_batch_size=1)
     accepted = [
         asyncio.ensure_future(client.post("/api/inference", json={"input": f"a{n}"}))
         for n in range(3)
     ]
-    await server.batcher.wait_until(lambda s: s.in_flight == 1 and s.queued == 2)
-    draining = asyncio.ensure_future(server.drain())
+    await reach(engine, lambda s: s.in_flight == 1 and s.queued == 2)
+    draining = asyncio.ensure_future(engine.drain())
     await asyncio.sleep(0)
     assert (await client.get("/readyz")).status == 503
     assert (await client.get("/healthz")).status == 200
@@ -281,20 +281,20 @@ async def test_drain_answers_everything_accepted_and_refuses_new_work(start_serv
     outputs = [(await (await task).json())["output"] for task in accepted]
     await draining
     assert outputs == ["0a", "1a", "2a"]
-    assert server.pending == {}
+    assert engine.stats().pending == 0
 
 
 async def test_drain_timeout_answers_the_rest_503(start_server, gated):
-    client, server = await start_server(gated, max_batch_size=1, drain_timeout_s=0.01)
+    client, engine = await start_server(gated, max_batch_size=1, drain_timeout_s=0.01)
     accepted = [
         asyncio.ensure_future(client.post("/api/inference", json={"input": f"a{n}"}))
         for n in range(2)
     ]
-    await server.batcher.wait_until(lambda s: s.in_flight == 1 and s.queued == 1)
-    await server.drain()
+    await reach(engine, lambda s: s.in_flight == 1 and s.queued == 1)
+    await engine.drain()
     statuses = [(await task).status for task in accepted]
     assert statuses == [503, 503]
-    assert server.pending == {}
+    assert engine.stats().pending == 0
     gated.gate.set()
 
 
@@ -317,8 +317,8 @@ async def test_blocked_device_thread_is_released_at_teardown(start_server):
 
         return run
 
-    client, server = await start_server(factory)
+    client, engine = await start_server(factory)
     task = asyncio.ensure_future(client.post("/api/inference", json={"input": "x"}))
-    await server.batcher.wait_until(lambda s: s.in_flight == 1)
+    await reach(engine, lambda s: s.in_flight == 1)
     gate.set()
     assert (await (await task).json())["output"] == "x"

@@ -8,6 +8,8 @@ from aiohttp.test_utils import TestClient
 
 from batchserve.backends import POISON_MARKER, simulated_factory
 
+from .conftest import reach
+
 
 async def poll(client: TestClient, request_id: str) -> dict[str, object]:
     response = await client.get(f"/api/requests/{request_id}")
@@ -34,9 +36,9 @@ async def submit(client: TestClient, text: str, **headers: str) -> str:
 
 
 async def test_a_request_goes_queued_running_completed(start_server, gated):
-    client, server = await start_server(gated)
+    client, engine = await start_server(gated)
     first = await submit(client, "first")
-    await server.batcher.wait_until(lambda s: s.in_flight == 1)
+    await reach(engine, lambda s: s.in_flight == 1)
     second = await submit(client, "second")
     assert (await poll(client, first))["status"] == "running"
     assert (await poll(client, second))["status"] == "queued"
@@ -47,7 +49,7 @@ async def test_a_request_goes_queued_running_completed(start_server, gated):
     assert done["request_id"] == second
     assert {"latency_ms", "queue_ms", "compute_ms", "batch_size"} <= done.keys()
     assert (await poll_until_done(client, first))["output"] == "tsrif"
-    assert server.pending == {}
+    assert engine.stats().pending == 0
 
 
 async def test_a_failing_request_reports_its_error(start_server, gated):
@@ -61,13 +63,13 @@ async def test_a_failing_request_reports_its_error(start_server, gated):
 
 
 async def test_a_deadline_passes_while_queued(start_server, gated):
-    client, server = await start_server(gated)
+    client, engine = await start_server(gated)
     response = await client.post("/api/requests", json={"input": "slow", "timeout_ms": 20})
     request_id = (await response.json())["request_id"]
     failed = await poll_until_done(client, request_id)
     assert failed["error"]["error"] == "DEADLINE_EXCEEDED"  # type: ignore[index]
     gated.gate.set()
-    assert server.pending == {}
+    assert engine.stats().pending == 0
 
 
 async def test_unknown_duplicate_invalid_and_expired_ids(start_server, gated):
@@ -92,9 +94,9 @@ async def test_unknown_duplicate_invalid_and_expired_ids(start_server, gated):
 
 
 async def test_many_submitted_requests_each_get_their_own_answer(start_server):
-    client, server = await start_server(simulated_factory(0.002, 100), devices=2)
+    client, engine = await start_server(simulated_factory(0.002, 100), devices=2)
     texts = [f"async-{n}" for n in range(300)]
     ids = await asyncio.gather(*(submit(client, text) for text in texts))
     answers = [await poll_until_done(client, request_id) for request_id in ids]
     assert [answer["output"] for answer in answers] == [text[::-1] for text in texts]
-    assert server.pending == {}
+    assert engine.stats().pending == 0

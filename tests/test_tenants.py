@@ -13,6 +13,8 @@ from batchserve.backends import simulated_factory
 from batchserve.errors import StartupError
 from batchserve.tenants import KeyRing, Tenant, TokenBucket
 
+from .conftest import reach
+
 KEYS = """
 [keys."sk-ent-123"]
 tenant = "acme"
@@ -194,7 +196,7 @@ async def test_requests_predicted_to_miss_their_deadline_are_shed_lowest_tier_fi
     keys = tmp_path / "keys.toml"
     keys.write_text(KEYS.replace("rate = 0.001\nburst = 2\ntimeout_ms = 1500", "timeout_ms = 300"))
     gate = threading.Event()
-    client, server = await start_server(
+    client, engine = await start_server(
         warm_then_gated(gate), keys_file=str(keys), max_batch_size=1
     )
     acme = {"Authorization": "Bearer sk-ent-123"}
@@ -208,18 +210,18 @@ async def test_requests_predicted_to_miss_their_deadline_are_shed_lowest_tier_fi
             )
             for n in range(10)
         ]
-        await server.batcher.wait_until(lambda s: s.queued == 9 and s.in_flight == 1)
+        await reach(engine, lambda s: s.queued == 9 and s.in_flight == 1)
         shed = await client.post("/api/inference", json={"input": "late"}, headers=hobby)
         assert shed.status == 503  # 9 enterprise requests queued: ~0.5 s against 300 ms
         body = await shed.json()
         assert body["error"] == "OVERLOADED"
         assert "past its deadline" in body["message"]
-        call_s = server.pool.typical_call_s  # 9 queued ahead, drained at most one per call
+        call_s = engine.call_time_s  # 9 queued ahead, drained at most one per call
         assert body["retry_after_ms"] >= round(9 * call_s * 1e3)
         kept = asyncio.ensure_future(
             client.post("/api/inference", json={"input": "ent"}, headers=acme)
         )
-        await server.batcher.wait_until(lambda s: s.queued == 10)  # enterprise: accepted
+        await reach(engine, lambda s: s.queued == 10)  # enterprise: accepted
     finally:
         gate.set()
     assert [(await task).status for task in [*queued, kept]] == [200] * 11
@@ -227,13 +229,13 @@ async def test_requests_predicted_to_miss_their_deadline_are_shed_lowest_tier_fi
 
 async def test_capacity_follows_a_device_that_hangs(start_server, gated):
     gated.gate.set()
-    client, server = await start_server(gated, devices=2, batch_timeout_ms=200)
+    client, engine = await start_server(gated, devices=2, batch_timeout_ms=200)
     await client.post("/api/inference", json={"input": "measure"})
-    full = server.batcher.capacity_rps()
-    assert full == 2 * 100 / server.pool.typical_call_s
+    full = engine.capacity_rps()
+    assert full == 2 * 100 / engine.call_time_s
     gated.stuck = {"sim:0"}
     await client.post("/api/inference", json={"input": "hangs sim:0, then runs on sim:1"})
-    assert server.pool.healthy == 1
-    assert server.batcher.capacity_rps() == 1 * 100 / server.pool.typical_call_s
+    assert engine.stats().healthy_devices == 1
+    assert engine.capacity_rps() == 1 * 100 / engine.call_time_s
     metrics = await (await client.get("/metrics")).text()
-    assert f"batchserve_capacity_rps {server.batcher.capacity_rps()}" in metrics
+    assert f"batchserve_capacity_rps {engine.capacity_rps()}" in metrics

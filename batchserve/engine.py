@@ -1,0 +1,409 @@
+"""The batching engine: admission, queue, scheduler, devices, capacity and drain; no HTTP.
+
+    async with Engine(config, fn_per_device=load, devices="cpu") as engine:
+        result = await engine.infer("some input", timeout_ms=2000)
+        ticket = engine.submit("later")       # poll ticket.status, or await ticket
+
+The HTTP server, the status API and the dashboard are doors onto one engine; a Python
+program embeds it the same way. The engine owns, each in one place: admission (keys, rate
+limits, phase, queue bound, shedding), the pending requests and their deadlines, the batcher
+and the device pool (started in that order's reverse, stopped in order), the one batch-time
+estimate, the metrics, and drain. Everything reads time from one injected clock. Its tasks
+are supervised: if one crashes, the engine fails what it holds, turns not-ready and sets
+`failed`, which makes the server exit non-zero rather than serve into a dead batcher.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import functools
+import logging
+import math
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .backends import BatchFn, DeviceFactory, device_factory
+from .batcher import Batcher, BatcherStats
+from .capacity import CallTime
+from .clock import Clock, LoopClock, Timer, wait_until
+from .config import Config
+from .devices import parse_devices
+from .errors import (
+    BatchserveError,
+    DuplicateRequestId,
+    InputTooLarge,
+    InvalidInput,
+    NotReady,
+    RateLimited,
+    Unauthenticated,
+)
+from .fair_queue import TIER_RANKS
+from .faults import BatchBudget, BatchFailure, RetryBudget
+from .gpu_pool import GpuPool
+from .http_io import new_request_id
+from .item import QueuedRequest, Result, Ticket
+from .metrics import Metrics
+from .policy import Policy, make_policy
+from .recorder import Recorder
+from .tenants import KeyRing, Tenant
+
+log = logging.getLogger(__name__)
+
+
+class Phase(enum.Enum):
+    STARTING = "starting"
+    READY = "ready"
+    DRAINING = "draining"
+    FAILED = "failed"
+    """One of the engine's tasks crashed: nothing more is served."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    queued: int
+    in_flight: int
+    pending: int
+    """Accepted and not yet released by whoever waits for them."""
+    free_devices: int
+    healthy_devices: int
+    batches: int
+    completed: int
+
+
+class Engine:
+    def __init__(
+        self,
+        config: Config | None = None,
+        *,
+        fn: BatchFn | None = None,
+        fn_per_device: DeviceFactory | None = None,
+        devices: str | None = None,
+        clock: Clock | None = None,
+        policy: Policy | None = None,
+    ) -> None:
+        """`fn` or `fn_per_device` in Python, else `config`'s paths, else the simulated
+        model; `devices` overrides `config.devices`. `clock` and `policy` are for tests."""
+        self.config = config = config or Config()
+        self.device_names = parse_devices(devices or config.devices)
+        factory = device_factory(config, self.device_names, fn=fn, fn_per_device=fn_per_device)
+        self.clock = clock or LoopClock()
+        self.phase = Phase.STARTING
+        self.failed = asyncio.Event()
+        """Set when one of the engine's tasks crashed; `failure` says which and why."""
+        self.failure: str | None = None
+        self._pending: dict[str, QueuedRequest] = {}
+        self._call_time = CallTime()
+        budget = BatchBudget(self._call_time, fixed_s=config.batch_timeout_ms / 1e3 or None)
+        self._pool = GpuPool(
+            self.device_names,
+            factory,
+            clock=self.clock,
+            call_time=self._call_time,
+            budget=budget,
+            listener=self,
+            on_crash=self._crashed,
+        )
+        self._batcher = Batcher(
+            policy or make_policy(config, self._call_time),
+            self._pool,
+            clock=self.clock,
+            call_time=self._call_time,
+            max_batch_size=config.max_batch_size,
+            max_queue=config.max_queue,
+            bisect_failures=config.bisect_failures,
+            retry_budget=RetryBudget(
+                ratio=config.retry_budget, reserve=config.retry_reserve, tokens=config.retry_reserve
+            ),
+            shed=config.keys_file is not None,
+            on_crash=self._crashed,
+        )
+        self.metrics = (
+            Metrics(self._batcher, self._pool, clock=self.clock, slo_s=config.slo_ms / 1e3)
+            if config.metrics
+            else None
+        )
+        self._recorder = Recorder(self.metrics, config.access_log)
+        self._keys = (
+            KeyRing.load(config.keys_file, config.anonymous_tier) if config.keys_file else None
+        )
+        self._stack = contextlib.AsyncExitStack()
+        self._drained: asyncio.Task[None] | None = None
+
+    def __repr__(self) -> str:
+        return f"<Engine {self.phase.value} pending={len(self._pending)} {self._pool!r}>"
+
+    async def __aenter__(self) -> Engine:
+        """Loads every device, then starts the batcher; ready once both are up."""
+        if isinstance(self.clock, LoopClock):
+            self.clock.attach(asyncio.get_running_loop())
+        async with contextlib.AsyncExitStack() as stack:
+            await stack.enter_async_context(self._pool)
+            await stack.enter_async_context(self._batcher)
+            self._stack = stack.pop_all()
+        self.phase = Phase.READY
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        """Drains (every accepted request is answered), then stops the batcher and the
+        devices in reverse order of their start."""
+        await self.drain()
+        await self._stack.aclose()
+
+    # Requests
+
+    async def infer(
+        self,
+        text: str,
+        *,
+        timeout_ms: float | None = None,
+        request_id: str | None = None,
+        tenant: Tenant | None = None,
+        arrival: float | None = None,
+    ) -> Result:
+        """Runs one input in a batch and returns its result; errors are `errors.py`'s.
+
+        `timeout_ms` may only lower the server's `timeout_ms` (and the tenant's tier
+        deadline). `arrival` is when the caller received the request (default: now).
+        """
+        arrival = self.clock.time() if arrival is None else arrival
+        request_id = request_id or new_request_id()
+        try:
+            request, expiry = self._admit(text, timeout_ms, request_id, tenant, arrival)
+            try:
+                result = await request.future
+            finally:
+                self._release(request_id, expiry)
+        except BatchserveError as error:
+            self.record("inference", request_id, arrival, error, tenant)
+            raise
+        self.record("inference", request_id, arrival, result, tenant)
+        return result
+
+    def submit(
+        self,
+        text: str,
+        *,
+        timeout_ms: float | None = None,
+        request_id: str | None = None,
+        tenant: Tenant | None = None,
+        arrival: float | None = None,
+    ) -> Ticket:
+        """Queues one input and returns at once: the ticket tells its status and, awaited,
+        gives its result. It runs exactly like `infer` (same queue, deadline, faults)."""
+        arrival = self.clock.time() if arrival is None else arrival
+        request_id = request_id or new_request_id()
+        try:
+            request, expiry = self._admit(text, timeout_ms, request_id, tenant, arrival)
+        except BatchserveError as error:
+            self.record("requests", request_id, arrival, error, tenant)
+            raise
+        ticket = Ticket(request)
+        ticket.add_done_callback(functools.partial(self._submitted_done, expiry, tenant))
+        return ticket
+
+    def authenticate(self, authorization: str | None) -> Tenant | None:
+        """The caller's tenant from `Authorization: Bearer <key>`; None when the engine runs
+        open (no keys file)."""
+        if self._keys is None:
+            return None
+        tenant = self._keys.authenticate(authorization)
+        if tenant is None:
+            raise Unauthenticated(
+                "send Authorization: Bearer <API key>; this one is missing or unknown"
+            )
+        return tenant
+
+    def record(
+        self,
+        route: str,
+        request_id: str,
+        arrival: float,
+        outcome: Result | BatchserveError,
+        tenant: Tenant | None,
+    ) -> None:
+        """Counts an answer in the metrics and the access log; doors call it for what they
+        refuse before the engine sees the request."""
+        now = self.clock.time()
+        self._recorder.record(route, request_id, tenant, now - arrival, outcome, now)
+
+    def _admit(
+        self,
+        text: str,
+        timeout_ms: float | None,
+        request_id: str,
+        tenant: Tenant | None,
+        arrival: float,
+    ) -> tuple[QueuedRequest, Timer]:
+        """Checks who calls, their rate, that the engine can take the request and that the
+        input is acceptable; then queues it and arms its deadline."""
+        if tenant is not None and self._keys is not None:
+            self._take_token(self._keys, tenant, arrival)
+        if self.phase is not Phase.READY:
+            raise NotReady(f"the server is {self.phase.value}")
+        if not self._pool.healthy:
+            raise NotReady("no device is healthy; see /readyz")
+        self._check_input(text)
+        deadline = arrival + self._timeout_s(timeout_ms, tenant)
+        if request_id in self._pending:
+            raise DuplicateRequestId(f"request id {request_id} is already in flight")
+        future: asyncio.Future[Result] = asyncio.get_running_loop().create_future()
+        request = QueuedRequest(request_id, text, arrival, deadline, future)
+        if tenant is not None:
+            request.tenant, request.tier_rank = tenant.name, TIER_RANKS[tenant.tier]
+            request.tenant_weight = tenant.weight
+        self._batcher.submit(request)
+        self._pending[request_id] = request
+        # One timer that fails the future, rather than asyncio.timeout_at: the hot path then
+        # needs no Timeout object and no task-cancel round trip.
+        return request, self.clock.call_at(deadline, request.expire)
+
+    def _take_token(self, keys: KeyRing, tenant: Tenant, now: float) -> None:
+        wait_s, bucket = keys.take(tenant, now)
+        if wait_s:
+            raise RateLimited(
+                f"tenant {tenant.name} is over the {tenant.tier} tier's rate of"
+                f" {bucket.rate:g} requests a second",
+                retry_after_s=wait_s,
+                limit=bucket.burst,
+                reset_s=bucket.seconds_to_full(),
+            )
+
+    def _check_input(self, text: str) -> None:
+        if not isinstance(text, str):
+            raise InvalidInput(f"the input must be a str, not {type(text).__name__}")
+        try:
+            size = len(text.encode())
+        except UnicodeEncodeError:
+            raise InvalidInput("the input is not valid Unicode text") from None
+        if size > self.config.max_input_bytes:
+            raise InputTooLarge(
+                f"the input is {size} bytes; the limit is {self.config.max_input_bytes}"
+            )
+
+    def _timeout_s(self, timeout_ms: float | None, tenant: Tenant | None) -> float:
+        """The request's own timeout, capped by the server's and by its tier's deadline."""
+        cap_ms = self.config.timeout_ms
+        if tenant is not None and self._keys is not None:
+            tier_ms = self._keys.limits[tenant.tier].timeout_ms
+            if tier_ms is not None:
+                cap_ms = min(cap_ms, tier_ms)
+        if timeout_ms is None:
+            return cap_ms / 1e3
+        if isinstance(timeout_ms, bool) or not (
+            isinstance(timeout_ms, int | float) and math.isfinite(timeout_ms) and timeout_ms > 0
+        ):
+            raise InvalidInput("timeout_ms must be a number above 0")
+        return min(timeout_ms, cap_ms) / 1e3
+
+    def _release(self, request_id: str, expiry: Timer) -> None:
+        """Forgets a request whose waiter is done with it; still queued (a timeout, a
+        disconnect), it leaves the queue before any batch is formed."""
+        expiry.cancel()
+        del self._pending[request_id]
+        self._batcher.discard(request_id)
+
+    def _submitted_done(self, expiry: Timer, tenant: Tenant | None, ticket: Ticket) -> None:
+        self._release(ticket.request_id, expiry)
+        self.record("requests", ticket.request_id, ticket.arrival, ticket.outcome(), tenant)
+
+    # The pool's listener: it tells what happened to a batch or a device.
+
+    def batch_done(self, finished: float, answered: int) -> None:
+        self._batcher.batch_done(finished, answered)
+
+    def batch_failed(self, batch: list[QueuedRequest], failure: BatchFailure) -> None:
+        self._batcher.batch_failed(batch, failure)
+
+    def health_changed(self) -> None:
+        self._batcher.health_changed()
+
+    # Lifecycle
+
+    async def drain(self) -> None:
+        """Stops taking requests and answers every accepted one; safe to call twice.
+
+        What has not run `drain_timeout_s` after the drain began is answered 503."""
+        if self._drained is None:
+            self._drained = asyncio.create_task(self._drain(), name="batchserve-drain")
+        await asyncio.shield(self._drained)
+
+    async def _drain(self) -> None:
+        if self.phase is not Phase.FAILED:
+            self.phase = Phase.DRAINING
+        idle = asyncio.ensure_future(
+            self._batcher.wait_until(lambda s: s.queued == 0 and s.in_flight == 0)
+        )
+        deadline = self.clock.time() + self.config.drain_timeout_s
+        if not await wait_until(self.clock, idle, deadline):
+            idle.cancel()
+            log.warning("drain timed out: answering %d requests 503", len(self._pending))
+            self._fail_everything(NotReady("the server shut down before this request could run"))
+        await asyncio.gather(idle, return_exceptions=True)
+
+    def _crashed(self, task_name: str, error: BaseException) -> None:
+        """A supervised task died: nothing can be served any more, so say so everywhere."""
+        log.critical(
+            "%s crashed (%s: %s): the engine is failed and stops serving",
+            task_name,
+            type(error).__name__,
+            error,
+            exc_info=error,
+        )
+        self.phase = Phase.FAILED
+        self.failure = f"{task_name} crashed: {type(error).__name__}: {error}"
+        self._fail_everything(NotReady(f"the server failed ({self.failure})"))
+        self.failed.set()
+
+    def _fail_everything(self, error: BatchserveError) -> None:
+        self._batcher.fail_queued(error)
+        self._pool.fail_in_flight(error)
+
+    # Read-only views, for doors, operators and tests
+
+    def readiness(self) -> tuple[bool, str]:
+        """Ready while serving with at least one healthy device; else why not."""
+        if self.phase is Phase.READY and not self._pool.healthy:
+            return False, "no healthy device"
+        return self.phase is Phase.READY, self.phase.value
+
+    def device_states(self) -> dict[str, str]:
+        return self._pool.states()
+
+    def stats(self) -> EngineStats:
+        return self._with_pending(self._batcher.stats())
+
+    async def wait_until(self, predicate: Callable[[EngineStats], bool]) -> None:
+        """Returns once `predicate(stats())` holds; checked whenever the state changes."""
+        await self._batcher.wait_until(lambda stats: predicate(self._with_pending(stats)))
+
+    def _with_pending(self, stats: BatcherStats) -> EngineStats:
+        return EngineStats(
+            queued=stats.queued,
+            in_flight=stats.in_flight,
+            pending=len(self._pending),
+            free_devices=stats.free_devices,
+            healthy_devices=stats.healthy_devices,
+            batches=stats.batches,
+            completed=stats.completed,
+        )
+
+    @property
+    def call_time_s(self) -> float | None:
+        """The measured batch time: what spacing, the watchdog and shedding use."""
+        return self._call_time.seconds
+
+    def capacity_rps(self) -> float | None:
+        return self._batcher.capacity_rps()
+
+    @property
+    def faults(self) -> Counter[str]:
+        """Device and batch faults by kind (read-only)."""
+        return Counter(self._pool.faults)
+
+    @property
+    def recoveries(self) -> Counter[str]:
+        """Requests retried or failed after a fault, by kind (read-only)."""
+        return Counter(self._batcher.recoveries)
