@@ -48,7 +48,8 @@ class FakeClock:
     """Virtual time for tests: it stands still until `advance` moves it.
 
     Timers run in order of their time (then of arming) inside `advance`, each with the clock
-    set to its own time, so a test sees exactly the order a real clock would give.
+    set to its own time, so a test sees exactly the order a real clock would give; one armed
+    for a time already past runs on the next loop pass.
     """
 
     def __init__(self, start: float = 1000.0) -> None:
@@ -64,7 +65,11 @@ class FakeClock:
 
     def call_at(self, when: float, callback: Callable[..., object], *args: Any) -> Timer:
         timer = _FakeTimer(callback, args)
-        heapq.heappush(self._timers, (when, next(self._order), timer))
+        if when <= self._now:
+            # Already due, as a real loop's timer would be: it runs on the next loop pass.
+            asyncio.get_running_loop().call_soon(timer.fire)
+        else:
+            heapq.heappush(self._timers, (when, next(self._order), timer))
         return timer
 
     def advance(self, seconds: float) -> None:

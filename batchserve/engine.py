@@ -327,16 +327,17 @@ class Engine:
 
         What has not run `drain_timeout_s` after the drain began is answered 503."""
         if self._drained is None:
-            self._drained = asyncio.create_task(self._drain(), name="batchserve-drain")
+            # Readiness turns off now, not when the task first runs.
+            if self.phase is not Phase.FAILED:
+                self.phase = Phase.DRAINING
+            deadline = self.clock.time() + self.config.drain_timeout_s
+            self._drained = asyncio.create_task(self._drain(deadline), name="batchserve-drain")
         await asyncio.shield(self._drained)
 
-    async def _drain(self) -> None:
-        if self.phase is not Phase.FAILED:
-            self.phase = Phase.DRAINING
+    async def _drain(self, deadline: float) -> None:
         idle = asyncio.ensure_future(
             self._batcher.wait_until(lambda s: s.queued == 0 and s.in_flight == 0)
         )
-        deadline = self.clock.time() + self.config.drain_timeout_s
         if not await wait_until(self.clock, idle, deadline):
             idle.cancel()
             log.warning("drain timed out: answering %d requests 503", len(self._pending))

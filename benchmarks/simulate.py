@@ -14,6 +14,7 @@ import statistics
 from collections import deque
 from dataclasses import dataclass
 
+from batchserve.capacity import CallTime
 from batchserve.config import Config
 from batchserve.policy import Policy, QueueView, make_policy
 
@@ -31,7 +32,7 @@ class SimResult:
 
 
 def simulate(
-    policy: Policy,
+    config: Config,
     *,
     devices: int,
     rate: float,
@@ -42,6 +43,8 @@ def simulate(
     seed: int = 1,
 ) -> SimResult:
     rng = random.Random(seed)
+    call_time = CallTime()  # the engine's one batch-time estimate, fed as the pool feeds it
+    policy: Policy = make_policy(config, call_time)
     events: list[tuple[float, int, int]] = []
     now = 0.0
     offered = 0
@@ -59,7 +62,7 @@ def simulate(
             queue.append(now)
         elif kind == _DONE:
             started = busy_since.pop(ident)
-            policy.on_batch_done(now - started)
+            call_time.observe(now - started)
             latencies.extend(now - arrival for arrival in batches.pop(ident))
         while queue and queue[0] + timeout_s <= now:
             queue.popleft()
@@ -111,7 +114,7 @@ def main() -> None:
     for rate in (float(r) for r in args.rates.split(",")):
         for name, config in variants.items():
             r = simulate(
-                make_policy(config),
+                config,
                 devices=args.devices,
                 rate=rate,
                 seconds=args.seconds,

@@ -41,6 +41,7 @@ class GatedBackend:
     calls: list[tuple[str, list[str]]] = field(default_factory=list)
     max_concurrent: dict[str, int] = field(default_factory=dict)
     _inside: dict[str, int] = field(default_factory=dict)
+    _entered: dict[str, threading.Event] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __call__(self, device: str) -> BatchFn:
@@ -52,6 +53,7 @@ class GatedBackend:
                     self.max_concurrent.get(device, 0), self._inside[device]
                 )
                 malformed = len(self.calls) <= self.malformed_calls
+                self._entered.setdefault(device, threading.Event()).set()
             try:
                 self.gate.wait()
                 if device in self.stuck:
@@ -65,6 +67,12 @@ class GatedBackend:
                     self._inside[device] -= 1
 
         return run
+
+    async def entered(self, device: str) -> None:
+        """Returns once a call has entered `device` (its thread runs it, not just queued)."""
+        with self._lock:
+            event = self._entered.setdefault(device, threading.Event())
+        assert await asyncio.to_thread(event.wait, HANG_GUARD_S), f"nothing entered {device}"
 
     def seen_inputs(self) -> list[str]:
         return [text for _, inputs in self.calls for text in inputs]

@@ -65,7 +65,9 @@ async def test_poison_and_a_hang_fail_only_the_poison_requests(start_server):
               if POISON_MARKER in text]  # fmt: skip
     assert poison == [500] * 3
     assert statuses == Counter({200: 2997, 500: 3})
-    assert engine.faults["batch_hung"] == 1
+    # At least the marked call hangs. A 2 ms call that ran past the 250 ms budget on a
+    # stalled machine would add a hang, and its batch would simply run again elsewhere.
+    assert engine.faults["batch_hung"] >= 1
     await reach(engine, lambda s: s.healthy_devices == 4)  # the hung one rejoins
 
 

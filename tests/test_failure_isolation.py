@@ -1,7 +1,8 @@
 """Faults end to end, in-process: poison inputs, malformed results, hung and dead devices.
 
-Hangs are real (a device thread blocks on an event the test sets); the watchdog budget is a
-setting, and no assertion depends on how fast anything runs.
+Hangs are real (a device thread blocks on an event the test sets); the watchdog runs on a
+FakeClock that the test moves past the budget, so no assertion depends on how fast
+anything runs.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import math
 from aiohttp.test_utils import TestClient
 
 from batchserve.backends import POISON_MARKER, simulate
+from batchserve.clock import FakeClock
 from batchserve.engine import Engine
 from batchserve.faults import PROBE_INPUT
 
@@ -21,6 +23,16 @@ from .conftest import GatedBackend, reach
 async def ask(client: TestClient, text: str) -> tuple[int, dict[str, object]]:
     response = await client.post("/api/inference", json={"input": text})
     return response.status, await response.json()
+
+
+async def recovering(engine: Engine, device: str) -> None:
+    """Waits (bounded, in loop passes) until the wedged call on `device` has returned and
+    its probe back-off has begun on the engine's clock."""
+    for _ in range(10_000):
+        if engine.device_states()[device] == "recovering":
+            return
+        await asyncio.sleep(0)
+    raise AssertionError(f"{device} never began recovering: {engine.device_states()}")
 
 
 async def fill_one_batch(
@@ -113,13 +125,24 @@ async def test_a_result_malformed_twice_gets_500_naming_the_fault(start_server, 
     assert engine.faults["batch_malformed"] == 2
 
 
+async def past_the_budget(
+    client: TestClient, gated: GatedBackend, clock: FakeClock, text: str
+) -> tuple[int, dict[str, object]]:
+    """Asks for `text` and, once its call is inside sim:0, moves time past the budget."""
+    answer = asyncio.ensure_future(ask(client, text))
+    await gated.entered("sim:0")
+    clock.advance(0.200)
+    return await answer
+
+
 async def test_a_hung_device_hands_its_batch_to_another_then_rejoins(start_server, gated):
     gated.gate.set()
     gated.stuck = {"sim:0"}
-    client, engine = await start_server(gated, devices=2, batch_timeout_ms=200)
-    status, body = await ask(client, "abc")  # the first free device is sim:0
+    clock = FakeClock()
+    client, engine = await start_server(gated, devices=2, batch_timeout_ms=200, clock=clock)
+    status, body = await past_the_budget(client, gated, clock, "abc")  # sim:0 is first
     assert (status, body["output"]) == (200, "cba")
-    assert gated.calls == [("sim:0", ["abc"]), ("sim:1", ["abc"])]
+    assert (gated.calls_on("sim:0"), gated.calls_on("sim:1")) == ([["abc"]], [["abc"]])
     ready = await client.get("/readyz")
     assert ready.status == 200
     assert (await ready.json())["devices"] == {"sim:0": "hung", "sim:1": "idle"}
@@ -127,6 +150,8 @@ async def test_a_hung_device_hands_its_batch_to_another_then_rejoins(start_serve
     assert all(status == 200 for status, _ in answers)
     assert gated.calls_on("sim:0") == [["abc"]]  # no second call while the first is inside
     gated.unstick.set()
+    await recovering(engine, "sim:0")
+    clock.advance(0.200)  # one budget of back-off, then the probe
     await reach(engine, lambda s: s.healthy_devices == 2)
     assert gated.calls_on("sim:0") == [["abc"], [PROBE_INPUT]]
     assert set(gated.max_concurrent.values()) == {1}
@@ -137,8 +162,14 @@ async def test_a_hung_device_hands_its_batch_to_another_then_rejoins(start_serve
 async def test_with_no_healthy_device_left_requests_get_503_until_one_recovers(start_server, gated):
     gated.gate.set()
     gated.stuck = {"sim:0", "sim:1"}
-    client, engine = await start_server(gated, devices=2, batch_timeout_ms=200)
-    status, body = await ask(client, "abc")  # hangs sim:0, then its one retry hangs sim:1
+    clock = FakeClock()
+    client, engine = await start_server(gated, devices=2, batch_timeout_ms=200, clock=clock)
+    answer = asyncio.ensure_future(ask(client, "abc"))
+    await gated.entered("sim:0")
+    clock.advance(0.200)  # hangs sim:0; its one retry goes to sim:1
+    await gated.entered("sim:1")
+    clock.advance(0.200)  # and hangs it too
+    status, body = await answer
     assert status == 500
     assert "ran past its budget of 200 ms" in str(body["message"])
     ready = await client.get("/readyz")
@@ -148,6 +179,9 @@ async def test_with_no_healthy_device_left_requests_get_503_until_one_recovers(s
     assert (status, body["error"]) == (503, "NOT_READY")
     gated.stuck.clear()
     gated.unstick.set()
+    for device in ("sim:0", "sim:1"):
+        await recovering(engine, device)
+    clock.advance(0.200)
     await reach(engine, lambda s: s.healthy_devices == 2)
     assert (await client.get("/readyz")).status == 200
     status, body = await ask(client, "new")
@@ -159,11 +193,13 @@ async def test_when_the_last_device_hangs_its_batch_and_the_queue_are_answered_5
 ):
     gated.gate.set()
     gated.stuck = {"sim:0"}
-    client, engine = await start_server(gated, batch_timeout_ms=200)
+    clock = FakeClock()
+    client, engine = await start_server(gated, batch_timeout_ms=200, clock=clock)
     running = asyncio.ensure_future(ask(client, "running"))
-    await reach(engine, lambda s: s.in_flight == 1)
+    await gated.entered("sim:0")
     queued = asyncio.ensure_future(ask(client, "queued"))
     await reach(engine, lambda s: s.queued == 1)
+    clock.advance(0.200)
     for status, body in [await running, await queued]:
         assert (status, body["error"]) == (503, "NOT_READY")
         assert body["message"] == "no healthy device is left to run this request"
@@ -174,8 +210,14 @@ async def test_when_the_last_device_hangs_its_batch_and_the_queue_are_answered_5
 async def test_a_hung_device_never_holds_a_request_past_its_deadline(start_server, gated):
     gated.gate.set()
     gated.stuck = {"sim:0"}
-    client, engine = await start_server(gated, batch_timeout_ms=60_000)
-    response = await client.post("/api/inference", json={"input": "x", "timeout_ms": 50})
+    clock = FakeClock()
+    client, engine = await start_server(gated, batch_timeout_ms=60_000, clock=clock)
+    answer = asyncio.ensure_future(
+        client.post("/api/inference", json={"input": "x", "timeout_ms": 50})
+    )
+    await gated.entered("sim:0")
+    clock.advance(0.050)
+    response = await answer
     assert response.status == 504
     assert engine.stats().pending == 0
     assert engine.stats().in_flight == 0  # the drain at teardown need not wait

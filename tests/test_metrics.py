@@ -11,11 +11,12 @@ from aiohttp.test_utils import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from batchserve.backends import POISON_MARKER, simulated_factory
+from batchserve.clock import FakeClock
 from batchserve.gpu_pool import BUSY_WINDOW_S, Device
 from batchserve.item import Result
 from batchserve.metrics import RecentWindow, desired_replicas
 
-from .conftest import hold_one_and_queue_one
+from .conftest import hold_one_and_queue_one, reach
 
 
 async def scrape(client: TestClient) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -34,11 +35,16 @@ def labels(**pairs: str) -> tuple[tuple[str, str], ...]:
 
 
 async def test_metrics_count_answers_by_status_and_time_them(start_server, gated):
+    clock = FakeClock()
+    client, engine = await start_server(gated, devices=2, clock=clock)
+    asked = [
+        asyncio.ensure_future(client.post("/api/inference", json={"input": f"x{n}"}))
+        for n in range(20)
+    ]
+    await reach(engine, lambda s: s.pending == 20)
+    clock.advance(0.25)  # every call in flight now takes 250 ms of virtual time
     gated.gate.set()
-    client, engine = await start_server(gated, devices=2)
-    answers = await asyncio.gather(
-        *(client.post("/api/inference", json={"input": f"x{n}"}) for n in range(20))
-    )
+    answers = await asyncio.gather(*asked)
     assert {answer.status for answer in answers} == {200}
     await client.post("/api/inference", data=b"not json")
     await client.post("/api/inference", json={"input": f"bad{POISON_MARKER}"})
@@ -55,7 +61,8 @@ async def test_metrics_count_answers_by_status_and_time_them(start_server, gated
     assert samples[("batchserve_batch_size_count", ())] == batches
     assert samples[("batchserve_batch_size_sum", ())] == 21  # 20 answered, 1 poison alone
     assert samples[("batchserve_device_healthy", labels(device="sim:0"))] == 1
-    assert samples[("batchserve_device_busy_seconds_total", labels(device="sim:0"))] > 0
+    busy = samples[("batchserve_device_busy_seconds_total", labels(device="sim:0"))]
+    assert busy == pytest.approx(0.25)  # its first call; any later ones took no virtual time
     assert samples[("batchserve_faults_total", labels(kind="batch_raised"))] == 1
     assert samples[("batchserve_queue_depth", ())] == 0
     assert samples[("batchserve_capacity_rps", ())] > 0
@@ -76,14 +83,24 @@ async def test_rejections_are_counted_by_reason(start_server, gated):
     assert [(await task).status for task in (running, queued)] == [200, 200]
 
 
-async def test_stats_give_the_dashboard_live_numbers(start_server):
-    client, _ = await start_server(simulated_factory(0.001, 100), devices=2)
-    await asyncio.gather(*(client.post("/api/inference", json={"input": "x"}) for _ in range(10)))
+async def test_stats_give_the_dashboard_live_numbers(start_server, gated):
+    clock = FakeClock()
+    client, engine = await start_server(gated, devices=2, clock=clock)
+    asked = [
+        asyncio.ensure_future(client.post("/api/inference", json={"input": "x"}))
+        for _ in range(10)
+    ]
+    await reach(engine, lambda s: s.pending == 10)
+    clock.advance(0.1)  # every answer takes exactly 100 ms of virtual time
+    gated.gate.set()
+    await asyncio.gather(*asked)
     stats = await (await client.get("/api/stats")).json()
     assert stats["throughput_rps"] == 10 / 2.0  # answers in the last two seconds
-    assert stats["p99_ms"] >= stats["p50_ms"] > 0
+    assert stats["p50_ms"] == stats["p99_ms"] == pytest.approx(100.0)
     assert [device["name"] for device in stats["devices"]] == ["sim:0", "sim:1"]
     assert sum(int(n) * count for n, count in stats["batch_sizes"].items()) == 10
+    clock.advance(2.001)  # the window has moved past every answer
+    assert (await (await client.get("/api/stats")).json())["throughput_rps"] == 0
 
 
 async def test_metrics_off_serves_no_metrics(start_server):

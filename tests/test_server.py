@@ -11,6 +11,7 @@ import pytest
 from aiohttp import ClientResponse
 
 from batchserve.backends import simulate, simulated_factory
+from batchserve.clock import FakeClock
 from batchserve.engine import Engine
 
 from .conftest import GatedBackend, hold_one_and_queue_one, reach
@@ -189,10 +190,16 @@ async def test_duplicate_request_id_in_flight_gets_409(start_server, gated):
 
 
 async def test_expired_request_gets_504_and_never_reaches_a_device(start_server, gated):
-    client, engine = await start_server(gated)
+    clock = FakeClock()
+    client, engine = await start_server(gated, clock=clock)
     running = asyncio.ensure_future(client.post("/api/inference", json={"input": "slow"}))
     await reach(engine, lambda s: s.in_flight == 1)
-    response = await client.post("/api/inference", json={"input": "late", "timeout_ms": 20})
+    late = asyncio.ensure_future(
+        client.post("/api/inference", json={"input": "late", "timeout_ms": 20})
+    )
+    await reach(engine, lambda s: s.queued == 1)
+    clock.advance(0.020)
+    response = await late
     assert response.status == 504
     assert (await response.json())["error"] == "DEADLINE_EXCEEDED"
     assert engine.stats().queued == 0
@@ -200,12 +207,23 @@ async def test_expired_request_gets_504_and_never_reaches_a_device(start_server,
 
 
 async def test_timeout_header_is_used_and_capped_by_the_server(start_server, gated):
-    client, _engine = await start_server(gated, timeout_ms=30)
+    clock = FakeClock()
+    client, engine = await start_server(gated, timeout_ms=30, clock=clock)
     # Asks for a minute; the server's 30 ms cap still applies while the device is stuck.
-    response = await client.post(
-        "/api/inference", json={"input": "x"}, headers={"X-Request-Timeout-Ms": "60000"}
+    capped = asyncio.ensure_future(
+        client.post(
+            "/api/inference", json={"input": "x"}, headers={"X-Request-Timeout-Ms": "60000"}
+        )
     )
-    assert response.status == 504
+    shorter = asyncio.ensure_future(
+        client.post("/api/inference", json={"input": "y"}, headers={"X-Request-Timeout-Ms": "10"})
+    )
+    await reach(engine, lambda s: s.pending == 2)  # in one batch or two, on the stuck device
+    clock.advance(0.010)
+    assert (await shorter).status == 504
+    assert not capped.done()
+    clock.advance(0.020)
+    assert (await capped).status == 504
     gated.gate.set()
 
 
@@ -285,13 +303,17 @@ async def test_drain_answers_everything_accepted_and_refuses_new_work(start_serv
 
 
 async def test_drain_timeout_answers_the_rest_503(start_server, gated):
-    client, engine = await start_server(gated, max_batch_size=1, drain_timeout_s=0.01)
+    clock = FakeClock()
+    client, engine = await start_server(gated, max_batch_size=1, drain_timeout_s=1, clock=clock)
     accepted = [
         asyncio.ensure_future(client.post("/api/inference", json={"input": f"a{n}"}))
         for n in range(2)
     ]
     await reach(engine, lambda s: s.in_flight == 1 and s.queued == 1)
-    await engine.drain()
+    draining = asyncio.ensure_future(engine.drain())
+    await asyncio.sleep(0)
+    clock.advance(1.0)
+    await draining
     statuses = [(await task).status for task in accepted]
     assert statuses == [503, 503]
     assert engine.stats().pending == 0
@@ -306,19 +328,19 @@ async def test_readiness_and_health(start_server):
     assert (await ready.json())["status"] == "ready"
 
 
-async def test_blocked_device_thread_is_released_at_teardown(start_server):
-    """The gated fixture's finaliser pattern: a device call left waiting must not hang exit."""
-    gate = threading.Event()
-
-    def factory(device: str):
-        def run(inputs: list[str]) -> list[str]:
-            gate.wait()
-            return inputs
-
-        return run
-
-    client, engine = await start_server(factory)
-    task = asyncio.ensure_future(client.post("/api/inference", json={"input": "x"}))
-    await reach(engine, lambda s: s.in_flight == 1)
-    gate.set()
-    assert (await (await task).json())["output"] == "x"
+async def test_a_blocked_device_thread_does_not_hold_up_teardown(start_server, gated):
+    """The gate stays closed through teardown: the drain runs out, the in-flight request is
+    answered 503, and the app closes without waiting for the wedged thread (the fixture
+    opens the gate only after the test)."""
+    clock = FakeClock()
+    client, engine = await start_server(gated, drain_timeout_s=1, clock=clock)
+    stuck = asyncio.ensure_future(client.post("/api/inference", json={"input": "x"}))
+    await gated.entered("sim:0")
+    draining = asyncio.ensure_future(engine.drain())
+    await asyncio.sleep(0)
+    clock.advance(1.0)
+    await draining
+    assert (await stuck).status == 503
+    await client.close()  # the app's cleanup: the engine stops with the call still inside
+    assert not gated.gate.is_set()
+    assert any(t.name == "batchserve-sim:0" and t.is_alive() for t in threading.enumerate())

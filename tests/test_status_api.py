@@ -7,6 +7,7 @@ import asyncio
 from aiohttp.test_utils import TestClient
 
 from batchserve.backends import POISON_MARKER, simulated_factory
+from batchserve.clock import FakeClock
 
 from .conftest import reach
 
@@ -63,9 +64,12 @@ async def test_a_failing_request_reports_its_error(start_server, gated):
 
 
 async def test_a_deadline_passes_while_queued(start_server, gated):
-    client, engine = await start_server(gated)
+    clock = FakeClock()
+    client, engine = await start_server(gated, clock=clock)
     response = await client.post("/api/requests", json={"input": "slow", "timeout_ms": 20})
     request_id = (await response.json())["request_id"]
+    assert (await poll(client, request_id))["status"] in {"queued", "running"}
+    clock.advance(0.020)
     failed = await poll_until_done(client, request_id)
     assert failed["error"]["error"] == "DEADLINE_EXCEEDED"  # type: ignore[index]
     gated.gate.set()

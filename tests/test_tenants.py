@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 import asyncio
-import threading
-import time
 from pathlib import Path
 
 import pytest
 
 from batchserve.backends import simulated_factory
+from batchserve.clock import FakeClock
 from batchserve.errors import StartupError
 from batchserve.tenants import KeyRing, Tenant, TokenBucket
 
-from .conftest import reach
+from .conftest import GatedBackend, reach
 
 KEYS = """
 [keys."sk-ent-123"]
@@ -142,10 +141,16 @@ async def test_the_anonymous_tier_serves_requests_without_a_key(start_server, ke
 async def test_a_tier_deadline_caps_the_request_timeout(start_server, tmp_path, gated):
     keys = tmp_path / "keys.toml"
     keys.write_text(KEYS.replace("timeout_ms = 1500", "timeout_ms = 50"))
-    client, _ = await start_server(gated, keys_file=str(keys))
-    answer = await client.post(
-        "/api/inference", json={"input": "x"}, headers={"Authorization": "Bearer sk-free-1"}
+    clock = FakeClock()
+    client, engine = await start_server(gated, keys_file=str(keys), clock=clock)
+    asked = asyncio.ensure_future(
+        client.post(
+            "/api/inference", json={"input": "x"}, headers={"Authorization": "Bearer sk-free-1"}
+        )
     )
+    await reach(engine, lambda s: s.pending == 1)
+    clock.advance(0.050)
+    answer = await asked
     assert answer.status == 504  # free's 50 ms deadline, though the server allows 5,000
     gated.gate.set()
 
@@ -169,73 +174,57 @@ async def test_a_tenant_reads_only_its_own_submitted_requests(start_server, keys
     assert (await client.get(f"/api/requests/{request_id}")).status == 401
 
 
-def warm_then_gated(gate: threading.Event):
-    """Each device's first call takes 50 ms (so the call time is measured), later ones wait
-    for `gate`: the queue then builds up exactly as the test says."""
-
-    def load(device: str):
-        calls = 0
-
-        def run(inputs: list[str]) -> list[str]:
-            nonlocal calls
-            calls += 1
-            if calls == 1:
-                time.sleep(0.05)
-            else:
-                gate.wait()
-            return [text[::-1] for text in inputs]
-
-        return run
-
-    return load
-
-
 async def test_requests_predicted_to_miss_their_deadline_are_shed_lowest_tier_first(
-    start_server, tmp_path
+    start_server, tmp_path, gated
 ):
     keys = tmp_path / "keys.toml"
     keys.write_text(KEYS.replace("rate = 0.001\nburst = 2\ntimeout_ms = 1500", "timeout_ms = 300"))
-    gate = threading.Event()
-    client, engine = await start_server(
-        warm_then_gated(gate), keys_file=str(keys), max_batch_size=1
-    )
+    clock = FakeClock()
+    client, engine = await start_server(gated, keys_file=str(keys), max_batch_size=1, clock=clock)
     acme = {"Authorization": "Bearer sk-ent-123"}
     hobby = {"Authorization": "Bearer sk-free-1"}
-    try:
-        warm = await client.post("/api/inference", json={"input": "w"}, headers=acme)
-        assert warm.status == 200  # 50 ms measured: capacity 20 requests a second
-        queued = [
-            asyncio.ensure_future(
-                client.post("/api/inference", json={"input": f"q{n}"}, headers=acme)
-            )
-            for n in range(10)
-        ]
-        await reach(engine, lambda s: s.queued == 9 and s.in_flight == 1)
-        shed = await client.post("/api/inference", json={"input": "late"}, headers=hobby)
-        assert shed.status == 503  # 9 enterprise requests queued: ~0.5 s against 300 ms
-        body = await shed.json()
-        assert body["error"] == "OVERLOADED"
-        assert "past its deadline" in body["message"]
-        call_s = engine.call_time_s  # 9 queued ahead, drained at most one per call
-        assert body["retry_after_ms"] >= round(9 * call_s * 1e3)
-        kept = asyncio.ensure_future(
-            client.post("/api/inference", json={"input": "ent"}, headers=acme)
-        )
-        await reach(engine, lambda s: s.queued == 10)  # enterprise: accepted
-    finally:
-        gate.set()
+    warm = asyncio.ensure_future(client.post("/api/inference", json={"input": "w"}, headers=acme))
+    await reach(engine, lambda s: s.in_flight == 1)
+    clock.advance(0.050)
+    gated.gate.set()
+    assert (await warm).status == 200  # 50 ms measured: capacity 20 requests a second
+    gated.gate.clear()
+    queued = [
+        asyncio.ensure_future(client.post("/api/inference", json={"input": f"q{n}"}, headers=acme))
+        for n in range(10)
+    ]
+    await reach(engine, lambda s: s.queued == 9 and s.in_flight == 1)
+    shed = await client.post("/api/inference", json={"input": "late"}, headers=hobby)
+    assert shed.status == 503  # 9 enterprise requests queued: ~0.5 s against 300 ms
+    body = await shed.json()
+    assert body["error"] == "OVERLOADED"
+    assert "past its deadline" in body["message"]
+    # 9 queued ahead, drained at most one per 50 ms call
+    assert body["retry_after_ms"] >= round(9 * 0.050 * 1e3)
+    kept = asyncio.ensure_future(client.post("/api/inference", json={"input": "ent"}, headers=acme))
+    await reach(engine, lambda s: s.queued == 10)  # enterprise: accepted
+    gated.gate.set()
     assert [(await task).status for task in [*queued, kept]] == [200] * 11
 
 
-async def test_capacity_follows_a_device_that_hangs(start_server, gated):
+async def test_capacity_follows_a_device_that_hangs(start_server, gated: GatedBackend):
+    clock = FakeClock()
+    client, engine = await start_server(gated, devices=2, batch_timeout_ms=200, clock=clock)
+    measure = asyncio.ensure_future(client.post("/api/inference", json={"input": "measure"}))
+    await reach(engine, lambda s: s.in_flight == 1)
+    clock.advance(0.100)
     gated.gate.set()
-    client, engine = await start_server(gated, devices=2, batch_timeout_ms=200)
-    await client.post("/api/inference", json={"input": "measure"})
-    full = engine.capacity_rps()
-    assert full == 2 * 100 / engine.call_time_s
+    await measure
+    assert engine.capacity_rps() == pytest.approx(2 * 100 / 0.100)
     gated.stuck = {"sim:0"}
-    await client.post("/api/inference", json={"input": "hangs sim:0, then runs on sim:1"})
+    hangs = asyncio.ensure_future(
+        client.post("/api/inference", json={"input": "hangs sim:0, then runs on sim:1"})
+    )
+    await gated.entered("sim:0")
+    await reach(engine, lambda s: s.in_flight == 1 and s.free_devices == 1)
+    clock.advance(0.200)
+    assert (await hangs).status == 200
     assert engine.stats().healthy_devices == 1
-    assert engine.capacity_rps() == 1 * 100 / engine.call_time_s
+    assert engine.capacity_rps() == pytest.approx(1 * 100 / engine.call_time_s)
     metrics = await (await client.get("/metrics")).text()
     assert f"batchserve_capacity_rps {engine.capacity_rps()}" in metrics

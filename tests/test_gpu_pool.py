@@ -1,0 +1,151 @@
+"""The device pool on its own, in virtual time: a recording listener, a gated backend, no
+batcher and no HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import pytest
+
+from batchserve.capacity import CallTime
+from batchserve.clock import FakeClock
+from batchserve.errors import StartupError
+from batchserve.faults import PROBE_INPUT, BatchBudget, BatchFailure, FailureKind
+from batchserve.gpu_pool import GpuPool
+from batchserve.item import QueuedRequest, Result
+
+from .conftest import Factory, GatedBackend
+
+
+@dataclass
+class Heard:
+    """What the pool told its listener, in order."""
+
+    events: list[tuple[str, object]] = field(default_factory=list)
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def batch_done(self, finished: float, answered: int) -> None:
+        self._hear("done", (finished, answered))
+
+    def batch_failed(self, batch: list[QueuedRequest], failure: BatchFailure) -> None:
+        self._hear("failed", (len(batch), failure.kind))
+
+    def health_changed(self) -> None:
+        self._hear("health", None)
+
+    def _hear(self, kind: str, detail: object) -> None:
+        self.events.append((kind, detail))
+        self.changed.set()
+
+    async def next(self) -> tuple[str, object]:
+        """Waits for the next event after those already seen."""
+        seen = len(self.events)
+        while len(self.events) == seen:
+            self.changed.clear()
+            await self.changed.wait()
+        return self.events[seen]
+
+
+def crash(task: str, error: BaseException) -> None:
+    raise AssertionError(f"{task} crashed: {error!r}")
+
+
+@pytest.fixture
+async def pool_of(gated: GatedBackend) -> AsyncIterator[Callable[..., object]]:
+    """Starts a pool of `devices` over `factory` (default: the gated backend)."""
+    pools: list[GpuPool] = []
+
+    async def start(
+        devices: int = 1, factory: Factory | None = None, budget_s: float = 0.5
+    ) -> tuple[GpuPool, Heard, FakeClock]:
+        clock, heard, call_time = FakeClock(), Heard(), CallTime()
+        pool = GpuPool(
+            [f"sim:{n}" for n in range(devices)],
+            factory or gated,
+            clock=clock,
+            call_time=call_time,
+            budget=BatchBudget(call_time, fixed_s=budget_s),
+            listener=heard,
+            on_crash=crash,
+        )
+        await pool.__aenter__()
+        pools.append(pool)
+        return pool, heard, clock
+
+    yield start
+    for pool in pools:
+        await pool.__aexit__(None, None, None)
+
+
+def batch_of(clock: FakeClock, *texts: str) -> list[QueuedRequest]:
+    loop = asyncio.get_running_loop()
+    now = clock.time()
+    return [QueuedRequest(t, t, now, now + 60, loop.create_future()) for t in texts]
+
+
+async def test_a_batch_runs_on_a_free_device_and_is_timed_on_the_engine_clock(pool_of, gated):
+    pool, heard, clock = await pool_of(devices=2)
+    batch = batch_of(clock, "ab", "cd")
+    clock.advance(0.010)  # queued 10 ms
+    pool.dispatch(batch, batch_id=7)
+    assert (pool.free_count, pool.in_flight_requests) == (1, 2)
+    clock.advance(0.100)  # the call takes 100 ms of virtual time
+    gated.gate.set()
+    assert await heard.next() == ("done", (clock.time(), 2))
+    results = [await request.future for request in batch]
+    assert results == [
+        Result("ba", pytest.approx(0.010), pytest.approx(0.100), 2, 7, "sim:0"),
+        Result("dc", pytest.approx(0.010), pytest.approx(0.100), 2, 7, "sim:0"),
+    ]
+    assert pool.free_count == 2
+    assert pool.devices[0].busy_total_s == pytest.approx(0.100)
+
+
+async def test_a_malformed_result_answers_nobody_and_goes_back_to_the_listener(pool_of, gated):
+    gated.gate.set()
+    gated.malformed_calls = 1
+    pool, heard, clock = await pool_of()
+    batch = batch_of(clock, "x", "y")
+    pool.dispatch(batch, batch_id=1)
+    assert await heard.next() == ("failed", (2, FailureKind.MALFORMED))
+    assert not any(request.future.done() for request in batch)
+    assert pool.faults["batch_malformed"] == 1
+
+
+async def test_a_call_past_its_budget_hangs_the_device_until_a_probe_answers(pool_of, gated):
+    gated.gate.set()
+    gated.stuck = {"sim:0"}
+    pool, heard, clock = await pool_of(budget_s=0.5)
+    batch = batch_of(clock, "x")
+    pool.dispatch(batch, batch_id=1)
+    clock.advance(0.499)
+    assert heard.events == []
+    clock.advance(0.001)  # the watchdog fires at exactly the budget
+    assert heard.events == [("failed", (1, FailureKind.HUNG)), ("health", None)]
+    assert (pool.states(), pool.healthy, pool.free_count) == ({"sim:0": "hung"}, 0, 0)
+    gated.stuck.clear()
+    gated.unstick.set()  # the wedged call returns; its result is dropped
+    for _ in range(1000):
+        if pool.states()["sim:0"] == "recovering":
+            break
+        await asyncio.sleep(0)
+    assert not batch[0].future.done()
+    assert pool.faults["late_result_discarded"] == 1
+    clock.advance(0.5)  # the back-off (one budget) ends: the probe runs
+    assert await heard.next() == ("health", None)
+    assert (pool.states(), pool.healthy) == ({"sim:0": "idle"}, 1)
+    assert gated.calls_on("sim:0") == [["x"], [PROBE_INPUT]]
+
+
+async def test_devices_that_fail_to_load_are_dead_and_none_loading_stops_start_up(pool_of):
+    def half_broken(device: str):
+        if device == "sim:1":
+            raise RuntimeError("no weights")
+        return lambda inputs: inputs
+
+    pool, _, _ = await pool_of(devices=2, factory=half_broken)
+    assert (pool.states(), pool.healthy) == ({"sim:0": "idle", "sim:1": "dead"}, 1)
+    with pytest.raises(StartupError, match="device sim:0 failed to load: RuntimeError: gone"):
+        await pool_of(factory=lambda device: (_ for _ in ()).throw(RuntimeError("gone")))
