@@ -206,9 +206,8 @@ async def serve(engine: Engine) -> int:
         try:
             await site.start()
         except OSError as exc:
-            raise StartupError(
-                f"cannot listen on {config.host}:{config.port}: {exc.strerror or exc}"
-            ) from None
+            cause = os.strerror(exc.errno).lower() if exc.errno else str(exc)
+            raise StartupError(f"cannot listen on {config.host}:{config.port}: {cause}") from None
         host, port = runner.addresses[0][:2]
         # Everything loaded so far lives for the whole run: keep it out of the collector's
         # scans, and collect young objects less often (each request makes a few).

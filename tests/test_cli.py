@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import subprocess
 import sys
 
@@ -12,7 +13,9 @@ import aiohttp
 import pytest
 import torch
 
-from batchserve.cli import _FLAGS, build_parser, config_from_args
+from batchserve.cli import _FLAGS, build_parser, config_from_args, serve
+from batchserve.config import Config
+from batchserve.engine import Engine
 
 from .conftest import ROOT, real_server
 
@@ -29,10 +32,50 @@ def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
 
 
 def test_help_explains_every_flag():
-    text = build_parser().format_help()
+    text = " ".join(build_parser().format_help().split())
     for flag, _, _ in _FLAGS:
         assert f"--{flag}" in text
         assert f"BATCHSERVE_{flag.replace('-', '_').upper()}" in text
+    assert text.count("on or off;") == 3  # each switch names the values it takes
+    assert "--metrics {on,off}" in text
+    assert "off removes all three" in text  # /metrics, the dashboard at / and /api/stats
+
+
+def test_usage_names_the_command_the_user_typed():
+    module = run_cli("--help")
+    assert module.stdout.startswith("usage: python -m batchserve ")
+    script = subprocess.run(
+        [sys.executable, "-c", "import sys; from batchserve.cli import main; sys.exit(main())",
+         "--help"],
+        capture_output=True, text=True, cwd=ROOT, timeout=60,
+    )  # fmt: skip
+    assert script.stdout.startswith("usage: batchserve ")
+
+
+def test_a_port_in_use_is_one_line_naming_the_cause():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = run_cli("--port", str(port))
+    assert result.returncode == 1
+    assert result.stderr == (
+        f"python -m batchserve: error: cannot listen on 127.0.0.1:{port}: address already in use\n"
+    )
+
+
+class FailingPolicy:
+    """A batching loop that crashes on its first decision."""
+
+    def decide(self, *args: object) -> object:
+        raise RuntimeError("a bug in the batching loop")
+
+
+async def test_the_server_exits_1_when_its_engine_fails(caplog):
+    engine = Engine(Config(port=0), policy=FailingPolicy())  # type: ignore[arg-type]
+    assert await asyncio.wait_for(serve(engine), 60) == 1  # a hang guard only
+    assert engine.readiness() == (False, "failed")
+    assert "exiting 1: batchserve-batcher crashed: RuntimeError" in caplog.text
 
 
 def test_flags_read_the_environment_and_the_command_line_wins(monkeypatch):

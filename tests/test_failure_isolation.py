@@ -73,12 +73,15 @@ async def test_poison_inputs_fail_alone_and_the_rest_of_their_batch_succeeds(sta
 
 
 async def test_the_default_retry_reserve_isolates_a_poison_input_in_a_full_batch(
-    start_server, gated
+    start_server, gated, caplog
 ):
     client, engine = await start_server(gated)
     texts = [f"in-{n}" + (POISON_MARKER if n == 77 else "") for n in range(99)]
     answers = await fill_one_batch(client, engine, gated, texts)
     assert [status for status, _ in answers] == [200] * 77 + [500] + [200] * 21
+    whole_batch = next(r.getMessage() for r in caplog.records if "batch 2 of 99" in r.getMessage())
+    assert whole_batch.endswith(" and 94 more")  # five ids, then a count: lines stay short
+    assert len(whole_batch) < 400
 
 
 async def test_without_bisection_one_poison_input_fails_its_whole_batch(start_server, gated):

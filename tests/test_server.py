@@ -103,7 +103,7 @@ async def test_a_batch_grows_while_every_device_is_busy(start_server, gated):
         (b'{"input": "x", "timeout_ms": "soon"}', "timeout_ms"),
         (b'{"input": "x", "timeout_ms": -1}', "timeout_ms"),
         (b'{"input": "x", "timeout_ms": true}', "timeout_ms"),
-        (b'{"input": "\xff\xfe"}', "UTF-8"),
+        (b'{"input": "\xff\xfe"}', "the body is not valid UTF-8 text"),
         (b'{"input": "\\ud800"}', "UTF-8"),
     ],
 )
@@ -344,3 +344,33 @@ async def test_a_blocked_device_thread_does_not_hold_up_teardown(start_server, g
     await client.close()  # the app's cleanup: the engine stops with the call still inside
     assert not gated.gate.is_set()
     assert any(t.name == "batchserve-sim:0" and t.is_alive() for t in threading.enumerate())
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "status", "code"),
+    [
+        ("GET", "/no/such/route", 404, "NOT_FOUND"),
+        ("POST", "/", 405, "METHOD_NOT_ALLOWED"),
+        ("GET", "/api/inference", 405, "METHOD_NOT_ALLOWED"),
+        ("DELETE", "/healthz", 405, "METHOD_NOT_ALLOWED"),
+        ("GET", "/static/vendor/missing.js", 404, "NOT_FOUND"),
+    ],
+)
+async def test_unknown_routes_and_methods_get_the_api_s_json_errors(
+    start_server, method, path, status, code
+):
+    client, _ = await start_server(simulated_factory(0.0, 100))
+    response = await client.request(method, path, headers={"X-Request-Id": "lost-1"})
+    assert response.status == status
+    body = await response.json()
+    assert (body["error"], body["request_id"]) == (code, "lost-1")
+    assert response.headers["X-Request-Id"] == "lost-1"
+    if status == 405:
+        assert method not in response.headers["Allow"]
+        assert response.headers["Allow"] in body["message"]
+
+
+async def test_the_dashboard_s_vendored_files_are_served(start_server):
+    client, _ = await start_server(simulated_factory(0.0, 100))
+    for name in ("uPlot.iife.min.js", "uPlot.min.css"):
+        assert (await client.get(f"/static/vendor/{name}")).status == 200
