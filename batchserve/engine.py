@@ -5,12 +5,13 @@
         ticket = engine.submit("later")       # poll ticket.status, or await ticket
 
 The HTTP server, the status API and the dashboard are doors onto one engine; a Python
-program embeds it the same way. The engine owns, each in one place: admission (keys, rate
-limits, phase, queue bound, shedding), the pending requests and their deadlines, the batcher
-and the device pool (started in that order's reverse, stopped in order), the one batch-time
-estimate, the metrics, and drain. Everything reads time from one injected clock. Its tasks
-are supervised: if one crashes, the engine fails what it holds, turns not-ready and sets
-`failed`, which makes the server exit non-zero rather than serve into a dead batcher.
+program embeds it the same way. The engine owns, each in one place: admission (keys and
+rate limits in `admission.py`; phase, queue bound and shedding here and in the batcher), the
+pending requests and their deadlines, the device pool and the batcher (the pool starts
+first and stops last), the one batch-time estimate, the metrics, and drain. Everything reads
+time from one injected clock. Its tasks are supervised: if one crashes, the engine fails
+what it holds, turns not-ready and sets `failed`, which makes the server exit non-zero
+rather than serve into a dead batcher.
 """
 
 from __future__ import annotations
@@ -20,35 +21,26 @@ import contextlib
 import enum
 import functools
 import logging
-import math
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from .admission import Admission
 from .backends import BatchFn, DeviceFactory, device_factory
 from .batcher import Batcher, BatcherStats
 from .capacity import CallTime
 from .clock import Clock, LoopClock, Timer, wait_until
 from .config import Config
 from .devices import parse_devices
-from .errors import (
-    BatchserveError,
-    DuplicateRequestId,
-    InputTooLarge,
-    InvalidInput,
-    NotReady,
-    RateLimited,
-    Unauthenticated,
-)
+from .errors import BatchserveError, DuplicateRequestId, NotReady
 from .fair_queue import TIER_RANKS
 from .faults import BatchBudget, BatchFailure, RetryBudget
 from .gpu_pool import GpuPool
-from .http_io import new_request_id
-from .item import QueuedRequest, Result, Ticket
+from .item import QueuedRequest, Result, Ticket, new_request_id
 from .metrics import Metrics
 from .policy import Policy, make_policy
 from .recorder import Recorder
-from .tenants import KeyRing, Tenant
+from .tenants import Tenant
 
 log = logging.getLogger(__name__)
 
@@ -126,9 +118,7 @@ class Engine:
             else None
         )
         self._recorder = Recorder(self.metrics, config.access_log)
-        self._keys = (
-            KeyRing.load(config.keys_file, config.anonymous_tier) if config.keys_file else None
-        )
+        self._admission = Admission(config)
         self._stack = contextlib.AsyncExitStack()
         self._drained: asyncio.Task[None] | None = None
 
@@ -207,14 +197,7 @@ class Engine:
     def authenticate(self, authorization: str | None) -> Tenant | None:
         """The caller's tenant from `Authorization: Bearer <key>`; None when the engine runs
         open (no keys file)."""
-        if self._keys is None:
-            return None
-        tenant = self._keys.authenticate(authorization)
-        if tenant is None:
-            raise Unauthenticated(
-                "send Authorization: Bearer <API key>; this one is missing or unknown"
-            )
-        return tenant
+        return self._admission.authenticate(authorization)
 
     def record(
         self,
@@ -239,14 +222,13 @@ class Engine:
     ) -> tuple[QueuedRequest, Timer]:
         """Checks who calls, their rate, that the engine can take the request and that the
         input is acceptable; then queues it and arms its deadline."""
-        if tenant is not None and self._keys is not None:
-            self._take_token(self._keys, tenant, arrival)
+        self._admission.take_token(tenant, arrival)
         if self.phase is not Phase.READY:
             raise NotReady(f"the server is {self.phase.value}")
         if not self._pool.healthy:
             raise NotReady("no device is healthy; see /readyz")
-        self._check_input(text)
-        deadline = arrival + self._timeout_s(timeout_ms, tenant)
+        self._admission.check_input(text)
+        deadline = arrival + self._admission.timeout_s(timeout_ms, tenant)
         if request_id in self._pending:
             raise DuplicateRequestId(f"request id {request_id} is already in flight")
         future: asyncio.Future[Result] = asyncio.get_running_loop().create_future()
@@ -259,44 +241,6 @@ class Engine:
         # One timer that fails the future, rather than asyncio.timeout_at: the hot path then
         # needs no Timeout object and no task-cancel round trip.
         return request, self.clock.call_at(deadline, request.expire)
-
-    def _take_token(self, keys: KeyRing, tenant: Tenant, now: float) -> None:
-        wait_s, bucket = keys.take(tenant, now)
-        if wait_s:
-            raise RateLimited(
-                f"tenant {tenant.name} is over the {tenant.tier} tier's rate of"
-                f" {bucket.rate:g} requests a second",
-                retry_after_s=wait_s,
-                limit=bucket.burst,
-                reset_s=bucket.seconds_to_full(),
-            )
-
-    def _check_input(self, text: str) -> None:
-        if not isinstance(text, str):
-            raise InvalidInput(f"the input must be a str, not {type(text).__name__}")
-        try:
-            size = len(text.encode())
-        except UnicodeEncodeError:
-            raise InvalidInput("the input is not valid Unicode text") from None
-        if size > self.config.max_input_bytes:
-            raise InputTooLarge(
-                f"the input is {size} bytes; the limit is {self.config.max_input_bytes}"
-            )
-
-    def _timeout_s(self, timeout_ms: float | None, tenant: Tenant | None) -> float:
-        """The request's own timeout, capped by the server's and by its tier's deadline."""
-        cap_ms = self.config.timeout_ms
-        if tenant is not None and self._keys is not None:
-            tier_ms = self._keys.limits[tenant.tier].timeout_ms
-            if tier_ms is not None:
-                cap_ms = min(cap_ms, tier_ms)
-        if timeout_ms is None:
-            return cap_ms / 1e3
-        if isinstance(timeout_ms, bool) or not (
-            isinstance(timeout_ms, int | float) and math.isfinite(timeout_ms) and timeout_ms > 0
-        ):
-            raise InvalidInput("timeout_ms must be a number above 0")
-        return min(timeout_ms, cap_ms) / 1e3
 
     def _release(self, request_id: str, expiry: Timer) -> None:
         """Forgets a request whose waiter is done with it; still queued (a timeout, a

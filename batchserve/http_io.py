@@ -6,7 +6,6 @@ The only module that turns the error tree (`errors.py`) into HTTP answers.
 from __future__ import annotations
 
 import math
-import secrets
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import orjson
@@ -21,7 +20,7 @@ from .errors import (
     RateLimited,
     Unauthenticated,
 )
-from .item import Result
+from .item import Result, new_request_id
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -69,12 +68,6 @@ def request_id_of(request: web.Request) -> tuple[str, InvalidInput | None]:
         )
         return new_request_id(), problem
     return given, None
-
-
-def new_request_id() -> str:
-    """Unguessable, since an id is what the status API is polled by; token_hex costs a
-    fifth of uuid4().hex, which builds a UUID object around the same random bytes."""
-    return secrets.token_hex(16)
 
 
 async def read_input(request: web.Request, limit: int) -> tuple[str, float | None]:

@@ -1,6 +1,6 @@
 """batchserve inside a Python program, with no HTTP: the engine README's example runs.
 
-    python examples/embedded.py
+python examples/embedded.py
 """
 
 from __future__ import annotations

@@ -185,9 +185,7 @@ class BrokenPolicy:
         return Decision(0)
 
 
-async def test_a_crashed_batcher_fails_what_it_holds_and_turns_the_engine_not_ready(
-    gated, caplog
-):
+async def test_a_crashed_batcher_fails_what_it_holds_and_turns_the_engine_not_ready(gated, caplog):
     config = Config()
     engine = Engine(config, fn_per_device=gated, devices="sim:1", clock=FakeClock(),
                     policy=BrokenPolicy())  # fmt: skip

@@ -87,8 +87,7 @@ async def test_stats_give_the_dashboard_live_numbers(start_server, gated):
     clock = FakeClock()
     client, engine = await start_server(gated, devices=2, clock=clock)
     asked = [
-        asyncio.ensure_future(client.post("/api/inference", json={"input": "x"}))
-        for _ in range(10)
+        asyncio.ensure_future(client.post("/api/inference", json={"input": "x"})) for _ in range(10)
     ]
     await reach(engine, lambda s: s.pending == 10)
     clock.advance(0.1)  # every answer takes exactly 100 ms of virtual time
