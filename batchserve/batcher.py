@@ -251,12 +251,11 @@ class Batcher:
                 if len(self._queue) < self._max_batch_size:
                     self._retry_budget.on_first_try()
                 continue
-            if decision.wake_at is None:
-                await self._wakeup.wait()
-                continue
-            alarm = clock.call_at(decision.wake_at, self._wakeup.set)
+            wake_at = decision.wake_at
+            alarm = None if wake_at is None else clock.call_at(wake_at, self._wakeup.set)
             await self._wakeup.wait()
-            alarm.cancel()
+            if alarm is not None:
+                alarm.cancel()
 
     def _send(self, batch: list[QueuedRequest]) -> None:
         if batch:

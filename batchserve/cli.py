@@ -229,6 +229,7 @@ async def serve(engine: Engine) -> int:
         await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         for wait in waits:
             wait.cancel()
+        await asyncio.gather(*waits, return_exceptions=True)
         if engine.failed.is_set():
             log.critical("exiting 1: %s", engine.failure)
             return 1

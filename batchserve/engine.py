@@ -158,18 +158,15 @@ class Engine:
         `timeout_ms` may only lower the server's `timeout_ms` (and the tenant's tier
         deadline). `arrival` is when the caller received the request (default: now).
         """
-        arrival = self.clock.time() if arrival is None else arrival
-        request_id = request_id or new_request_id()
+        request, expiry = self._admit("inference", text, timeout_ms, request_id, tenant, arrival)
         try:
-            request, expiry = self._admit(text, timeout_ms, request_id, tenant, arrival)
-            try:
-                result = await request.future
-            finally:
-                self._release(request_id, expiry)
+            result = await request.future
         except BatchserveError as error:
-            self.record("inference", request_id, arrival, error, tenant)
+            self.record("inference", request.request_id, request.arrival, error, tenant)
             raise
-        self.record("inference", request_id, arrival, result, tenant)
+        finally:
+            self._release(request.request_id, expiry)
+        self.record("inference", request.request_id, request.arrival, result, tenant)
         return result
 
     def submit(
@@ -183,13 +180,7 @@ class Engine:
     ) -> Ticket:
         """Queues one input and returns at once: the ticket tells its status and, awaited,
         gives its result. It runs exactly like `infer` (same queue, deadline, faults)."""
-        arrival = self.clock.time() if arrival is None else arrival
-        request_id = request_id or new_request_id()
-        try:
-            request, expiry = self._admit(text, timeout_ms, request_id, tenant, arrival)
-        except BatchserveError as error:
-            self.record("requests", request_id, arrival, error, tenant)
-            raise
+        request, expiry = self._admit("requests", text, timeout_ms, request_id, tenant, arrival)
         ticket = Ticket(request)
         ticket.add_done_callback(functools.partial(self._submitted_done, expiry, tenant))
         return ticket
@@ -213,6 +204,25 @@ class Engine:
         self._recorder.record(route, request_id, tenant, now - arrival, outcome, now)
 
     def _admit(
+        self,
+        route: str,
+        text: str,
+        timeout_ms: float | None,
+        request_id: str | None,
+        tenant: Tenant | None,
+        arrival: float | None,
+    ) -> tuple[QueuedRequest, Timer]:
+        """Queues the request and arms its deadline; a refusal is recorded under `route`
+        and raised."""
+        arrival = self.clock.time() if arrival is None else arrival
+        request_id = request_id or new_request_id()
+        try:
+            return self._queue(text, timeout_ms, request_id, tenant, arrival)
+        except BatchserveError as error:
+            self.record(route, request_id, arrival, error, tenant)
+            raise
+
+    def _queue(
         self,
         text: str,
         timeout_ms: float | None,
