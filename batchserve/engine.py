@@ -23,7 +23,7 @@ import functools
 import logging
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from .admission import Admission
 from .backends import BatchFn, DeviceFactory, device_factory
@@ -54,15 +54,9 @@ class Phase(enum.Enum):
 
 
 @dataclass(frozen=True, slots=True)
-class EngineStats:
-    queued: int
-    in_flight: int
+class EngineStats(BatcherStats):
     pending: int
     """Accepted and not yet released by whoever waits for them."""
-    free_devices: int
-    healthy_devices: int
-    batches: int
-    completed: int
 
 
 class Engine:
@@ -335,15 +329,7 @@ class Engine:
         await self._batcher.wait_until(lambda stats: predicate(self._with_pending(stats)))
 
     def _with_pending(self, stats: BatcherStats) -> EngineStats:
-        return EngineStats(
-            queued=stats.queued,
-            in_flight=stats.in_flight,
-            pending=len(self._pending),
-            free_devices=stats.free_devices,
-            healthy_devices=stats.healthy_devices,
-            batches=stats.batches,
-            completed=stats.completed,
-        )
+        return EngineStats(**asdict(stats), pending=len(self._pending))
 
     @property
     def call_time_s(self) -> float | None:
