@@ -15,10 +15,7 @@ from dataclasses import dataclass
 
 from .config import BACKEND_BATCH_LIMIT, Config
 from .errors import StartupError
-
-BatchFn = Callable[[list[str]], list[str]]
-DeviceFactory = Callable[[str], BatchFn]
-
+from .models import DEFAULT_MODEL, BatchFn, DeviceFactory, ModelSpec
 
 POISON_MARKER = "!poison!"
 """An input containing this makes every simulated batch call that carries it raise."""
@@ -126,28 +123,36 @@ def simulated_factory(latency_s: float, limit: int, chaos: Chaos | None = None) 
 
 def device_factory(
     config: Config,
+    spec: ModelSpec,
     device_names: list[str],
     *,
     fn: BatchFn | None = None,
     fn_per_device: DeviceFactory | None = None,
 ) -> DeviceFactory:
-    """The backend to load on each device: a function or factory handed over in Python,
-    else the one `--fn` / `--fn-per-device` names, else the simulated model."""
+    """The backend to load on each of a model's devices: a function or factory handed over
+    in Python, else the one its `fn` / `fn_per_device` names, else the simulated model."""
     if fn is not None and fn_per_device is not None:
         raise StartupError("give fn or fn_per_device, not both")
-    if fn is None and config.fn is not None:
-        fn = import_attr(config.fn, "--fn")
+    fn_flag, factory_flag = (
+        ("--fn", "--fn-per-device")
+        if spec.name == DEFAULT_MODEL
+        else (f"{spec.label} fn", f"{spec.label} fn_per_device")
+    )
+    if fn is None and spec.fn is not None:
+        fn = spec.fn if callable(spec.fn) else import_attr(spec.fn, fn_flag)
     if fn is not None:
         shared = fn
         return lambda device: shared
+    if fn_per_device is None and callable(spec.fn_per_device):
+        fn_per_device = spec.fn_per_device
     if fn_per_device is not None:
         return _checked_factory(fn_per_device, getattr(fn_per_device, "__name__", "the factory"))
-    if config.fn_per_device is not None:
-        factory = import_attr(config.fn_per_device, "--fn-per-device")
-        return _checked_factory(factory, f"--fn-per-device {config.fn_per_device}")
+    if isinstance(spec.fn_per_device, str):
+        factory = import_attr(spec.fn_per_device, factory_flag)
+        return _checked_factory(factory, f"{factory_flag} {spec.fn_per_device}")
     if not all(name.startswith("sim:") for name in device_names):
         raise StartupError(
-            f"--devices {config.devices} needs a model: give --fn or --fn-per-device"
+            f"--devices {spec.devices} needs a model: give --fn or --fn-per-device"
             " (the simulated backend runs on sim:N devices)"
         )
     chaos = Chaos(

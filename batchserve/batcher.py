@@ -1,9 +1,14 @@
-"""The batching loop: a thin coroutine that asks the policy when to send, and sends.
+"""The batching loop: a thin coroutine that asks each lane's policy when to send, and sends.
 
-The batcher owns the queue of accepted requests (oldest first), the retry lane in front of it
-(groups from failed batches, run again as they are, before anything new) and the one task
-that forms batches. It wakes only when something could change the answer: a request arrives
-while a device is free, a device frees or fails, or the policy's own wake-up time comes.
+The batcher owns the accepted requests, one lane per compatibility key (model version,
+canonical params, length bucket): a batch call never mixes keys. In front of the lanes is
+the retry lane (groups from failed batches, run again as they are, before anything new). A
+free device goes to the lanes its versions serve: each lane's policy says whether a batch of
+it would leave now, and among those that would, the lane that has had the least device time
+goes first (start-time fair queuing, ties to the earliest deadline), so a cold key never
+waits behind a hot one's backlog. The one task that forms batches wakes only when something
+could change the answer: a request arrives while a device is free, a device frees or fails,
+or a policy's own wake-up time comes.
 """
 
 from __future__ import annotations
@@ -15,14 +20,15 @@ from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .capacity import CallTime, DecayedRate
+from .capacity import DecayedRate
 from .clock import Clock
 from .errors import BackendError, BatchserveError, NotReady, Overloaded
 from .fair_queue import TIER_RANKS, FairQueue, predicted_wait_s
 from .faults import BatchFailure, RetryBudget, plan_recovery
-from .gpu_pool import GpuPool
-from .item import QueuedRequest
-from .policy import Decision, Policy, QueueView
+from .gpu_pool import HEALTHY, GpuPool
+from .item import Key, QueuedRequest
+from .policy import QueueView
+from .registry import ModelVersion
 from .tasks import CrashHandler, TaskSet
 
 ADMISSION_UTILIZATION = 0.9
@@ -40,34 +46,61 @@ class BatcherStats:
     completed: int
 
 
+class Lane:
+    """The waiting requests of one compatibility key, and its share of device time so far."""
+
+    __slots__ = ("key", "max_batch", "queue", "tag")
+
+    def __init__(self, key: Key, tag: float) -> None:
+        self.key = key
+        self.queue = FairQueue()
+        self.tag = tag
+        """Virtual time at which its next batch starts; smaller goes first."""
+        spec = key.version.spec
+        self.max_batch = spec.max_batch_size
+        if spec.max_batch_tokens is not None:
+            longest = (1 << key.bucket) - 1  # the bucket's longest input
+            self.max_batch = max(1, min(self.max_batch, spec.max_batch_tokens // longest))
+
+    def __repr__(self) -> str:
+        label = self.key.version.spec.label
+        return f"<Lane {label} bucket={self.key.bucket} queued={len(self.queue)}>"
+
+    def predicted_s(self, size: int) -> float | None:
+        """The batch time of `size` of this lane's requests, padded to the bucket's top."""
+        return self.key.version.estimate.predict(size * max(1, (1 << self.key.bucket) - 1))
+
+
+def length_bucket(version: ModelVersion, tokens: int) -> int:
+    """Length-cost versions group inputs whose lengths are within 2x of each other (bucket
+    b holds 2^(b-1) to 2^b - 1 tokens); flat ones have one bucket."""
+    return tokens.bit_length() if version.spec.cost == "length" else 0
+
+
 class Batcher:
     """Hears from the engine of finished and failed batches and of health changes."""
 
     def __init__(
         self,
-        policy: Policy,
         pool: GpuPool,
         *,
         clock: Clock,
-        call_time: CallTime,
-        max_batch_size: int,
         max_queue: int,
         bisect_failures: bool,
         retry_budget: RetryBudget,
         shed: bool,
         on_crash: CrashHandler,
     ):
-        self._policy = policy
         self._pool = pool
         self._clock = clock
-        self._call_time = call_time
-        self._max_batch_size = max_batch_size
         self._max_queue = max_queue
         self._bisect = bisect_failures
         self._retry_budget = retry_budget
-        self._queue = FairQueue()
+        self._lanes: dict[Key, Lane] = {}
+        self._queued = 0
+        self._virtual_time = 0.0
         self._shed = shed
-        self._retries: deque[list[QueuedRequest]] = deque()
+        self._retries: deque[tuple[Key, list[QueuedRequest]]] = deque()
         self.recoveries: Counter[str] = Counter()
         """Requests sent round again by kind of failure, and those answered 500."""
         self._wakeup = asyncio.Event()
@@ -81,20 +114,32 @@ class Batcher:
         """Arrivals a second by tier rank: what higher tiers will claim of the capacity."""
         self.batch_sizes: Counter[int] = Counter()
         """How many batches of each size were sent, retries included."""
+        self.batch_fill: Counter[tuple[ModelVersion, str]] = Counter()
+        """Per version, batches sent ("batches") and requests in them ("requests")."""
 
     def __repr__(self) -> str:
         s = self.stats()
-        return f"<Batcher queued={s.queued} in_flight={s.in_flight} batches={s.batches}>"
+        return (
+            f"<Batcher lanes={len(self._lanes)} queued={s.queued} in_flight={s.in_flight}"
+            f" batches={s.batches}>"
+        )
 
     def stats(self) -> BatcherStats:
         return BatcherStats(
-            queued=len(self._queue) + self._retrying(),
+            queued=self._queued + self._retrying(),
             in_flight=self._pool.in_flight_requests,
             free_devices=self._pool.free_count,
             healthy_devices=self._pool.healthy,
             batches=self._batches,
             completed=self._completed,
         )
+
+    def queued_for(self, version: ModelVersion) -> int:
+        """Requests of `version` waiting, in its lanes or to be retried."""
+        waiting = sum(
+            len(lane.queue) for key, lane in self._lanes.items() if key.version is version
+        )
+        return waiting + sum(len(g) for key, g in self._retries if key.version is version)
 
     async def __aenter__(self) -> Batcher:
         self._tasks.start(self._run(), name="batchserve-batcher")
@@ -104,32 +149,46 @@ class Batcher:
         await self._tasks.aclose()
 
     def submit(self, request: QueuedRequest) -> None:
-        if len(self._queue) >= self._max_queue:
+        if self._queued >= self._max_queue:
             raise Overloaded(
                 f"the queue holds its limit of {self._max_queue} requests",
                 retry_after_s=self._drain_time_s(),
             )
+        lane = self._lanes.get(request.key)
+        if lane is None:
+            lane = self._lanes[request.key] = Lane(request.key, self._virtual_time)
         if self._shed:
-            self._refuse_if_late(request)
+            self._refuse_if_late(request, lane)
             self._tier_rates[request.tier_rank].add(request.arrival, 1)
-        self._queue.push(request)
+        lane.queue.push(request)
+        self._queued += 1
         self._arrival_rate.add(request.arrival, 1)
         if self._pool.free_count:
             self._wakeup.set()
         self._changed()
 
-    def discard(self, request_id: str) -> None:
+    def discard(self, request: QueuedRequest) -> None:
         """Forgets a request its handler is done with; it may have been answered while queued
         (timeout, disconnect), and then leaves the queue before any batch is formed."""
-        self._queue.discard(request_id)
+        lane = self._lanes.get(request.key)
+        if lane is not None and lane.queue.discard(request.request_id):
+            self._queued -= 1
+            if not lane.queue:
+                del self._lanes[lane.key]
         self._changed()
 
-    def fail_queued(self, error: BatchserveError) -> None:
-        for request in itertools.chain(self._queue, *self._retries):
+    def fail_queued(self, error: BatchserveError, version: ModelVersion | None = None) -> None:
+        """Answers every waiting request (of `version`, if given) with `error`."""
+        lanes = [lane for lane in self._lanes.values() if version in (None, lane.key.version)]
+        retries = [r for r in self._retries if version in (None, r[0].version)]
+        for request in itertools.chain(*(lane.queue for lane in lanes), *(g for _, g in retries)):
             if not request.future.done():
                 request.future.set_exception(error)
-        self._queue.clear()
-        self._retries.clear()
+        for lane in lanes:
+            self._queued -= len(lane.queue)
+            del self._lanes[lane.key]
+        for retry in retries:
+            self._retries.remove(retry)
         self._changed()
 
     def batch_done(self, finished: float, answered: int) -> None:
@@ -138,14 +197,14 @@ class Batcher:
         self._wakeup.set()
         self._changed()
 
-    def batch_failed(self, batch: list[QueuedRequest], failure: BatchFailure) -> None:
+    def batch_failed(self, batch: list[QueuedRequest], key: Key, failure: BatchFailure) -> None:
         recovery = plan_recovery(
             batch, failure.kind, bisect=self._bisect, budget=self._retry_budget
         )
         for group in recovery.retry:
             for request in group:
                 request.running = False
-        self._retries.extendleft(reversed(recovery.retry))
+        self._retries.extendleft((key, group) for group in reversed(recovery.retry))
         self.recoveries[f"retried_{failure.kind.value}"] += sum(map(len, recovery.retry))
         error = failure.error
         if recovery.unpaid:
@@ -162,8 +221,15 @@ class Batcher:
         self._changed()
 
     def health_changed(self) -> None:
+        """Fails what no healthy device is left to run."""
         if not self._pool.healthy:
             self.fail_queued(NotReady("no healthy device is left to run this request"))
+        waiting = itertools.chain(self._lanes, (key for key, _ in self._retries))
+        for version in {key.version for key in waiting}:
+            if not self._pool.healthy_for(version):
+                self.fail_queued(
+                    NotReady(f"no healthy device is left to run {version.spec.label}"), version
+                )
         self._wakeup.set()
         self._changed()
 
@@ -189,15 +255,16 @@ class Batcher:
             if not watcher[1].done():
                 watcher[1].set_result(None)
 
-    def _refuse_if_late(self, request: QueuedRequest) -> None:
+    def _refuse_if_late(self, request: QueuedRequest, lane: Lane) -> None:
         """Sheds a request predicted to miss its deadline: the lowest tiers first, since
         every higher tier's queued requests are ahead of theirs, and the higher tiers' new
         arrivals will take their share of the capacity meanwhile."""
         ahead = (
-            self._queue.ahead_of(request.tenant, request.tier_rank, request.tenant_weight)
+            lane.queue.ahead_of(request.tenant, request.tier_rank, request.tenant_weight)
             + self._retrying()
         )
-        capacity, call_s = self.capacity_rps(), self._call_time.seconds
+        version = request.key.version
+        capacity, call_s = self.capacity_rps(version), version.estimate.seconds
         if not capacity or not call_s:
             return  # nothing measured yet: no grounds to refuse
         claimed = sum(rate.at(request.arrival) for rate in self._tier_rates[: request.tier_rank])
@@ -212,13 +279,22 @@ class Batcher:
     def arrival_rps(self, now: float) -> float:
         return self._arrival_rate.at(now)
 
-    def capacity_rps(self) -> float | None:
-        """Requests a second the healthy devices can take in full batches; None until a batch
-        has finished, since the call time is measured, not assumed."""
-        call_s = self._call_time.seconds
-        if not call_s:
-            return None
-        return self._pool.healthy * self._max_batch_size / call_s
+    def capacity_rps(self, version: ModelVersion | None = None) -> float | None:
+        """Requests a second the healthy devices can take in full batches of `version`;
+        without one, of the versions they run (each device at its fastest). None until a
+        batch has finished, since the call time is measured, not assumed."""
+        if version is not None:
+            call_s = version.estimate.seconds
+            if not call_s:
+                return None
+            return self._pool.healthy_for(version) * version.spec.max_batch_size / call_s
+        rates = [
+            max(measured)
+            for device in self._pool.devices
+            if device.state in HEALTHY
+            and (measured := [rate for v in device.fns if (rate := _full_batch_rps(v))])
+        ]
+        return sum(rates) if rates else None
 
     def predicted_queue_wait_s(self, queued: int) -> float:
         """How long a request arriving now would wait for the `queued` ahead of it to drain."""
@@ -229,59 +305,108 @@ class Batcher:
 
     def _retrying(self) -> int:
         """Requests in the retry lane, which batches take before the queue."""
-        return sum(map(len, self._retries))
+        return sum(len(group) for _, group in self._retries)
 
     def _drain_time_s(self) -> float:
         rate = self._drain_rate.at(self._clock.time())
-        return len(self._queue) / rate if rate > 0 else 1.0
+        return self._queued / rate if rate > 0 else 1.0
 
     async def _run(self) -> None:
         clock = self._clock
         while True:
             self._wakeup.clear()
             now = clock.time()
-            if self._retries and self._pool.free_count:
-                self._send(self._live(self._retries.popleft(), now))
+            if self._retries and self._send_retry(now):
                 continue
-            decision = self._decide(now)
-            if decision.dispatch:
-                self._send(self._take(decision.dispatch, now))
+            lane, count, wake_at = self._choose(now)
+            if lane is not None:
+                self._send(lane.key, self._take(lane, count, now))
                 # Retries are paid from spare capacity only: none accrues while a backlog
                 # of a full batch or more is left waiting.
-                if len(self._queue) < self._max_batch_size:
+                if len(lane.queue) < lane.max_batch:
                     self._retry_budget.on_first_try()
                 continue
-            wake_at = decision.wake_at
             alarm = None if wake_at is None else clock.call_at(wake_at, self._wakeup.set)
             await self._wakeup.wait()
             if alarm is not None:
                 alarm.cancel()
 
-    def _send(self, batch: list[QueuedRequest]) -> None:
+    def _send_retry(self, now: float) -> bool:
+        """Sends the first retry group that a free device can run; False if none can."""
+        for index, (key, group) in enumerate(self._retries):
+            if self._pool.free_for(key.version):
+                del self._retries[index]
+                self._send(key, [request for request in group if _waiting(request, now)])
+                return True
+        return False
+
+    def _send(self, key: Key, batch: list[QueuedRequest]) -> None:
         if batch:
             self._batches += 1
             self.batch_sizes[len(batch)] += 1
-            self._pool.dispatch(batch, self._batches)
+            self.batch_fill[key.version, "batches"] += 1
+            self.batch_fill[key.version, "requests"] += len(batch)
+            self._pool.dispatch(batch, self._batches, key)
         self._changed()
 
-    def _decide(self, now: float) -> Decision:
-        free = self._pool.free_count
-        if not self._queue or not free:
-            return self._policy.decide(now, QueueView(len(self._queue)), free, [])
-        head = self._queue.head(self._max_batch_size)
-        view = QueueView(
-            size=len(self._queue),
-            oldest_arrival=head[0].arrival,
-            earliest_deadline=min(request.deadline for request in head),
-        )
-        return self._policy.decide(now, view, free, self._pool.busy_since)
+    def _choose(self, now: float) -> tuple[Lane | None, int, float | None]:
+        """The lane to send from now and how many of its requests; else when to look again.
 
-    def _take(self, count: int, now: float) -> list[QueuedRequest]:
+        Among the lanes whose policy would send now, the one with the smallest virtual start
+        tag: each batch advances its lane's tag by its predicted time, so lanes share the
+        devices' time evenly whatever their traffic, and a lane that wakes from idle starts
+        at the current virtual time rather than with credit saved up."""
+        best: tuple[float, float, Lane, int] | None = None
+        wake_at: float | None = None
+        for lane in self._lanes.values():
+            free = self._pool.free_for(lane.key.version)
+            if not free:
+                continue  # a device freeing wakes the loop
+            size = len(lane.queue)
+            if size >= lane.max_batch:
+                count = lane.max_batch
+            else:
+                head = lane.queue.head(size)
+                view = QueueView(
+                    size=size,
+                    oldest_arrival=head[0].arrival,
+                    earliest_deadline=min(request.deadline for request in head),
+                    service_s=lane.predicted_s(size),
+                )
+                decision = lane.key.version.policy.decide(
+                    now, view, free, self._pool.busy_since_of(lane.key)
+                )
+                count = min(decision.dispatch, lane.max_batch)
+                if not count:
+                    if decision.wake_at is not None:
+                        wake_at = (
+                            decision.wake_at if wake_at is None else min(wake_at, decision.wake_at)
+                        )
+                    continue
+            if best is None and len(self._lanes) == 1:
+                return lane, count, None
+            rank = (max(lane.tag, self._virtual_time), lane.queue.head(1)[0].deadline)
+            if best is None or rank < best[:2]:
+                best = (*rank, lane, count)
+        if best is None:
+            return None, 0, wake_at
+        start, _, lane, count = best
+        self._virtual_time = start
+        lane.tag = start + (lane.predicted_s(count) or 1.0)
+        return lane, count, None
+
+    def _take(self, lane: Lane, count: int, now: float) -> list[QueuedRequest]:
         """`count` requests in batch order; expired ones are answered 504 instead."""
-        return [request for request in self._queue.take(count) if _waiting(request, now)]
+        taken = lane.queue.take(count)
+        self._queued -= len(taken)
+        if not lane.queue:
+            del self._lanes[lane.key]
+        return [request for request in taken if _waiting(request, now)]
 
-    def _live(self, group: list[QueuedRequest], now: float) -> list[QueuedRequest]:
-        return [request for request in group if _waiting(request, now)]
+
+def _full_batch_rps(version: ModelVersion) -> float | None:
+    call_s = version.estimate.seconds
+    return version.spec.max_batch_size / call_s if call_s else None
 
 
 def _waiting(request: QueuedRequest, now: float) -> bool:

@@ -15,19 +15,68 @@ change (a longer model, a slower device), one outlier does not."""
 
 
 class CallTime:
-    """The recent average duration of a successful batch call; None until one has finished."""
+    """The recent average duration of a successful batch call; None until one has finished.
+
+    A flat model's calls cost the same whatever their inputs, so this one number predicts
+    every call; `LengthCost` predicts from the batch's padded size."""
 
     def __init__(self) -> None:
         self.seconds: float | None = None
 
     def __repr__(self) -> str:
-        return f"<CallTime seconds={self.seconds}>"
+        return f"<{type(self).__name__} seconds={self.seconds}>"
 
-    def observe(self, duration_s: float) -> None:
+    def observe(self, duration_s: float, padded_tokens: int = 0) -> None:
         if self.seconds is None:
             self.seconds = duration_s
         else:
             self.seconds += CALL_TIME_WEIGHT * (duration_s - self.seconds)
+
+    def predict(self, padded_tokens: int) -> float | None:
+        """How long a call over `padded_tokens` (batch size x longest input) should take."""
+        return self.seconds
+
+
+LENGTH_COST_DECAY = 0.98
+"""Each call keeps 98 % of the fit's weight on the calls before it: about fifty calls carry
+the estimate, so it follows a model that warms up or a device that slows."""
+
+
+class LengthCost(CallTime):
+    """Learns `time = a + b * padded_tokens` online, by least squares with decaying weights.
+
+    Until the calls seen differ in size, or if the fit comes out with a negative slope or
+    intercept, it predicts the plain average, as a flat model does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._sums = [0.0] * 5  # weight, x, y, x*x, x*y
+
+    def observe(self, duration_s: float, padded_tokens: int = 0) -> None:
+        super().observe(duration_s)
+        x, y = float(padded_tokens), duration_s
+        self._sums = [
+            LENGTH_COST_DECAY * total + term
+            for total, term in zip(self._sums, (1.0, x, y, x * x, x * y), strict=True)
+        ]
+
+    def line(self) -> tuple[float, float] | None:
+        """The fitted (a seconds, b seconds per padded token), or None before there is one."""
+        weight, sx, sy, sxx, sxy = self._sums
+        spread = weight * sxx - sx * sx
+        if weight <= 0 or spread <= 1e-9 * max(1.0, sxx * weight):
+            return None
+        slope = (weight * sxy - sx * sy) / spread
+        intercept = (sy - slope * sx) / weight
+        if slope < 0 or intercept < 0:
+            return None
+        return intercept, slope
+
+    def predict(self, padded_tokens: int) -> float | None:
+        fitted = self.line()
+        if fitted is None:
+            return self.seconds
+        return fitted[0] + fitted[1] * padded_tokens
 
 
 class DecayedRate:

@@ -49,6 +49,13 @@ _FLAGS: list[tuple[str, Callable[[str], object], str]] = [
         " that returns that device's batch function (load weights there)",
     ),
     (
+        "models",
+        str,
+        "TOML file of [[model]] entries (name, version, fn or fn_per_device, devices, weight,"
+        " cost, ...; see README) to serve several models and versions at once; without it"
+        " --fn/--fn-per-device/--devices define one model named default",
+    ),
+    (
         "policy",
         str,
         f"when a batch leaves: {' or '.join(POLICIES)}. adaptive sends a full batch at once"
@@ -216,9 +223,14 @@ async def serve(engine: Engine) -> int:
         # A device thread must take the GIL to start and to return each batch call; while the
         # loop writes a batch's responses, the default 5 ms switch interval idles the device.
         sys.setswitchinterval(0.001)
+        models = ",".join(
+            f"{model['name']}@{version['version']}"
+            for model in engine.models()
+            for version in model["versions"]
+        )
         print(
             f"batchserve listening on http://{host}:{port} devices={','.join(engine.device_names)}"
-            f" policy={config.policy} max_batch_size={config.max_batch_size}"
+            f" models={models} policy={config.policy} max_batch_size={config.max_batch_size}"
             f" max_linger_ms={config.max_linger_ms:g}",
             flush=True,
         )

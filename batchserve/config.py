@@ -21,6 +21,7 @@ class Config:
     devices: str = "sim:4"
     fn: str | None = None
     fn_per_device: str | None = None
+    models: str | None = None
     policy: PolicyName = "adaptive"
     max_batch_size: int = BACKEND_BATCH_LIMIT
     max_linger_ms: float = 50.0
@@ -79,6 +80,10 @@ class Config:
             (
                 self.fn is None or self.fn_per_device is None,
                 "give --fn or --fn-per-device, not both",
+            ),
+            (
+                self.models is None or (self.fn is None and self.fn_per_device is None),
+                "--models names each model's fn itself: give it or --fn/--fn-per-device",
             ),
         ]
         broken = [message for ok, message in rules if not ok]

@@ -18,28 +18,31 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import enum
 import functools
 import logging
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
+from typing import Any, NamedTuple
 
 from .admission import Admission
-from .backends import BatchFn, DeviceFactory, device_factory
-from .batcher import Batcher, BatcherStats
-from .capacity import CallTime
+from .backends import device_factory
+from .batcher import Batcher, BatcherStats, length_bucket
 from .clock import Clock, LoopClock, Timer, wait_until
 from .config import Config
 from .devices import parse_devices
 from .errors import BatchserveError, DuplicateRequestId, NotReady
 from .fair_queue import TIER_RANKS
-from .faults import BatchBudget, BatchFailure, RetryBudget
+from .faults import BatchFailure, RetryBudget
 from .gpu_pool import GpuPool
-from .item import QueuedRequest, Result, Ticket, new_request_id
+from .item import Key, QueuedRequest, Result, Ticket, new_request_id
 from .metrics import Metrics
-from .policy import Policy, make_policy
+from .models import BatchFn, DeviceFactory, ModelSpec, default_spec, load_models_file
+from .policy import Policy
 from .recorder import Recorder
+from .registry import Registry, VersionState, build_version
 from .tenants import Tenant
 
 log = logging.getLogger(__name__)
@@ -51,6 +54,16 @@ class Phase(enum.Enum):
     DRAINING = "draining"
     FAILED = "failed"
     """One of the engine's tasks crashed: nothing more is served."""
+
+
+class Ask(NamedTuple):
+    """What a request asks for, as its caller gave it."""
+
+    text: str
+    model: str | None
+    version: str | None
+    params: Mapping[str, Any] | None
+    timeout_ms: float | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,35 +82,49 @@ class Engine:
         devices: str | None = None,
         clock: Clock | None = None,
         policy: Policy | None = None,
+        models: list[ModelSpec] | None = None,
     ) -> None:
-        """`fn` or `fn_per_device` in Python, else `config`'s paths, else the simulated
-        model; `devices` overrides `config.devices`. `clock` and `policy` are for tests."""
+        """The models of `config.models` (a models file) or of `models`; else one model,
+        `default`, from `fn` or `fn_per_device` in Python, else `config`'s paths, else the
+        simulated model, on `devices` (default `config.devices`). `clock` and `policy` (the
+        default model's) are for tests."""
         self.config = config = config or Config()
-        self.device_names = parse_devices(devices or config.devices)
-        factory = device_factory(config, self.device_names, fn=fn, fn_per_device=fn_per_device)
+        if models is None and config.models is not None:
+            models = load_models_file(config.models, config)
+        if models is None:
+            spec = default_spec(config)
+            if devices is not None:
+                spec = dataclasses.replace(spec, devices=devices)
+            versions = [
+                build_version(
+                    config,
+                    spec,
+                    device_factory(
+                        config,
+                        spec,
+                        parse_devices(spec.devices),
+                        fn=fn,
+                        fn_per_device=fn_per_device,
+                    ),
+                    policy,
+                )
+            ]
+        else:
+            versions = [build_version(config, spec) for spec in models]
+        self._registry = Registry(versions)
         self.clock = clock or LoopClock()
         self.phase = Phase.STARTING
+        self.started = asyncio.Event()
+        """Set once every device has loaded and the engine takes requests."""
         self.failed = asyncio.Event()
         """Set when one of the engine's tasks crashed; `failure` says which and why."""
         self.failure: str | None = None
         self._pending: dict[str, QueuedRequest] = {}
-        self._call_time = CallTime()
-        budget = BatchBudget(self._call_time, fixed_s=config.batch_timeout_ms / 1e3 or None)
-        self._pool = GpuPool(
-            self.device_names,
-            factory,
-            clock=self.clock,
-            call_time=self._call_time,
-            budget=budget,
-            listener=self,
-            on_crash=self._crashed,
-        )
+        self._pool = GpuPool(versions, clock=self.clock, listener=self, on_crash=self._crashed)
+        self.device_names = [device.name for device in self._pool.devices]
         self._batcher = Batcher(
-            policy or make_policy(config, self._call_time),
             self._pool,
             clock=self.clock,
-            call_time=self._call_time,
-            max_batch_size=config.max_batch_size,
             max_queue=config.max_queue,
             bisect_failures=config.bisect_failures,
             retry_budget=RetryBudget(
@@ -127,7 +154,10 @@ class Engine:
             await stack.enter_async_context(self._pool)
             await stack.enter_async_context(self._batcher)
             self._stack = stack.pop_all()
+        for version in self._registry:
+            version.state = VersionState.READY
         self.phase = Phase.READY
+        self.started.set()
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
@@ -142,6 +172,9 @@ class Engine:
         self,
         text: str,
         *,
+        model: str | None = None,
+        version: str | None = None,
+        params: Mapping[str, Any] | None = None,
         timeout_ms: float | None = None,
         request_id: str | None = None,
         tenant: Tenant | None = None,
@@ -149,17 +182,21 @@ class Engine:
     ) -> Result:
         """Runs one input in a batch and returns its result; errors are `errors.py`'s.
 
-        `timeout_ms` may only lower the server's `timeout_ms` (and the tenant's tier
-        deadline). `arrival` is when the caller received the request (default: now).
+        `model` may be left out when the engine runs one; `version` pins one of its
+        versions (else they share traffic by weight); `params` go to the batch function as
+        keyword arguments. `timeout_ms` may only lower the server's `timeout_ms` (and the
+        tenant's tier deadline). `arrival` is when the caller received the request
+        (default: now).
         """
-        request, expiry = self._admit("inference", text, timeout_ms, request_id, tenant, arrival)
+        ask = Ask(text, model, version, params, timeout_ms)
+        request, expiry = self._admit("inference", ask, request_id, tenant, arrival)
         try:
             result = await request.future
         except BatchserveError as error:
             self.record("inference", request.request_id, request.arrival, error, tenant)
             raise
         finally:
-            self._release(request.request_id, expiry)
+            self._release(request, expiry)
         self.record("inference", request.request_id, request.arrival, result, tenant)
         return result
 
@@ -167,6 +204,9 @@ class Engine:
         self,
         text: str,
         *,
+        model: str | None = None,
+        version: str | None = None,
+        params: Mapping[str, Any] | None = None,
         timeout_ms: float | None = None,
         request_id: str | None = None,
         tenant: Tenant | None = None,
@@ -174,9 +214,10 @@ class Engine:
     ) -> Ticket:
         """Queues one input and returns at once: the ticket tells its status and, awaited,
         gives its result. It runs exactly like `infer` (same queue, deadline, faults)."""
-        request, expiry = self._admit("requests", text, timeout_ms, request_id, tenant, arrival)
+        ask = Ask(text, model, version, params, timeout_ms)
+        request, expiry = self._admit("requests", ask, request_id, tenant, arrival)
         ticket = Ticket(request)
-        ticket.add_done_callback(functools.partial(self._submitted_done, expiry, tenant))
+        ticket.add_done_callback(functools.partial(self._submitted_done, request, expiry, tenant))
         return ticket
 
     def authenticate(self, authorization: str | None) -> Tenant | None:
@@ -200,8 +241,7 @@ class Engine:
     def _admit(
         self,
         route: str,
-        text: str,
-        timeout_ms: float | None,
+        ask: Ask,
         request_id: str | None,
         tenant: Tenant | None,
         arrival: float | None,
@@ -211,32 +251,37 @@ class Engine:
         arrival = self.clock.time() if arrival is None else arrival
         request_id = request_id or new_request_id()
         try:
-            return self._queue(text, timeout_ms, request_id, tenant, arrival)
+            return self._queue(ask, request_id, tenant, arrival)
         except BatchserveError as error:
             self.record(route, request_id, arrival, error, tenant)
             raise
 
     def _queue(
-        self,
-        text: str,
-        timeout_ms: float | None,
-        request_id: str,
-        tenant: Tenant | None,
-        arrival: float,
+        self, ask: Ask, request_id: str, tenant: Tenant | None, arrival: float
     ) -> tuple[QueuedRequest, Timer]:
-        """Checks who calls, their rate, that the engine can take the request and that the
-        input is acceptable; then queues it and arms its deadline."""
+        """Checks who calls, their rate, that the engine can take the request, which model
+        version runs it and that the input and params are acceptable; then queues it and
+        arms its deadline."""
         self._admission.take_token(tenant, arrival)
         if self.phase is not Phase.READY:
             raise NotReady(f"the server is {self.phase.value}")
-        if not self._pool.healthy:
-            raise NotReady("no device is healthy; see /readyz")
+        version = self._registry.route(ask.model, ask.version, request_id)
+        if not self._pool.healthy_for(version):
+            raise NotReady(f"no device of {version.spec.label} is healthy; see /readyz")
+        text = ask.text
         self._admission.check_input(text)
-        deadline = arrival + self._admission.timeout_s(timeout_ms, tenant)
+        deadline = arrival + self._admission.timeout_s(ask.timeout_ms, tenant)
         if request_id in self._pending:
             raise DuplicateRequestId(f"request id {request_id} is already in flight")
+        params_key = version.params_key(ask.params)
+        if version.spec.cost == "length":
+            tokens = version.tokens(text)
+            key = Key(version, params_key, length_bucket(version, tokens), ask.params or None)
+        else:
+            tokens = 1
+            key = Key(version, params_key, 0, ask.params) if params_key else version.plain_key
         future: asyncio.Future[Result] = asyncio.get_running_loop().create_future()
-        request = QueuedRequest(request_id, text, arrival, deadline, future)
+        request = QueuedRequest(request_id, text, arrival, deadline, future, key, tokens)
         if tenant is not None:
             request.tenant, request.tier_rank = tenant.name, TIER_RANKS[tenant.tier]
             request.tenant_weight = tenant.weight
@@ -246,15 +291,17 @@ class Engine:
         # needs no Timeout object and no task-cancel round trip.
         return request, self.clock.call_at(deadline, request.expire)
 
-    def _release(self, request_id: str, expiry: Timer) -> None:
+    def _release(self, request: QueuedRequest, expiry: Timer) -> None:
         """Forgets a request whose waiter is done with it; still queued (a timeout, a
         disconnect), it leaves the queue before any batch is formed."""
         expiry.cancel()
-        del self._pending[request_id]
-        self._batcher.discard(request_id)
+        del self._pending[request.request_id]
+        self._batcher.discard(request)
 
-    def _submitted_done(self, expiry: Timer, tenant: Tenant | None, ticket: Ticket) -> None:
-        self._release(ticket.request_id, expiry)
+    def _submitted_done(
+        self, request: QueuedRequest, expiry: Timer, tenant: Tenant | None, ticket: Ticket
+    ) -> None:
+        self._release(request, expiry)
         self.record("requests", ticket.request_id, ticket.arrival, ticket.outcome(), tenant)
 
     # The pool's listener: it tells what happened to a batch or a device.
@@ -262,8 +309,8 @@ class Engine:
     def batch_done(self, finished: float, answered: int) -> None:
         self._batcher.batch_done(finished, answered)
 
-    def batch_failed(self, batch: list[QueuedRequest], failure: BatchFailure) -> None:
-        self._batcher.batch_failed(batch, failure)
+    def batch_failed(self, batch: list[QueuedRequest], key: Key, failure: BatchFailure) -> None:
+        self._batcher.batch_failed(batch, key, failure)
 
     def health_changed(self) -> None:
         self._batcher.health_changed()
@@ -333,11 +380,16 @@ class Engine:
 
     @property
     def call_time_s(self) -> float | None:
-        """The measured batch time: what spacing, the watchdog and shedding use."""
-        return self._call_time.seconds
+        """The first model version's measured batch time: what its spacing, watchdog and
+        shedding use."""
+        return next(iter(self._registry)).estimate.seconds
 
     def capacity_rps(self) -> float | None:
         return self._batcher.capacity_rps()
+
+    def models(self) -> list[dict[str, Any]]:
+        """Each model, its versions, their devices, weights and state."""
+        return self._registry.describe()
 
     @property
     def faults(self) -> Counter[str]:

@@ -5,6 +5,7 @@ BatchserveError            one request's failure; its class declares the HTTP st
 ├── InvalidInput           the body or input is not what the API takes     (400)
 ├── Unauthenticated        no API key, or one the server does not know     (401)
 ├── NotFound               no such request in the status store             (404)
+├── ModelNotFound          no such model or version                        (404)
 ├── MethodNotAllowed       the path exists, the method does not            (405)
 ├── DuplicateRequestId     the X-Request-Id is already in flight           (409)
 ├── InputTooLarge          body or input over --max-input-bytes           (413)
@@ -44,6 +45,10 @@ class Unauthenticated(BatchserveError):
 
 class NotFound(BatchserveError):
     status, code = 404, "NOT_FOUND"
+
+
+class ModelNotFound(BatchserveError):
+    status, code = 404, "MODEL_NOT_FOUND"
 
 
 class MethodNotAllowed(BatchserveError):
@@ -86,6 +91,10 @@ class Overloaded(BatchserveError):
 
 class NotReady(BatchserveError):
     status, code = 503, "NOT_READY"
+
+    def __init__(self, message: str, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class DeadlineExceeded(BatchserveError):

@@ -55,10 +55,13 @@ class FairQueue:
             self._turns[request.tier_rank].append(request.tenant)
         waiting[request.request_id] = request
 
-    def discard(self, request_id: str) -> None:
+    def discard(self, request_id: str) -> bool:
+        """Removes a queued request; False if it was not here (taken, or never queued)."""
         request = self._by_arrival.pop(request_id, None)
-        if request is not None:
-            self._forget(request)
+        if request is None:
+            return False
+        self._forget(request)
+        return True
 
     def clear(self) -> None:
         self._by_arrival.clear()

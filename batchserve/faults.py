@@ -9,7 +9,6 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from .capacity import CallTime
 from .errors import BackendError
 from .item import QueuedRequest
 
@@ -98,23 +97,22 @@ def plan_recovery(
 class BatchBudget:
     """How long one batch call may run before its device counts as hung.
 
-    A fixed budget when the operator gives one; otherwise `multiple` times the engine's
-    batch-time estimate, never below `floor_s`, and `unknown_s` until a call has been seen,
-    since first calls may compile kernels or warm caches.
+    A fixed budget when the operator gives one; otherwise `multiple` times the call's
+    predicted time (its version's estimate), never below `floor_s`, and `unknown_s` until a
+    call has been seen, since first calls may compile kernels or warm caches.
     """
 
-    call_time: CallTime
     fixed_s: float | None = None
     multiple: float = 5.0
     floor_s: float = 1.0
     unknown_s: float = 10.0
 
-    def seconds(self) -> float:
+    def seconds(self, predicted_s: float | None) -> float:
         if self.fixed_s is not None:
             return self.fixed_s
-        if self.call_time.seconds is None:
+        if predicted_s is None:
             return self.unknown_s
-        return max(self.floor_s, self.multiple * self.call_time.seconds)
+        return max(self.floor_s, self.multiple * predicted_s)
 
 
 PROBE_INPUT = "batchserve-probe"

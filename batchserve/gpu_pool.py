@@ -13,18 +13,22 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import functools
 import logging
 from collections import Counter, deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
-from .backends import BatchFn, DeviceFactory
-from .capacity import CallTime
+import orjson
+
 from .clock import Clock, Timer, sleep_until, wait_until
 from .device_thread import DeviceThread
 from .errors import BackendError, BatchserveError, StartupError
-from .faults import MAX_PROBE_DELAY_S, PROBE_INPUT, BatchBudget, BatchFailure, FailureKind
-from .item import QueuedRequest, Result
+from .faults import MAX_PROBE_DELAY_S, PROBE_INPUT, BatchFailure, FailureKind
+from .item import Key, QueuedRequest, Result
+from .models import DEFAULT_MODEL, BatchFn
+from .registry import ModelVersion
 from .tasks import CrashHandler, TaskSet
 
 log = logging.getLogger(__name__)
@@ -35,8 +39,9 @@ class PoolListener(Protocol):
         """A batch succeeded at `finished` and its device is free; called before anyone is
         answered."""
 
-    def batch_failed(self, batch: list[QueuedRequest], failure: BatchFailure) -> None:
-        """Nobody in `batch` has been answered; the listener retries or fails them."""
+    def batch_failed(self, batch: list[QueuedRequest], key: Key, failure: BatchFailure) -> None:
+        """Nobody in `batch` (all of `key`) has been answered; the listener retries or fails
+        them."""
 
     def health_changed(self) -> None:
         """A device went unhealthy or came back."""
@@ -63,9 +68,12 @@ LOGGED_IDS = 5
 class Device:
     name: str
     thread: DeviceThread
-    fn: BatchFn | None = None
+    fns: dict[ModelVersion, BatchFn] = field(default_factory=dict)
+    """The batch function of each model version loaded here."""
     state: DeviceState = DeviceState.IDLE
     busy_since: float | None = None
+    key: Key | None = None
+    """The compatibility key of the batch running now."""
     batch: list[QueuedRequest] = field(default_factory=list)
     busy_total_s: float = 0.0
     """Time spent in finished batch calls, for the busy ratio."""
@@ -84,23 +92,21 @@ class Device:
 
 
 class GpuPool:
+    """The physical devices, shared by every model version placed on them."""
+
     def __init__(
         self,
-        device_names: list[str],
-        factory: DeviceFactory,
+        versions: list[ModelVersion],
         *,
         clock: Clock,
-        call_time: CallTime,
-        budget: BatchBudget,
         listener: PoolListener,
         on_crash: CrashHandler,
     ) -> None:
-        self._factory = factory
+        self._versions = versions
         self._clock = clock
-        self._call_time = call_time
-        self._budget = budget
         self._listener = listener
-        self._devices = [Device(name, DeviceThread(name)) for name in device_names]
+        names = dict.fromkeys(name for v in versions for name in v.device_names)
+        self._devices = [Device(name, DeviceThread(name)) for name in names]
         self._tasks = TaskSet(on_crash)
         self.healthy = 0
         self.faults: Counter[str] = Counter()
@@ -115,9 +121,16 @@ class GpuPool:
     def free_count(self) -> int:
         return sum(device.state is DeviceState.IDLE for device in self._devices)
 
-    @property
-    def busy_since(self) -> list[float]:
-        return [d.busy_since for d in self._devices if d.busy_since is not None]
+    def free_for(self, version: ModelVersion) -> int:
+        """Free devices that can run `version`."""
+        return sum(d.state is DeviceState.IDLE and version in d.fns for d in self._devices)
+
+    def healthy_for(self, version: ModelVersion) -> int:
+        return sum(d.state in HEALTHY and version in d.fns for d in self._devices)
+
+    def busy_since_of(self, key: Key) -> list[float]:
+        """Start times of the batches of `key` running now: what its spacing counts from."""
+        return [d.busy_since for d in self._devices if d.key == key and d.busy_since is not None]
 
     @property
     def in_flight_requests(self) -> int:
@@ -132,31 +145,49 @@ class GpuPool:
         return {device.name: device.state.value for device in self._devices}
 
     async def __aenter__(self) -> GpuPool:
+        """Loads every version on each of its devices (on that device's thread, so weights
+        land where they run); a device where nothing loaded is dead."""
         loop = asyncio.get_running_loop()
         for device in self._devices:
             device.thread.start(loop)
-        loaded = await asyncio.gather(
-            *(d.thread.submit(self._factory, d.name) for d in self._devices),
-            return_exceptions=True,
-        )
-        failures: list[str] = []
-        for device, fn in zip(self._devices, loaded, strict=True):
-            if isinstance(fn, BaseException):
-                cause = fn if isinstance(fn, StartupError) else f"{type(fn).__name__}: {fn}"
-                failures.append(f"device {device.name} failed to load: {cause}")
+        problems: list[str] = []
+        for version in self._versions:
+            problems += await self.load(version)
+        for device in self._devices:
+            if not device.fns:
                 device.state = DeviceState.DEAD
                 device.thread.stop()
                 self.faults["device_dead"] += 1
-            else:
-                device.fn = fn
-        self.healthy = len(self._devices) - len(failures)
-        if not self.healthy:
+        self.healthy = sum(device.state in HEALTHY for device in self._devices)
+        unloaded = [v.spec.label for v in self._versions if not v.loaded_on]
+        if unloaded:
             for device in self._devices:
                 device.thread.stop()
-            raise StartupError("no device loaded: " + "; ".join(failures))
-        for failure in failures:
-            log.error("%s; serving on the other devices", failure)
+            if [v.name for v in self._versions] == [DEFAULT_MODEL]:
+                raise StartupError("no device loaded: " + "; ".join(problems))
+            raise StartupError(f"{', '.join(unloaded)} loaded on no device: " + "; ".join(problems))
+        for problem in problems:
+            log.error("%s; serving on the other devices", problem)
         return self
+
+    async def load(self, version: ModelVersion) -> list[str]:
+        """Calls `version`'s factory on each of its devices' threads; returns what failed."""
+        devices = [d for d in self._devices if d.name in version.device_names]
+        loaded = await asyncio.gather(
+            *(d.thread.submit(version.factory, d.name) for d in devices), return_exceptions=True
+        )
+        problems: list[str] = []
+        for device, fn in zip(devices, loaded, strict=True):
+            if isinstance(fn, BaseException):
+                cause = fn if isinstance(fn, StartupError) else f"{type(fn).__name__}: {fn}"
+                what = "" if version.name == DEFAULT_MODEL else f" {version.spec.label}"
+                problems.append(f"device {device.name} failed to load{what}: {cause}")
+                continue
+            if not version.loaded_on:
+                version.learn(fn)
+            device.fns[version] = fn
+            version.loaded_on.append(device.name)
+        return problems
 
     async def __aexit__(self, *exc_info: object) -> None:
         """Cancels what is left: probes, and calls nobody waits for after the drain."""
@@ -164,21 +195,24 @@ class GpuPool:
         for device in self._devices:
             device.thread.stop()
 
-    def dispatch(self, batch: list[QueuedRequest], batch_id: int) -> None:
-        """Starts `batch` on a free device; the caller has checked that one is free."""
-        device = next(d for d in self._devices if d.state is DeviceState.IDLE)
-        assert device.fn is not None
+    def dispatch(self, batch: list[QueuedRequest], batch_id: int, key: Key) -> None:
+        """Starts `batch` (every request of `key`) on a free device that runs its version;
+        the caller has checked that one is free."""
+        version = key.version
+        device = next(d for d in self._devices if d.state is DeviceState.IDLE and version in d.fns)
         device.state = DeviceState.BUSY
         device.busy_since = started = self._clock.time()
+        device.key = key
         device.batch = batch
         for request in batch:
             request.running = True
         # Submitted here, not in the task's first step: that step would queue behind every
         # handler that the last finished batch just woke, leaving the device idle meanwhile.
-        call = device.thread.submit(device.fn, [r.input for r in batch])
+        run = functools.partial(_run_checked, device.fns[version], key.params)
+        call = device.thread.submit(run, [r.input for r in batch])
         # A plain timer, not asyncio.wait: that would add a loop pass between the call's end
         # and this device's next batch, and under load each pass waits behind every handler.
-        budget_s = self._budget.seconds()
+        budget_s = version.budget.seconds(version.estimate.predict(_padded(batch)))
         watchdog = self._clock.call_at(
             started + budget_s, self._hung, device, batch, batch_id, budget_s
         )
@@ -200,33 +234,39 @@ class GpuPool:
         batch: list[QueuedRequest],
         batch_id: int,
         started: float,
-        call: asyncio.Future[list[str]],
+        call: asyncio.Future[list[Any]],
         watchdog: Timer,
     ) -> None:
         try:
-            returned: object = await call
+            returned: list[Any] | Exception = await call
         except Exception as exc:
             returned = exc
         watchdog.cancel()
         if device.state is DeviceState.HUNG:  # the watchdog already handed the batch back
             await self._recover(device)
             return
+        key = device.key
+        assert key is not None
         finished = self._clock.time()
         device.state = DeviceState.IDLE
         device.busy_since = None
+        device.key = None
         device.batch = []
         device.busy_total_s += finished - started
         device.recent_calls.append((started, finished))
+        if isinstance(returned, Malformed):
+            error = BackendError(str(returned))
+            self._failed(
+                batch, key, BatchFailure(FailureKind.MALFORMED, error, device.name, batch_id)
+            )
+            return
         if isinstance(returned, Exception):
             error = BackendError(f"the batch function raised {type(returned).__name__}: {returned}")
-            self._failed(batch, BatchFailure(FailureKind.RAISED, error, device.name, batch_id))
+            self._failed(batch, key, BatchFailure(FailureKind.RAISED, error, device.name, batch_id))
             return
-        try:
-            outputs = _checked(returned, len(batch))
-        except BackendError as exc:
-            self._failed(batch, BatchFailure(FailureKind.MALFORMED, exc, device.name, batch_id))
-            return
-        self._call_time.observe(finished - started)
+        outputs = returned
+        version = key.version
+        version.estimate.observe(finished - started, _padded(batch))
         # Wake the batcher before the waiting handlers: its wake-up is then queued ahead of
         # theirs, so the device gets its next batch before a hundred responses are written.
         self._listener.batch_done(finished, len(batch))
@@ -240,10 +280,14 @@ class GpuPool:
                         len(batch),
                         batch_id,
                         device.name,
+                        version.name,
+                        version.version,
                     )
                 )
 
-    def _failed(self, batch: list[QueuedRequest], failure: BatchFailure, then: str = "") -> None:
+    def _failed(
+        self, batch: list[QueuedRequest], key: Key, failure: BatchFailure, then: str = ""
+    ) -> None:
         self.faults[f"batch_{failure.kind.value}"] += 1
         ids = ",".join(r.request_id for r in batch[:LOGGED_IDS])
         if len(batch) > LOGGED_IDS:
@@ -257,13 +301,16 @@ class GpuPool:
             then,
             ids,
         )
-        self._listener.batch_failed(batch, failure)
+        self._listener.batch_failed(batch, key, failure)
 
     def _hung(
         self, device: Device, batch: list[QueuedRequest], batch_id: int, budget_s: float
     ) -> None:
+        key = device.key
+        assert key is not None
         device.state = DeviceState.HUNG
         device.busy_since = None
+        device.key = None
         device.batch = []
         self.healthy -= 1
         error = BackendError(
@@ -271,6 +318,7 @@ class GpuPool:
         )
         self._failed(
             batch,
+            key,
             BatchFailure(FailureKind.HUNG, error, device.name, batch_id),
             then="; the device gets no work until a probe answers in time",
         )
@@ -281,7 +329,7 @@ class GpuPool:
         self.faults["late_result_discarded"] += 1
         log.warning("the hung call on %s returned; its results were discarded", device.name)
         device.state = DeviceState.RECOVERING
-        delay_s = self._budget.seconds()
+        delay_s = self._probe_budget_s(device)
         while True:
             await sleep_until(self._clock, self._clock.time() + delay_s)
             if await self._probe(device):
@@ -293,13 +341,18 @@ class GpuPool:
         log.warning("%s answered its probe in time and takes work again", device.name)
         self._listener.health_changed()
 
+    def _probe_budget_s(self, device: Device) -> float:
+        version = next(iter(device.fns))
+        return version.budget.seconds(version.estimate.predict(1))
+
     async def _probe(self, device: Device) -> bool:
-        assert device.fn is not None
-        budget_s = self._budget.seconds()
-        call = device.thread.submit(device.fn, [PROBE_INPUT])
+        """One input through the first version loaded on the device."""
+        budget_s = self._probe_budget_s(device)
+        run = functools.partial(_run_checked, next(iter(device.fns.values())), None)
+        call = device.thread.submit(run, [PROBE_INPUT])
         if await wait_until(self._clock, call, self._clock.time() + budget_s):
             try:
-                _checked(call.result(), 1)
+                call.result()
                 return True
             except Exception as exc:
                 problem = f"failed: {type(exc).__name__}: {exc}"
@@ -313,16 +366,31 @@ class GpuPool:
         return False
 
 
-def _checked(returned: object, expected: int) -> list[str]:
+class Malformed(Exception):
+    """The batch function answered, but not with one JSON value per input."""
+
+
+def _run_checked(fn: BatchFn, params: Mapping[str, Any] | None, inputs: list[str]) -> list[Any]:
+    """On the device's thread: one batch call, and the check of what it returned, so that
+    checking large outputs (vectors) costs the event loop nothing."""
+    returned = fn(inputs, **params) if params else fn(inputs)
     if not isinstance(returned, list):
-        raise BackendError(
-            f"the batch function returned {type(returned).__name__}, not a list of str"
+        raise Malformed(
+            f"the batch function returned {type(returned).__name__}, not a list of outputs"
         )
-    if len(returned) != expected:
-        raise BackendError(
-            f"the batch function returned {len(returned)} outputs for {expected} inputs"
+    if len(returned) != len(inputs):
+        raise Malformed(
+            f"the batch function returned {len(returned)} outputs for {len(inputs)} inputs"
         )
-    wrong = [type(item).__name__ for item in returned if not isinstance(item, str)]
-    if wrong:
-        raise BackendError(f"the batch function returned a {wrong[0]} output, not str")
+    if not all(type(item) is str for item in returned):
+        try:
+            orjson.dumps(returned, option=orjson.OPT_SERIALIZE_NUMPY)
+        except TypeError as exc:
+            problem = f"the batch function returned an output that is not JSON: {exc}"
+            raise Malformed(problem) from None
     return returned
+
+
+def _padded(batch: list[QueuedRequest]) -> int:
+    """What a padded batch computes over: its size times its longest input."""
+    return len(batch) * max(request.tokens for request in batch)

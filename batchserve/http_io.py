@@ -16,6 +16,7 @@ from .errors import (
     InputTooLarge,
     InvalidInput,
     MethodNotAllowed,
+    NotReady,
     Overloaded,
     RateLimited,
     Unauthenticated,
@@ -26,8 +27,18 @@ if TYPE_CHECKING:
     from .engine import Engine
     from .tenants import Tenant
 
-_BODY_FIELDS = frozenset({"input", "timeout_ms"})
+_BODY_FIELDS = frozenset({"input", "timeout_ms", "model", "version", "params"})
 MAX_REQUEST_ID = 128
+
+
+class Body(NamedTuple):
+    """What a request's body asks for; only its shape is checked here."""
+
+    text: str
+    timeout_ms: float | None
+    model: str | None = None
+    version: str | None = None
+    params: dict[str, Any] | None = None
 
 
 class Call(NamedTuple):
@@ -35,8 +46,7 @@ class Call(NamedTuple):
 
     request_id: str
     tenant: Tenant | None
-    text: str
-    timeout_ms: float | None
+    body: Body
 
 
 async def read_call(
@@ -50,11 +60,11 @@ async def read_call(
         if problem is not None:
             raise problem
         tenant = engine.authenticate(request.headers.get("Authorization"))
-        text, timeout_ms = await read_input(request, engine.config.max_body_bytes)
+        body = await read_input(request, engine.config.max_body_bytes)
     except BatchserveError as error:
         engine.record(route, request_id, arrival, error, tenant)
         return error_response(error, request_id)
-    return Call(request_id, tenant, text, timeout_ms)
+    return Call(request_id, tenant, body)
 
 
 def request_id_of(request: web.Request) -> tuple[str, InvalidInput | None]:
@@ -70,12 +80,8 @@ def request_id_of(request: web.Request) -> tuple[str, InvalidInput | None]:
     return given, None
 
 
-async def read_input(request: web.Request, limit: int) -> tuple[str, float | None]:
-    """The body's input text and the request's own timeout in ms (None: the server's).
-
-    Only the shape is checked here; the engine checks the input's size and text and caps
-    the timeout, for library callers as for HTTP ones.
-    """
+async def read_json(request: web.Request, limit: int) -> dict[str, Any]:
+    """The body as a JSON object, within `limit` bytes."""
     if request.content_length is not None and request.content_length > limit:
         raise InputTooLarge(f"the body is over the limit of {limit} bytes")
     try:
@@ -88,13 +94,39 @@ async def read_input(request: web.Request, limit: int) -> tuple[str, float | Non
         raise InvalidInput(_json_problem(exc)) from None
     if not isinstance(payload, dict):
         raise InvalidInput('the body must be a JSON object like {"input": "..."}')
+    return payload
+
+
+async def read_input(request: web.Request, limit: int) -> Body:
+    """The body's input text, its model, version and params, and the request's own timeout
+    in ms (None: the server's).
+
+    Only the shape is checked here; the engine checks the input's size and text, routes the
+    model and checks the params against it, and caps the timeout, for library callers as
+    for HTTP ones.
+    """
+    payload = await read_json(request, limit)
     unknown = payload.keys() - _BODY_FIELDS
     if unknown:
-        raise InvalidInput(f"unknown field(s): {', '.join(sorted(unknown))}")
+        raise InvalidInput(f"unknown field(s): {', '.join(sorted(unknown))[:200]}")
     text = payload.get("input")
     if not isinstance(text, str):
         raise InvalidInput('the body needs a string field "input"')
-    return text, _timeout_ms(payload.get("timeout_ms"), request)
+    timeout_ms = _timeout_ms(payload.get("timeout_ms"), request)
+    if len(payload) == 1 or (len(payload) == 2 and "timeout_ms" in payload):
+        return Body(text, timeout_ms)
+    return Body(text, timeout_ms, *model_fields(payload))
+
+
+def model_fields(payload: dict[str, Any]) -> tuple[str | None, str | None, dict[str, Any] | None]:
+    """The optional "model", "version" and "params" of a body, checked for shape."""
+    model, version, params = payload.get("model"), payload.get("version"), payload.get("params")
+    for name, value in (("model", model), ("version", version)):
+        if value is not None and not isinstance(value, str):
+            raise InvalidInput(f'"{name}" must be a string')
+    if params is not None and not isinstance(params, dict):
+        raise InvalidInput('"params" must be a JSON object')
+    return model, version, params
 
 
 def _json_problem(exc: orjson.JSONDecodeError) -> str:
@@ -132,6 +164,8 @@ def _timeout_ms(in_body: object, request: web.Request) -> float | None:
 def answer_body(request_id: str, result: Result, latency_s: float) -> dict[str, Any]:
     return {
         "output": result.output,
+        "model": result.model,
+        "version": result.version,
         "request_id": request_id,
         "latency_ms": round(latency_s * 1e3, 3),
         "queue_ms": round(result.queue_s * 1e3, 3),
@@ -154,7 +188,7 @@ def json_response(
     parses the header it sets, and each header set after construction is another call."""
     return web.Response(
         status=status,
-        body=orjson.dumps(body),
+        body=orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY),
         headers=_JSON_TYPE if headers is None else _JSON_TYPE | headers,
     )
 
@@ -162,7 +196,7 @@ def json_response(
 def error_response(error: BatchserveError, request_id: str) -> web.Response:
     body = error_body(error, request_id)
     headers = {"X-Request-Id": request_id}
-    if isinstance(error, Overloaded | RateLimited):
+    if isinstance(error, Overloaded | RateLimited | NotReady) and error.retry_after_s:
         body["retry_after_ms"] = max(1, round(error.retry_after_s * 1e3))
         headers["Retry-After"] = str(max(1, math.ceil(error.retry_after_s)))
     if isinstance(error, RateLimited):

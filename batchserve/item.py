@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-from collections.abc import Callable, Generator
-from dataclasses import dataclass
-from typing import Any, NamedTuple
+from collections.abc import Callable, Generator, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .errors import BackendError, BatchserveError, DeadlineExceeded
+
+if TYPE_CHECKING:
+    from .registry import ModelVersion
 
 
 def new_request_id() -> str:
@@ -20,12 +23,29 @@ def new_request_id() -> str:
 class Result(NamedTuple):
     """A request's answer; a tuple because a batch makes a hundred at once on the loop."""
 
-    output: str
+    output: Any
+    """What the batch function returned for this input: a str, or any JSON value."""
     queue_s: float
     compute_s: float
     batch_size: int
     batch_id: int
     device: str
+    model: str = "default"
+    version: str = "1"
+
+
+@dataclass(frozen=True, slots=True)
+class Key:
+    """A request's compatibility key: only requests with equal keys share a batch call.
+
+    The model version, the canonical form of the request's params and, for length-cost
+    models, its length bucket (so that short inputs do not pay for long ones)."""
+
+    version: ModelVersion
+    params_key: bytes = b""
+    bucket: int = 0
+    params: Mapping[str, Any] | None = field(default=None, compare=False, hash=False)
+    """The params themselves, passed to the batch function as keyword arguments."""
 
 
 @dataclass(slots=True, eq=False)
@@ -42,6 +62,9 @@ class QueuedRequest:
     arrival: float
     deadline: float
     future: asyncio.Future[Result]
+    key: Key
+    tokens: int = 1
+    """The input's length for cost (tokens, or characters); 1 for flat-cost models."""
     tenant: str = ""
     tier_rank: int = 0
     tenant_weight: float = 1.0

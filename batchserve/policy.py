@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from .capacity import CallTime
-from .config import Config
+from .config import PolicyName
+from .models import ModelSpec
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +28,9 @@ class QueueView:
     size: int
     oldest_arrival: float = math.inf
     earliest_deadline: float = math.inf
+    service_s: float | None = None
+    """The predicted time of a batch of these requests, where it depends on their lengths;
+    None: the version's typical batch time."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,9 +76,19 @@ class AdaptivePolicy:
     than one batch time before a queued request's deadline.
     """
 
-    def __init__(self, *, max_batch_size: int, max_linger_s: float, call_time: CallTime) -> None:
+    def __init__(
+        self,
+        *,
+        max_batch_size: int,
+        max_linger_s: float | None,
+        call_time: CallTime,
+        slo_s: float | None = None,
+    ) -> None:
+        """`max_linger_s` None derives the linger budget from `slo_s`: what the objective
+        leaves after the predicted batch time."""
         self.max_batch_size = max_batch_size
         self.max_linger_s = max_linger_s
+        self.slo_s = slo_s
         self._call_time = call_time
 
     def decide(
@@ -84,13 +98,16 @@ class AdaptivePolicy:
             return WAIT
         if queue.size >= self.max_batch_size:
             return Decision(self.max_batch_size)
-        service = self._call_time.seconds
+        service = self._call_time.seconds if queue.service_s is None else queue.service_s
         if service is None or not busy_since:
             return Decision(queue.size)
         spacing = SPACING_SHARE * service / (free_devices + len(busy_since))
+        linger_s = self.max_linger_s
+        if linger_s is None:
+            linger_s = max(0.0, (self.slo_s or 0.0) - service)
         latest = min(
             max(busy_since) + spacing,
-            queue.oldest_arrival + self.max_linger_s,
+            queue.oldest_arrival + linger_s,
             queue.earliest_deadline - service,
         )
         if latest - now < MIN_HOLD_S:
@@ -118,11 +135,21 @@ class FixedPolicy:
         return Decision(min(queue.size, self.max_batch_size))
 
 
-def make_policy(config: Config, call_time: CallTime) -> Policy:
-    """The policy --policy names; the adaptive one reads the engine's batch-time estimate."""
-    max_linger_s = config.max_linger_ms / 1e3
-    if config.policy == "fixed":
-        return FixedPolicy(max_batch_size=config.max_batch_size, max_linger_s=max_linger_s)
+def make_policy(
+    kind: PolicyName, spec: ModelSpec, default_linger_ms: float, call_time: CallTime
+) -> Policy:
+    """The policy --policy names, for one model version; the adaptive one reads that
+    version's batch-time estimate. Its linger budget is the version's `max_linger_ms`, else
+    derived from its `slo_ms`, else the server's --max-linger-ms."""
+    linger_ms = spec.max_linger_ms
+    if linger_ms is None and spec.slo_ms is None:
+        linger_ms = default_linger_ms
+    if kind == "fixed":
+        fixed_ms = linger_ms if linger_ms is not None else default_linger_ms
+        return FixedPolicy(max_batch_size=spec.max_batch_size, max_linger_s=fixed_ms / 1e3)
     return AdaptivePolicy(
-        max_batch_size=config.max_batch_size, max_linger_s=max_linger_s, call_time=call_time
+        max_batch_size=spec.max_batch_size,
+        max_linger_s=None if linger_ms is None else linger_ms / 1e3,
+        call_time=call_time,
+        slo_s=None if spec.slo_ms is None else spec.slo_ms / 1e3,
     )

@@ -38,8 +38,11 @@ class InferenceApi:
             return call
         try:
             result = await engine.infer(
-                call.text,
-                timeout_ms=call.timeout_ms,
+                call.body.text,
+                model=call.body.model,
+                version=call.body.version,
+                params=call.body.params,
+                timeout_ms=call.body.timeout_ms,
                 request_id=call.request_id,
                 tenant=call.tenant,
                 arrival=arrival,
@@ -53,6 +56,10 @@ class InferenceApi:
             answer_body(call.request_id, result, latency_s),
             {"Server-Timing": timing, "X-Request-Id": call.request_id},
         )
+
+    async def models(self, request: web.Request) -> web.Response:
+        """GET /api/models: each model, its versions, devices, weights and state."""
+        return json_response(200, {"models": self._engine.models()})
 
     async def healthz(self, request: web.Request) -> web.Response:
         return json_response(200, {"status": "alive"})
@@ -80,6 +87,7 @@ def create_app(engine: Engine) -> web.Application:
     app.on_shutdown.append(drain_on_shutdown)
     inference = InferenceApi(engine)
     app.router.add_post("/api/inference", inference.inference)
+    app.router.add_get("/api/models", inference.models)
     app.router.add_get("/healthz", inference.healthz)
     app.router.add_get("/readyz", inference.readyz)
     status_api = StatusApi(engine)

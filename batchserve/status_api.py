@@ -53,8 +53,11 @@ class StatusApi:
             return error_response(error, request_id)
         try:
             ticket = engine.submit(
-                call.text,
-                timeout_ms=call.timeout_ms,
+                call.body.text,
+                model=call.body.model,
+                version=call.body.version,
+                params=call.body.params,
+                timeout_ms=call.body.timeout_ms,
                 request_id=request_id,
                 tenant=call.tenant,
                 arrival=arrival,

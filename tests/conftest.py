@@ -16,12 +16,27 @@ import pytest
 from aiohttp import ClientResponse
 from aiohttp.test_utils import TestClient
 
-from batchserve.backends import POISON_MARKER, BatchFn, simulate
+from batchserve.backends import POISON_MARKER, simulate
 from batchserve.clock import Clock
 from batchserve.config import Config
 from batchserve.engine import Engine, EngineStats
+from batchserve.item import Key
+from batchserve.models import BatchFn, default_spec
 from batchserve.policy import Policy
+from batchserve.registry import ModelVersion, build_version
 from batchserve.server import create_app
+
+Factory = Callable[[str], BatchFn]
+
+
+def sim_version(factory: Factory | None = None, **settings: object) -> ModelVersion:
+    """The default model version that `Config(**settings)` describes, not yet loaded."""
+    config = Config(**settings)  # type: ignore[arg-type]
+    return build_version(config, default_spec(config), factory)
+
+
+PLAIN_KEY = Key(sim_version())
+"""A compatibility key for requests that no device runs (queue and fault-rule tests)."""
 
 
 @dataclass
@@ -87,9 +102,6 @@ def gated() -> Iterator[GatedBackend]:
     yield backend
     backend.gate.set()  # never leave a device thread blocked behind a failed test
     backend.unstick.set()
-
-
-Factory = Callable[[str], BatchFn]
 
 
 @pytest.fixture

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import orjson
 import torch
 
 
@@ -113,3 +114,29 @@ def fifo_gated(device: str):
         return [text[::-1] for text in inputs]
 
     return run
+
+
+def _key_echo(label: str):
+    """A batch function that answers each input with the version and params of the call
+    that carried it, so a test can tell whether a call ever mixed compatibility keys."""
+
+    def run(inputs: list[str], **params: object) -> list[str]:
+        shown = orjson.dumps(params, option=orjson.OPT_SORT_KEYS).decode() if params else ""
+        return [f"{label}|{shown}|{text}" for text in inputs]
+
+    return run
+
+
+key_echo_a1 = _key_echo("a@1")
+key_echo_a2 = _key_echo("a@2")
+key_echo_b1 = _key_echo("b@1")
+
+
+def scaled(inputs: list[str], *, factor: int = 1) -> list[str]:
+    """Takes one named param: each input repeated `factor` times."""
+    return [text * factor for text in inputs]
+
+
+def vectors(inputs: list[str]) -> list[list[float]]:
+    """Any JSON value may be an output: here a short vector per input."""
+    return [[float(len(text)), 1.0] for text in inputs]

@@ -6,12 +6,28 @@ import sys
 
 import pytest
 
-from batchserve.backends import SimulatedDevice, SimulatedFault, device_factory, simulate
+from batchserve.backends import (
+    SimulatedDevice,
+    SimulatedFault,
+    device_factory,
+    simulate,
+)
 from batchserve.config import Config
 from batchserve.devices import parse_devices
 from batchserve.errors import StartupError
+from batchserve.models import BatchFn, DeviceFactory, default_spec
 
 from . import sample_models
+
+
+def factory_for(
+    config: Config,
+    names: list[str],
+    fn: BatchFn | None = None,
+    fn_per_device: DeviceFactory | None = None,
+) -> DeviceFactory:
+    """The default model's factory, as the flags describe it."""
+    return device_factory(config, default_spec(config), names, fn=fn, fn_per_device=fn_per_device)
 
 
 def test_simulated_device_reverses_each_input_in_order():
@@ -34,34 +50,32 @@ def test_simulated_device_rejects_a_concurrent_call():
 
 
 def test_shared_fn_is_the_same_on_every_device():
-    factory = device_factory(Config(fn="tests.sample_models:shout"), ["sim:0", "sim:1"])
+    factory = factory_for(Config(fn="tests.sample_models:shout"), ["sim:0", "sim:1"])
     assert factory("sim:0") is factory("sim:1") is sample_models.shout
 
 
 def test_per_device_factory_is_called_with_each_device_name():
     config = Config(fn_per_device="tests.sample_models:tagged")
-    factory = device_factory(config, ["cpu"])
+    factory = factory_for(config, ["cpu"])
     assert factory("cpu")(["a"]) == ["cpu:a"]
     assert factory("sim:3")(["a"]) == ["sim:3:a"]
 
 
 def test_python_callables_come_before_the_configured_paths():
     config = Config(fn="tests.sample_models:shout")
-    assert device_factory(config, ["cpu"], fn=sample_models.tagged("x"))("cpu")(["a"]) == ["x:a"]
-    factory = device_factory(Config(), ["cpu"], fn_per_device=sample_models.tagged)
+    assert factory_for(config, ["cpu"], fn=sample_models.tagged("x"))("cpu")(["a"]) == ["x:a"]
+    factory = factory_for(Config(), ["cpu"], fn_per_device=sample_models.tagged)
     assert factory("cpu")(["a"]) == ["cpu:a"]
     with pytest.raises(StartupError, match="not both"):
-        device_factory(
-            Config(), ["cpu"], fn=sample_models.shout, fn_per_device=sample_models.tagged
-        )
+        factory_for(Config(), ["cpu"], fn=sample_models.shout, fn_per_device=sample_models.tagged)
 
 
 def test_without_a_model_only_sim_devices_serve_the_simulated_backend():
-    simulated = device_factory(Config(sim_latency_ms=0, sim_fail_rate=1.0), ["sim:0"])("sim:0")
+    simulated = factory_for(Config(sim_latency_ms=0, sim_fail_rate=1.0), ["sim:0"])("sim:0")
     with pytest.raises(SimulatedFault):
         simulated(["x"])  # the chaos settings reach the simulated device
     with pytest.raises(StartupError, match="needs a model"):
-        device_factory(Config(devices="cpu"), ["cpu"])
+        factory_for(Config(devices="cpu"), ["cpu"])
 
 
 @pytest.mark.parametrize(
@@ -75,14 +89,14 @@ def test_without_a_model_only_sim_devices_serve_the_simulated_backend():
 )
 def test_bad_paths_stop_start_up_with_one_line(path, fragment):
     with pytest.raises(StartupError, match=fragment) as caught:
-        device_factory(Config(fn=path), ["cpu"])
+        factory_for(Config(fn=path), ["cpu"])
     assert "\n" not in str(caught.value)
 
 
 def test_a_factory_returning_a_non_callable_is_refused():
     config = Config(fn_per_device="tests.sample_models:not_a_function")
     with pytest.raises(StartupError, match="returned int for cpu"):
-        device_factory(config, ["cpu"])("cpu")
+        factory_for(config, ["cpu"])("cpu")
 
 
 def test_a_torch_model_runs_batched_on_cpu():

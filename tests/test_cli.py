@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+from typing import Any
 
 import aiohttp
 import pytest
@@ -16,6 +17,7 @@ import torch
 from batchserve.cli import _FLAGS, build_parser, config_from_args, serve
 from batchserve.config import Config
 from batchserve.engine import Engine
+from batchserve.errors import NotReady
 
 from .conftest import ROOT, real_server
 
@@ -65,15 +67,21 @@ def test_a_port_in_use_is_one_line_naming_the_cause():
 
 
 class FailingPolicy:
-    """A batching loop that crashes on its first decision."""
+    """A batching loop that crashes on its first decision (for the first request)."""
 
     def decide(self, *args: object) -> object:
         raise RuntimeError("a bug in the batching loop")
 
 
 async def test_the_server_exits_1_when_its_engine_fails(caplog):
-    engine = Engine(Config(port=0), policy=FailingPolicy())  # type: ignore[arg-type]
-    assert await asyncio.wait_for(serve(engine), 60) == 1  # a hang guard only
+    failing: Any = FailingPolicy()
+    engine = Engine(Config(port=0, devices="sim:2"), policy=failing)
+    serving = asyncio.ensure_future(serve(engine))
+    async with asyncio.timeout(60):  # a hang guard only
+        await engine.started.wait()
+        ticket = engine.submit("x")
+        assert await serving == 1
+    assert isinstance(ticket.outcome(), NotReady)
     assert engine.readiness() == (False, "failed")
     assert "exiting 1: batchserve-batcher crashed: RuntimeError" in caplog.text
 

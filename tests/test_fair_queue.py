@@ -11,9 +11,11 @@ from hypothesis import strategies as st
 from batchserve.fair_queue import TIER_RANKS, FairQueue, predicted_wait_s
 from batchserve.item import QueuedRequest
 
+from .conftest import PLAIN_KEY
+
 
 def request(name: str, tenant: str, tier: str, arrival: float = 0.0) -> QueuedRequest:
-    queued = QueuedRequest(name, name, arrival, arrival + 5.0, future=None)  # type: ignore[arg-type]
+    queued = QueuedRequest(name, name, arrival, arrival + 5.0, None, PLAIN_KEY)  # type: ignore[arg-type]
     queued.tenant, queued.tier_rank = tenant, TIER_RANKS[tier]
     return queued
 

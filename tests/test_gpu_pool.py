@@ -9,14 +9,13 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from batchserve.capacity import CallTime
 from batchserve.clock import FakeClock
 from batchserve.errors import StartupError
-from batchserve.faults import PROBE_INPUT, BatchBudget, BatchFailure, FailureKind
+from batchserve.faults import PROBE_INPUT, BatchFailure, FailureKind
 from batchserve.gpu_pool import GpuPool
-from batchserve.item import QueuedRequest, Result
+from batchserve.item import Key, QueuedRequest, Result
 
-from .conftest import Factory, GatedBackend
+from .conftest import Factory, GatedBackend, sim_version
 
 
 @dataclass
@@ -29,7 +28,7 @@ class Heard:
     def batch_done(self, finished: float, answered: int) -> None:
         self._hear("done", (finished, answered))
 
-    def batch_failed(self, batch: list[QueuedRequest], failure: BatchFailure) -> None:
+    def batch_failed(self, batch: list[QueuedRequest], key: Key, failure: BatchFailure) -> None:
         self._hear("failed", (len(batch), failure.kind))
 
     def health_changed(self) -> None:
@@ -60,16 +59,11 @@ async def pool_of(gated: GatedBackend) -> AsyncIterator[Callable[..., object]]:
     async def start(
         devices: int = 1, factory: Factory | None = None, budget_s: float = 0.5
     ) -> tuple[GpuPool, Heard, FakeClock]:
-        clock, heard, call_time = FakeClock(), Heard(), CallTime()
-        pool = GpuPool(
-            [f"sim:{n}" for n in range(devices)],
-            factory or gated,
-            clock=clock,
-            call_time=call_time,
-            budget=BatchBudget(call_time, fixed_s=budget_s),
-            listener=heard,
-            on_crash=crash,
+        clock, heard = FakeClock(), Heard()
+        version = sim_version(
+            factory or gated, devices=f"sim:{devices}", batch_timeout_ms=budget_s * 1e3
         )
+        pool = GpuPool([version], clock=clock, listener=heard, on_crash=crash)
         await pool.__aenter__()
         pools.append(pool)
         return pool, heard, clock
@@ -79,17 +73,19 @@ async def pool_of(gated: GatedBackend) -> AsyncIterator[Callable[..., object]]:
         await pool.__aexit__(None, None, None)
 
 
-def batch_of(clock: FakeClock, *texts: str) -> list[QueuedRequest]:
+def batch_of(pool: GpuPool, clock: FakeClock, *texts: str) -> tuple[list[QueuedRequest], Key]:
+    """Requests for the pool's one model version, and their key."""
     loop = asyncio.get_running_loop()
     now = clock.time()
-    return [QueuedRequest(t, t, now, now + 60, loop.create_future()) for t in texts]
+    key = next(iter(pool.devices[0].fns)).plain_key
+    return [QueuedRequest(t, t, now, now + 60, loop.create_future(), key) for t in texts], key
 
 
 async def test_a_batch_runs_on_a_free_device_and_is_timed_on_the_engine_clock(pool_of, gated):
     pool, heard, clock = await pool_of(devices=2)
-    batch = batch_of(clock, "ab", "cd")
+    batch, key = batch_of(pool, clock, "ab", "cd")
     clock.advance(0.010)  # queued 10 ms
-    pool.dispatch(batch, batch_id=7)
+    pool.dispatch(batch, 7, key)
     assert (pool.free_count, pool.in_flight_requests) == (1, 2)
     clock.advance(0.100)  # the call takes 100 ms of virtual time
     gated.gate.set()
@@ -107,8 +103,8 @@ async def test_a_malformed_result_answers_nobody_and_goes_back_to_the_listener(p
     gated.gate.set()
     gated.malformed_calls = 1
     pool, heard, clock = await pool_of()
-    batch = batch_of(clock, "x", "y")
-    pool.dispatch(batch, batch_id=1)
+    batch, key = batch_of(pool, clock, "x", "y")
+    pool.dispatch(batch, 1, key)
     assert await heard.next() == ("failed", (2, FailureKind.MALFORMED))
     assert not any(request.future.done() for request in batch)
     assert pool.faults["batch_malformed"] == 1
@@ -118,8 +114,8 @@ async def test_a_call_past_its_budget_hangs_the_device_until_a_probe_answers(poo
     gated.gate.set()
     gated.stuck = {"sim:0"}
     pool, heard, clock = await pool_of(budget_s=0.5)
-    batch = batch_of(clock, "x")
-    pool.dispatch(batch, batch_id=1)
+    batch, key = batch_of(pool, clock, "x")
+    pool.dispatch(batch, 1, key)
     clock.advance(0.499)
     assert heard.events == []
     clock.advance(0.001)  # the watchdog fires at exactly the budget

@@ -7,11 +7,13 @@ import asyncio
 from batchserve.item import QueuedRequest, Ticket
 from batchserve.results import ResultStore
 
+from .conftest import PLAIN_KEY
+
 
 def request(request_id: str) -> QueuedRequest:
     loop = asyncio.new_event_loop()
     try:
-        return QueuedRequest(request_id, "x", 0.0, 10.0, loop.create_future())
+        return QueuedRequest(request_id, "x", 0.0, 10.0, loop.create_future(), PLAIN_KEY)
     finally:
         loop.close()
 

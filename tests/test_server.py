@@ -249,8 +249,8 @@ async def test_backend_exception_gets_500_with_its_type_and_message(start_server
         ("not a list", "returned str, not a list"),
         ([], "returned 0 outputs for 1 inputs"),
         (["a", "b"], "returned 2 outputs for 1 inputs"),
-        ([None], "NoneType output"),
-        ([b"bytes"], "bytes output"),
+        ([{"a set"}], "not JSON: Type is not JSON serializable: set"),
+        ([b"bytes"], "not JSON: Type is not JSON serializable: bytes"),
     ],
 )
 async def test_malformed_results_resolve_nobody_and_get_500(start_server, returned, fragment):
