@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from .config import BACKEND_BATCH_LIMIT, Config
 from .errors import StartupError
-from .models import DEFAULT_MODEL, BatchFn, DeviceFactory, ModelSpec
+from .specs import DEFAULT_MODEL, BatchFn, DeviceFactory, ModelSpec
 
 POISON_MARKER = "!poison!"
 """An input containing this makes every simulated batch call that carries it raise."""

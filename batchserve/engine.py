@@ -39,10 +39,10 @@ from .faults import BatchFailure, RetryBudget
 from .gpu_pool import GpuPool
 from .item import Key, QueuedRequest, Result, Ticket, new_request_id
 from .metrics import Metrics
-from .models import BatchFn, DeviceFactory, ModelSpec, default_spec, load_models_file
 from .policy import Policy
 from .recorder import Recorder
 from .registry import Registry, VersionState, build_version
+from .specs import BatchFn, DeviceFactory, ModelSpec, default_spec, load_models_file
 from .tenants import Tenant
 
 log = logging.getLogger(__name__)
@@ -179,6 +179,7 @@ class Engine:
         request_id: str | None = None,
         tenant: Tenant | None = None,
         arrival: float | None = None,
+        route: str = "inference",
     ) -> Result:
         """Runs one input in a batch and returns its result; errors are `errors.py`'s.
 
@@ -186,18 +187,18 @@ class Engine:
         versions (else they share traffic by weight); `params` go to the batch function as
         keyword arguments. `timeout_ms` may only lower the server's `timeout_ms` (and the
         tenant's tier deadline). `arrival` is when the caller received the request
-        (default: now).
+        (default: now); `route` names the door it came through, in metrics and logs.
         """
         ask = Ask(text, model, version, params, timeout_ms)
-        request, expiry = self._admit("inference", ask, request_id, tenant, arrival)
+        request, expiry = self._admit(route, ask, request_id, tenant, arrival)
         try:
             result = await request.future
         except BatchserveError as error:
-            self.record("inference", request.request_id, request.arrival, error, tenant)
+            self.record(route, request.request_id, request.arrival, error, tenant)
             raise
         finally:
             self._release(request, expiry)
-        self.record("inference", request.request_id, request.arrival, result, tenant)
+        self.record(route, request.request_id, request.arrival, result, tenant)
         return result
 
     def submit(
@@ -275,7 +276,7 @@ class Engine:
             raise DuplicateRequestId(f"request id {request_id} is already in flight")
         params_key = version.params_key(ask.params)
         if version.spec.cost == "length":
-            tokens = version.tokens(text)
+            tokens = max(1, version.tokens(text))
             key = Key(version, params_key, length_bucket(version, tokens), ask.params or None)
         else:
             tokens = 1
@@ -390,6 +391,15 @@ class Engine:
     def models(self) -> list[dict[str, Any]]:
         """Each model, its versions, their devices, weights and state."""
         return self._registry.describe()
+
+    def embedding_dim(self, model: str) -> int:
+        """The length of the vectors `model` returns; InvalidInput if it returns none."""
+        return self._registry.embedding_dim(model)
+
+    def count_tokens(self, result: Result, text: str) -> int:
+        """`text`'s length in the tokens of the version that answered `result`."""
+        version = self._registry.get(result.model, result.version)
+        return len(text) if version is None else version.tokens(text)
 
     @property
     def faults(self) -> Counter[str]:

@@ -27,8 +27,8 @@ from .device_thread import DeviceThread
 from .errors import BackendError, BatchserveError, StartupError
 from .faults import MAX_PROBE_DELAY_S, PROBE_INPUT, BatchFailure, FailureKind
 from .item import Key, QueuedRequest, Result
-from .models import DEFAULT_MODEL, BatchFn
 from .registry import ModelVersion
+from .specs import DEFAULT_MODEL, BatchFn
 from .tasks import CrashHandler, TaskSet
 
 log = logging.getLogger(__name__)

@@ -193,8 +193,17 @@ def json_response(
     )
 
 
-def error_response(error: BatchserveError, request_id: str) -> web.Response:
+def error_response(
+    error: BatchserveError, request_id: str, *, openai_shape: bool = False
+) -> web.Response:
+    """The error's status, body and headers; `openai_shape` nests the body as OpenAI's API
+    does ({"error": {"message", "type", "code"}}), which its client libraries parse."""
     body = error_body(error, request_id)
+    if openai_shape:
+        body = {
+            "error": {"message": str(error), "type": error.code.lower(), "code": error.code},
+            "request_id": request_id,
+        }
     headers = {"X-Request-Id": request_id}
     if isinstance(error, Overloaded | RateLimited | NotReady) and error.retry_after_s:
         body["retry_after_ms"] = max(1, round(error.retry_after_s * 1e3))

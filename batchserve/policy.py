@@ -18,7 +18,7 @@ from typing import Protocol
 
 from .capacity import CallTime
 from .config import PolicyName
-from .models import ModelSpec
+from .specs import ModelSpec
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,8 +28,8 @@ from .devices import parse_devices
 from .errors import InvalidInput, ModelNotFound, NotReady, StartupError
 from .faults import BatchBudget
 from .item import Key
-from .models import DEFAULT_MODEL, MAX_NAME, BatchFn, DeviceFactory, ModelSpec
 from .policy import Policy, make_policy
+from .specs import DEFAULT_MODEL, MAX_NAME, BatchFn, DeviceFactory, ModelSpec
 
 LOADING_RETRY_AFTER_S = 1.0
 """What a request for a version still loading is told to wait before it asks again."""
@@ -55,6 +55,8 @@ class ModelVersion:
     """Keyword arguments its batch function takes; None: any (it has **kwargs)."""
     count_tokens: Callable[[str], int] | None = None
     """The model's own tokenizer count, when its batch function exposes one."""
+    embedding_dim: int | None = None
+    """Set when its batch function says it returns vectors of this length."""
     loaded_on: list[str] = field(default_factory=list)
     """The devices its batch function loaded on."""
     plain_key: Key = field(init=False)
@@ -79,10 +81,12 @@ class ModelVersion:
         self.param_names = _keyword_names(fn)
         counter = getattr(fn, "count_tokens", None)
         self.count_tokens = counter if callable(counter) else None
+        dim = getattr(fn, "embedding_dim", None)
+        self.embedding_dim = dim if isinstance(dim, int) and not isinstance(dim, bool) else None
 
     def tokens(self, text: str) -> int:
-        """An input's length for cost: the model's tokens, else its characters."""
-        return max(1, self.count_tokens(text) if self.count_tokens else len(text))
+        """An input's length: the model's tokens, else its characters."""
+        return self.count_tokens(text) if self.count_tokens else len(text)
 
     def params_key(self, params: Mapping[str, Any] | None) -> bytes:
         """The canonical form of `params` (b"" for none): part of the compatibility key."""
@@ -209,6 +213,13 @@ class Registry:
         if len(ready) == 1:
             return ready[0]
         return _weighted_pick(ready, request_id)
+
+    def embedding_dim(self, model: str) -> int:
+        """The vector length `model` returns; 400 if any of its versions returns no vectors."""
+        dims = {v.embedding_dim for v in self._versions_of(model).values()}
+        if None in dims or len(dims) != 1:
+            raise InvalidInput(f"model {model} does not return embedding vectors")
+        return int(dims.pop() or 0)
 
     def _versions_of(self, model: str | None) -> dict[str, ModelVersion]:
         if model is None:

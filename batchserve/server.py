@@ -17,6 +17,7 @@ from .dashboard import Dashboard
 from .engine import Engine
 from .errors import BatchserveError, MethodNotAllowed, NotFound
 from .http_io import answer_body, error_response, json_response, read_call, request_id_of
+from .openai_api import OpenAIApi
 from .status_api import StatusApi
 
 ENGINE_KEY: web.AppKey[Engine] = web.AppKey("batchserve_engine")
@@ -90,6 +91,7 @@ def create_app(engine: Engine) -> web.Application:
     app.router.add_get("/api/models", inference.models)
     app.router.add_get("/healthz", inference.healthz)
     app.router.add_get("/readyz", inference.readyz)
+    app.router.add_post("/v1/embeddings", OpenAIApi(engine).embeddings)
     status_api = StatusApi(engine)
     app.router.add_post("/api/requests", status_api.submit)
     app.router.add_get("/api/requests/{request_id}", status_api.poll)

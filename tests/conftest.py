@@ -21,10 +21,10 @@ from batchserve.clock import Clock
 from batchserve.config import Config
 from batchserve.engine import Engine, EngineStats
 from batchserve.item import Key
-from batchserve.models import BatchFn, default_spec
 from batchserve.policy import Policy
 from batchserve.registry import ModelVersion, build_version
 from batchserve.server import create_app
+from batchserve.specs import BatchFn, default_spec
 
 Factory = Callable[[str], BatchFn]
 

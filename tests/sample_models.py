@@ -140,3 +140,19 @@ def scaled(inputs: list[str], *, factor: int = 1) -> list[str]:
 def vectors(inputs: list[str]) -> list[list[float]]:
     """Any JSON value may be an output: here a short vector per input."""
     return [[float(len(text)), 1.0] for text in inputs]
+
+
+class TinyEmbedder:
+    """An embedding model in miniature: a 3-vector per input, tokens counted by words."""
+
+    embedding_dim = 3
+
+    def __call__(self, inputs: list[str]) -> list[list[float]]:
+        return [[float(len(text)), float(text.count("a")), 0.5] for text in inputs]
+
+    def count_tokens(self, text: str) -> int:
+        return len(text.split())
+
+
+def tiny_embedder(device: str) -> TinyEmbedder:
+    return TinyEmbedder()

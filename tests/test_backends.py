@@ -15,7 +15,7 @@ from batchserve.backends import (
 from batchserve.config import Config
 from batchserve.devices import parse_devices
 from batchserve.errors import StartupError
-from batchserve.models import BatchFn, DeviceFactory, default_spec
+from batchserve.specs import BatchFn, DeviceFactory, default_spec
 
 from . import sample_models
 

@@ -20,8 +20,8 @@ from hypothesis import strategies as st
 from batchserve.config import Config
 from batchserve.engine import Engine
 from batchserve.errors import InvalidInput, ModelNotFound, StartupError
-from batchserve.models import ModelSpec, load_models_file
 from batchserve.server import create_app
+from batchserve.specs import ModelSpec, load_models_file
 
 from . import sample_models
 from .conftest import ROOT, GatedBackend, reach, real_server

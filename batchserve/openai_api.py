@@ -1,0 +1,118 @@
+"""The OpenAI-shaped door: `POST /v1/embeddings`, so OpenAI client libraries work unchanged.
+
+    client = openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="unused")
+    client.embeddings.create(model="minilm", input=["a", "b"]).data[0].embedding
+
+Each input of a request is one engine request: inputs batch with everyone else's of the same
+model (and may land in different batches), and the answer lists them in the order given.
+Errors keep our status codes and carry OpenAI's body shape, which its clients raise as typed
+exceptions. Vectors go out as floats, or as base64 of little-endian float32 when asked (the
+official Python client asks for that by default).
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import base64
+import sys
+from typing import Any
+
+from aiohttp import web
+
+from .engine import Engine
+from .errors import BatchserveError, InvalidInput
+from .http_io import error_response, json_response, read_json, request_id_of
+from .item import Result
+
+MAX_EMBEDDING_INPUTS = 2048
+"""OpenAI's own limit on inputs per embeddings request."""
+_EMBEDDING_FIELDS = frozenset({"model", "input", "encoding_format", "user", "dimensions"})
+
+
+class OpenAIApi:
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+
+    async def embeddings(self, request: web.Request) -> web.Response:
+        engine = self._engine
+        arrival = engine.clock.time()
+        request_id, problem = request_id_of(request)
+        tenant = None
+        try:
+            if problem is not None:
+                raise problem
+            tenant = engine.authenticate(request.headers.get("Authorization"))
+            payload = await read_json(request, engine.config.max_body_bytes)
+            model, texts, base64_wanted = _embeddings_request(payload)
+            dim = engine.embedding_dim(model)
+            if payload.get("dimensions") not in (None, dim):
+                raise InvalidInput(f"model {model} returns {dim} dimensions, not others")
+        except BatchserveError as error:
+            engine.record("embeddings", request_id, arrival, error, tenant)
+            return error_response(error, request_id, openai_shape=True)
+        outcomes = await asyncio.gather(
+            *(
+                engine.infer(
+                    text,
+                    model=model,
+                    request_id=f"{request_id}.{index}" if len(texts) > 1 else request_id,
+                    tenant=tenant,
+                    arrival=arrival,
+                    route="embeddings",
+                )
+                for index, text in enumerate(texts)
+            ),
+            return_exceptions=True,
+        )
+        results: list[Result] = []
+        for outcome in outcomes:
+            if isinstance(outcome, BatchserveError):
+                return error_response(outcome, request_id, openai_shape=True)
+            if isinstance(outcome, BaseException):
+                raise outcome
+            results.append(outcome)
+        tokens = sum(engine.count_tokens(r, t) for r, t in zip(results, texts, strict=True))
+        body = {
+            "object": "list",
+            "data": [
+                {
+                    "object": "embedding",
+                    "index": index,
+                    "embedding": _encoded(result.output) if base64_wanted else result.output,
+                }
+                for index, result in enumerate(results)
+            ],
+            "model": model,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+        }
+        return json_response(200, body, {"X-Request-Id": request_id})
+
+
+def _embeddings_request(payload: dict[str, Any]) -> tuple[str, list[str], bool]:
+    """The model, the inputs and whether base64 is wanted, checked for shape."""
+    unknown = payload.keys() - _EMBEDDING_FIELDS
+    if unknown:
+        raise InvalidInput(f"unknown field(s): {', '.join(sorted(unknown))[:200]}")
+    model = payload.get("model")
+    if not isinstance(model, str):
+        raise InvalidInput('the body needs a string field "model"')
+    given = payload.get("input")
+    texts = [given] if isinstance(given, str) else given
+    if not isinstance(texts, list) or not texts or not all(isinstance(text, str) for text in texts):
+        raise InvalidInput('"input" must be a string or a non-empty list of strings')
+    if len(texts) > MAX_EMBEDDING_INPUTS:
+        raise InvalidInput(
+            f'"input" holds {len(texts)} strings; the limit is {MAX_EMBEDDING_INPUTS}'
+        )
+    encoding = payload.get("encoding_format", "float")
+    if encoding not in ("float", "base64"):
+        raise InvalidInput('"encoding_format" must be "float" or "base64"')
+    return model, texts, encoding == "base64"
+
+
+def _encoded(vector: list[float]) -> str:
+    packed = array.array("f", vector)
+    if sys.byteorder != "little":
+        packed.byteswap()
+    return base64.b64encode(packed.tobytes()).decode()
