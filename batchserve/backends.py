@@ -62,7 +62,9 @@ class _HangOnce:
 class SimulatedDevice:
     """Honours the batch contract exactly, so the server is exercised as a real GPU would be.
 
-    One call takes `latency_s` whatever the batch size; a concurrent call, an empty batch or one
+    One call takes `latency_s` whatever the batch size, plus `per_token_s` for each padded
+    token (batch size x longest input, in characters) when a length cost is set; a
+    concurrent call, an empty batch or one
     over `limit` raises, because a real device would be wedged or the model would reject it.
     `chaos` injects the faults a real device shows: a call that raises, one that hangs, one
     that answers with an output missing.
@@ -75,9 +77,11 @@ class SimulatedDevice:
         limit: int,
         chaos: Chaos | None = None,
         hang_once: _HangOnce | None = None,
+        per_token_s: float = 0.0,
     ) -> None:
         self.device = device
         self._latency_s = latency_s
+        self._per_token_s = per_token_s
         self._limit = limit
         self._chaos = chaos or Chaos()
         self._random = random.Random(f"{self._chaos.seed}:{device}")
@@ -94,7 +98,8 @@ class SimulatedDevice:
             self.calls += 1
             chaos, fate = self._chaos, self._random.random()
             hang = fate < chaos.hang_rate or self._hang_once.claim(inputs)
-            time.sleep(chaos.hang_s if hang else self._latency_s)
+            padded = len(inputs) * max(map(len, inputs))
+            time.sleep(chaos.hang_s if hang else self._latency_s + self._per_token_s * padded)
             poisoned = [i for i, text in enumerate(inputs) if POISON_MARKER in text]
             if poisoned:
                 raise SimulatedFault(f"input {poisoned[0]} of the batch carries the poison marker")
@@ -112,11 +117,13 @@ class SimulatedDevice:
         return f"<SimulatedDevice {self.device} calls={self.calls}>"
 
 
-def simulated_factory(latency_s: float, limit: int, chaos: Chaos | None = None) -> DeviceFactory:
+def simulated_factory(
+    latency_s: float, limit: int, chaos: Chaos | None = None, per_token_s: float = 0.0
+) -> DeviceFactory:
     hang_once = _HangOnce()
 
     def load(device: str) -> BatchFn:
-        return SimulatedDevice(device, latency_s, limit, chaos, hang_once)
+        return SimulatedDevice(device, latency_s, limit, chaos, hang_once, per_token_s)
 
     return load
 
@@ -162,7 +169,10 @@ def device_factory(
         hang_s=config.sim_hang_ms / 1e3,
         seed=config.sim_seed,
     )
-    return simulated_factory(config.sim_latency_ms / 1e3, BACKEND_BATCH_LIMIT, chaos)
+    if config.sim_cost is None:
+        return simulated_factory(config.sim_latency_ms / 1e3, BACKEND_BATCH_LIMIT, chaos)
+    fixed_ms, per_token_ms = config.sim_cost
+    return simulated_factory(fixed_ms / 1e3, BACKEND_BATCH_LIMIT, chaos, per_token_ms / 1e3)
 
 
 def _checked_factory(factory: Callable[[str], object], name: str) -> DeviceFactory:

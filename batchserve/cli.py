@@ -32,6 +32,15 @@ def _on_off(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected on or off, not {text!r}")
 
 
+def _cost_pair(text: str) -> tuple[float, float]:
+    """argparse type for --sim-cost: two numbers, "a,b"."""
+    try:
+        fixed, per_token = (float(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected two numbers a,b, not {text!r}") from None
+    return fixed, per_token
+
+
 _FLAGS: list[tuple[str, Callable[[str], object], str]] = [
     ("host", str, "address to listen on; 0.0.0.0 for every interface"),
     ("port", int, "TCP port; 0 picks a free one"),
@@ -140,6 +149,13 @@ _FLAGS: list[tuple[str, Callable[[str], object], str]] = [
     ),
     ("sim-latency-ms", float, "duration of one simulated batch call, whatever its size"),
     (
+        "sim-cost",
+        _cost_pair,
+        "a,b: a simulated call takes a ms plus b ms per padded token (batch size x longest"
+        " input, in characters) instead of --sim-latency-ms: a model whose cost grows with"
+        " input length",
+    ),
+    (
         "sim-fail-rate",
         float,
         f"chaos: share of simulated calls that raise (an input containing {POISON_MARKER}"
@@ -180,7 +196,7 @@ def build_parser(prog: str = "batchserve") -> argparse.ArgumentParser:
             type=kind,
             default=os.environ.get(env, default),
             choices=POLICIES if flag == "policy" else None,
-            metavar="{on,off}" if kind is _on_off else None,
+            metavar={_on_off: "{on,off}", _cost_pair: "A,B"}.get(kind),
             help=f"{text} ({values}default: {shown}; env {env})",
         )
     parser.add_argument(

@@ -41,6 +41,8 @@ class Config:
     retry_budget: float = 0.25
     retry_reserve: float = 30.0
     sim_latency_ms: float = 100.0
+    sim_cost: tuple[float, float] | None = None
+    """(a, b): a simulated call takes a ms + b ms per padded token, instead of the latency."""
     sim_fail_rate: float = 0.0
     sim_hang_rate: float = 0.0
     sim_bad_output_rate: float = 0.0
@@ -70,6 +72,10 @@ class Config:
             (self.retry_budget >= 0, "retry_budget must be 0 or more"),
             (self.retry_reserve >= 0, "retry_reserve must be 0 or more"),
             (self.sim_latency_ms >= 0, "sim_latency_ms must be 0 or more"),
+            (
+                self.sim_cost is None or min(self.sim_cost) >= 0,
+                "sim_cost must be two numbers a,b of 0 or more",
+            ),
             (self.sim_hang_ms >= 0, "sim_hang_ms must be 0 or more"),
             (
                 all(0 <= rate <= 1 for rate in self.sim_fault_rates)

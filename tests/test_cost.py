@@ -1,0 +1,73 @@
+"""Cost-aware batching for models whose cost grows with input length: the learned cost line,
+length buckets, token limits on batches and the SLO-derived linger budget."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from batchserve.capacity import CallTime, LengthCost
+from batchserve.cli import config_from_args
+from batchserve.config import Config
+from batchserve.engine import Engine
+from batchserve.policy import AdaptivePolicy, Decision, QueueView
+from batchserve.specs import ModelSpec
+
+from .conftest import GatedBackend
+
+
+def test_the_cost_line_is_learned_from_calls_of_different_sizes():
+    cost = LengthCost()
+    assert cost.predict(1000) is None  # nothing seen
+    cost.observe(0.030, 1000)
+    assert cost.line() is None and cost.predict(5000) == 0.030  # one size: the average
+    for padded in [200, 800, 3200, 100, 6400] * 10:
+        cost.observe(0.010 + 0.00002 * padded, padded)
+    a, b = cost.line()  # type: ignore[misc]
+    assert a == pytest.approx(0.010, rel=0.05)
+    assert b == pytest.approx(0.00002, rel=0.05)
+    assert cost.predict(10_000) == pytest.approx(0.210, rel=0.05)
+
+
+def test_sim_cost_takes_two_numbers():
+    assert config_from_args(["--sim-cost", "5,0.01"])[0].sim_cost == (5.0, 0.01)
+    with pytest.raises(SystemExit):
+        config_from_args(["--sim-cost", "5"])
+
+
+def test_the_linger_budget_is_what_the_slo_leaves_after_the_batch_time():
+    call_time = CallTime()
+    call_time.observe(0.100)
+    policy = AdaptivePolicy(max_batch_size=100, max_linger_s=None, call_time=call_time, slo_s=0.3)
+    queue = QueueView(size=3, oldest_arrival=10.0, earliest_deadline=20.0)
+    # A device started 10 ms ago (spacing 0.9 x 100 ms / 2 = 45 ms): the hold ends at the
+    # spacing, since the SLO leaves 200 ms of linger.
+    assert policy.decide(10.0, queue, 1, [9.99]) == Decision(0, pytest.approx(10.035))
+    # With only 20 ms of SLO left after the batch, the linger budget ends the hold first.
+    tight = AdaptivePolicy(max_batch_size=100, max_linger_s=None, call_time=call_time, slo_s=0.12)
+    assert tight.decide(10.0, queue, 1, [9.99]) == Decision(0, pytest.approx(10.02))
+    # A batch whose predicted time is longer (a longer bucket) leaves it less linger.
+    longer = QueueView(size=3, oldest_arrival=10.0, earliest_deadline=20.0, service_s=0.11)
+    assert tight.decide(10.0, longer, 1, [9.99]) == Decision(0, pytest.approx(10.01))
+
+
+async def test_length_cost_batches_group_similar_lengths_and_cap_tokens(gated: GatedBackend):
+    model = ModelSpec(
+        name="m", version="1", fn_per_device=gated, devices="sim:1", cost="length",
+        max_batch_tokens=64,
+    )  # fmt: skip
+    async with Engine(Config(), models=[model]) as engine:
+        first = engine.submit("first")
+        await gated.entered("sim:0")  # the device is busy: what follows waits in lanes
+        short = [engine.submit(f"s{n}") for n in range(6)]  # 2 characters: bucket 2 (2-3)
+        long = [engine.submit(f"long-input-{n:02d}") for n in range(6)]  # 13: bucket 4 (8-15)
+        gated.gate.set()
+        await asyncio.gather(first, *short, *long)
+    calls = sorted(inputs for _, inputs in gated.calls[1:])
+    # Short and long inputs never share a call; a long call holds at most 64 // 15 = 4.
+    assert calls == [
+        [f"long-input-{n:02d}" for n in range(4)],
+        [f"long-input-{n:02d}" for n in range(4, 6)],
+        [f"s{n}" for n in range(6)],
+    ]
