@@ -21,7 +21,8 @@ def test_the_cost_line_is_learned_from_calls_of_different_sizes():
     cost = LengthCost()
     assert cost.predict(1000) is None  # nothing seen
     cost.observe(0.030, 1000)
-    assert cost.line() is None and cost.predict(5000) == 0.030  # one size: the average
+    assert cost.line() is None  # one size seen: no line yet
+    assert cost.predict(5000) == 0.030  # so the plain average
     for padded in [200, 800, 3200, 100, 6400] * 10:
         cost.observe(0.010 + 0.00002 * padded, padded)
     a, b = cost.line()  # type: ignore[misc]
