@@ -92,6 +92,13 @@ _FLAGS: list[tuple[str, Callable[[str], object], str]] = [
         " Clients send Authorization: Bearer <key>",
     ),
     (
+        "admin-key",
+        str,
+        "enables the admin API (PUT/PATCH/DELETE /admin/models/NAME/versions/VERSION) for"
+        " callers sending Authorization: Bearer <this key>; without it those routes answer"
+        " 404. Prefer the environment variable, which ps does not show",
+    ),
+    (
         "anonymous-tier",
         str,
         "with --keys-file: serve requests with no or an unknown key as the anonymous tenant"
@@ -196,7 +203,7 @@ def build_parser(prog: str = "batchserve") -> argparse.ArgumentParser:
             type=kind,
             default=os.environ.get(env, default),
             choices=POLICIES if flag == "policy" else None,
-            metavar={_on_off: "{on,off}", _cost_pair: "A,B"}.get(kind),
+            metavar="{on,off}" if kind is _on_off else "A,B" if kind is _cost_pair else None,
             help=f"{text} ({values}default: {shown}; env {env})",
         )
     parser.add_argument(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from .errors import StartupError
@@ -30,6 +30,7 @@ class Config:
     max_input_bytes: int = 1 << 20
     drain_timeout_s: float = 30.0
     keys_file: str | None = None
+    admin_key: str | None = field(default=None, repr=False)
     anonymous_tier: str | None = None
     slo_ms: float = 1000.0
     metrics: bool = True

@@ -21,7 +21,9 @@ import contextlib
 import dataclasses
 import enum
 import functools
+import gc
 import logging
+import sys
 from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
@@ -33,7 +35,15 @@ from .batcher import Batcher, BatcherStats, length_bucket
 from .clock import Clock, LoopClock, Timer, wait_until
 from .config import Config
 from .devices import parse_devices
-from .errors import BatchserveError, DuplicateRequestId, NotReady
+from .errors import (
+    BatchserveError,
+    Conflict,
+    DuplicateRequestId,
+    InvalidInput,
+    ModelNotFound,
+    NotReady,
+    StartupError,
+)
 from .fair_queue import TIER_RANKS
 from .faults import BatchFailure, RetryBudget
 from .gpu_pool import GpuPool
@@ -41,8 +51,9 @@ from .item import Key, QueuedRequest, Result, Ticket, new_request_id
 from .metrics import Metrics
 from .policy import Policy
 from .recorder import Recorder
-from .registry import Registry, VersionState, build_version
+from .registry import ModelVersion, Registry, VersionState, build_version
 from .specs import BatchFn, DeviceFactory, ModelSpec, default_spec, load_models_file
+from .tasks import TaskSet
 from .tenants import Tenant
 
 log = logging.getLogger(__name__)
@@ -141,6 +152,8 @@ class Engine:
         self._recorder = Recorder(self.metrics, config.access_log)
         self._admission = Admission(config)
         self._stack = contextlib.AsyncExitStack()
+        self._changes = TaskSet(self._crashed)
+        """Loads and unloads of model versions asked for while serving."""
         self._drained: asyncio.Task[None] | None = None
 
     def __repr__(self) -> str:
@@ -164,6 +177,7 @@ class Engine:
         """Drains (every accepted request is answered), then stops the batcher and the
         devices in reverse order of their start."""
         await self.drain()
+        await self._changes.aclose()
         await self._stack.aclose()
 
     # Requests
@@ -316,6 +330,79 @@ class Engine:
     def health_changed(self) -> None:
         self._batcher.health_changed()
 
+    # Versions added, reweighted and removed while serving (the admin API)
+
+    def add_version(self, spec: ModelSpec) -> dict[str, Any]:
+        """Loads a new version in the background (beside what serves); it takes traffic
+        once every device has loaded it and answered a warm-up batch."""
+        if self.phase is not Phase.READY:
+            raise NotReady(f"the server is {self.phase.value}")
+        if self._registry.get(spec.name, spec.version) is not None:
+            raise Conflict(f"{spec.label} exists; DELETE it first, or PATCH its weight")
+        try:
+            version = build_version(self.config, spec)
+        except StartupError as exc:
+            raise InvalidInput(str(exc)) from None
+        foreign = sorted(set(version.device_names) - set(self.device_names))
+        if foreign:
+            raise InvalidInput(
+                f"field 'devices': {', '.join(foreign)} is not a device of this server"
+                f" ({', '.join(self.device_names)})"
+            )
+        self._registry.add(version)
+        log.info("loading %s on %s", spec.label, ",".join(version.device_names))
+        self._changes.start(self._load(version), name=f"batchserve-load-{spec.label}")
+        return version.describe()
+
+    async def _load(self, version: ModelVersion) -> None:
+        problems = await self._pool.load(version, beside_serving=True)
+        for problem in problems:
+            log.error("%s", problem)
+        if not version.loaded_on:
+            self._registry.remove(version)
+            log.error("%s loaded on no device and is not added", version.spec.label)
+            return
+        version.state = VersionState.READY
+        log.info("%s is ready on %s and takes traffic", version.spec.label, version.loaded_on)
+
+    def set_weight(self, name: str, version_name: str, weight: float) -> dict[str, Any]:
+        version = self._existing(name, version_name)
+        old = version.spec.weight
+        version.spec = dataclasses.replace(version.spec, weight=weight)
+        log.info("%s weight %s -> %s", version.spec.label, old, weight)
+        return version.describe()
+
+    def remove_version(self, name: str, version_name: str) -> dict[str, Any]:
+        """Stops new traffic to a version at once; what it holds finishes, then it unloads
+        and its devices' memory is freed."""
+        version = self._existing(name, version_name)
+        if version.state is VersionState.LOADING:
+            raise Conflict(f"{version.spec.label} is still loading; delete it once ready")
+        if version.state is VersionState.READY:
+            version.state = VersionState.DRAINING
+            log.info("draining %s: no new requests; those it holds finish", version.spec.label)
+            self._changes.start(self._unload(version), name=f"batchserve-unload-{name}")
+        return version.describe()
+
+    async def _unload(self, version: ModelVersion) -> None:
+        await self._batcher.wait_until(
+            lambda _: not self._batcher.queued_for(version) and not self._pool.running(version)
+        )
+        self._pool.unload(version)
+        self._registry.remove(version)
+        await asyncio.to_thread(_free_device_memory)
+        log.info("%s is unloaded", version.spec.label)
+
+    def _existing(self, name: str, version_name: str) -> ModelVersion:
+        version = self._registry.get(name, version_name)
+        if version is None:
+            raise ModelNotFound(f"no version {version_name[:64]!r} of model {name[:64]!r}")
+        return version
+
+    async def settled(self) -> None:
+        """Returns once the loads and unloads under way have finished."""
+        await self._changes.join()
+
     # Lifecycle
 
     async def drain(self) -> None:
@@ -410,3 +497,12 @@ class Engine:
     def recoveries(self) -> Counter[str]:
         """Requests retried or failed after a fault, by kind (read-only)."""
         return Counter(self._batcher.recoveries)
+
+
+def _free_device_memory() -> None:
+    """After a version unloads: collect its weights, and give CUDA's cached blocks back
+    where torch is loaded (other processes and the next version can then use them)."""
+    gc.collect()
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()

@@ -8,6 +8,7 @@ BatchserveError            one request's failure; its class declares the HTTP st
 ├── ModelNotFound          no such model or version                        (404)
 ├── MethodNotAllowed       the path exists, the method does not            (405)
 ├── DuplicateRequestId     the X-Request-Id is already in flight           (409)
+├── Conflict               the model version exists, or is still loading   (409)
 ├── InputTooLarge          body or input over --max-input-bytes           (413)
 ├── RateLimited            the tenant is over its tier's rate             (429)
 ├── BackendError           the batch function raised or answered badly     (500)
@@ -61,6 +62,10 @@ class MethodNotAllowed(BatchserveError):
 
 class DuplicateRequestId(BatchserveError):
     status, code = 409, "DUPLICATE_REQUEST_ID"
+
+
+class Conflict(BatchserveError):
+    status, code = 409, "CONFLICT"
 
 
 class InputTooLarge(BatchserveError):

@@ -16,7 +16,7 @@ import enum
 import functools
 import logging
 from collections import Counter, deque
-from collections.abc import Mapping
+from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -28,7 +28,7 @@ from .errors import BackendError, BatchserveError, StartupError
 from .faults import MAX_PROBE_DELAY_S, PROBE_INPUT, BatchFailure, FailureKind
 from .item import Key, QueuedRequest, Result
 from .registry import ModelVersion
-from .specs import DEFAULT_MODEL, BatchFn
+from .specs import DEFAULT_MODEL, BatchFn, DeviceFactory
 from .tasks import CrashHandler, TaskSet
 
 log = logging.getLogger(__name__)
@@ -170,12 +170,21 @@ class GpuPool:
             log.error("%s; serving on the other devices", problem)
         return self
 
-    async def load(self, version: ModelVersion) -> list[str]:
-        """Calls `version`'s factory on each of its devices' threads; returns what failed."""
-        devices = [d for d in self._devices if d.name in version.device_names]
-        loaded = await asyncio.gather(
-            *(d.thread.submit(version.factory, d.name) for d in devices), return_exceptions=True
-        )
+    async def load(self, version: ModelVersion, *, beside_serving: bool = False) -> list[str]:
+        """Calls `version`'s factory for each of its devices; returns what failed. At
+        start-up each load runs on its device's thread. `beside_serving` (a version added
+        while serving) loads on a thread of its own, so that the versions already on the
+        device keep serving meanwhile, and runs a warm-up batch of one input through it."""
+        devices = [
+            d for d in self._devices if d.name in version.device_names and d.state in HEALTHY
+        ]
+        loads: list[Awaitable[BatchFn]] = [
+            asyncio.to_thread(_load_warm, version.factory, d.name)
+            if beside_serving
+            else d.thread.submit(version.factory, d.name)
+            for d in devices
+        ]
+        loaded = await asyncio.gather(*loads, return_exceptions=True)
         problems: list[str] = []
         for device, fn in zip(devices, loaded, strict=True):
             if isinstance(fn, BaseException):
@@ -188,6 +197,17 @@ class GpuPool:
             device.fns[version] = fn
             version.loaded_on.append(device.name)
         return problems
+
+    def unload(self, version: ModelVersion) -> None:
+        """Drops `version`'s batch functions, so that its weights can be freed; the caller
+        has made sure none of its batches runs."""
+        for device in self._devices:
+            device.fns.pop(version, None)
+        version.loaded_on.clear()
+
+    def running(self, version: ModelVersion) -> bool:
+        """Whether a batch of `version` is inside a device now."""
+        return any(d.key is not None and d.key.version is version for d in self._devices)
 
     async def __aexit__(self, *exc_info: object) -> None:
         """Cancels what is left: probes, and calls nobody waits for after the drain."""
@@ -364,6 +384,17 @@ class GpuPool:
         self.faults["probe_failed"] += 1
         log.warning("the probe of %s %s", device.name, problem)
         return False
+
+
+WARM_UP_INPUT = "batchserve warm-up"
+
+
+def _load_warm(factory: DeviceFactory, device: str) -> BatchFn:
+    """Loads a version on `device` and runs one input through it: first calls may compile
+    kernels or fill caches, and a version takes traffic only once it has answered."""
+    fn = factory(device)
+    _run_checked(fn, None, [WARM_UP_INPUT])
+    return fn
 
 
 class Malformed(Exception):

@@ -13,6 +13,8 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 
+from .admin_api import ROUTE as ADMIN_ROUTE
+from .admin_api import AdminApi
 from .dashboard import Dashboard
 from .engine import Engine
 from .errors import BatchserveError, MethodNotAllowed, NotFound
@@ -92,6 +94,11 @@ def create_app(engine: Engine) -> web.Application:
     app.router.add_get("/healthz", inference.healthz)
     app.router.add_get("/readyz", inference.readyz)
     app.router.add_post("/v1/embeddings", OpenAIApi(engine).embeddings)
+    if engine.config.admin_key:
+        admin = AdminApi(engine, engine.config.admin_key)
+        app.router.add_put(ADMIN_ROUTE, admin.put)
+        app.router.add_patch(ADMIN_ROUTE, admin.patch)
+        app.router.add_delete(ADMIN_ROUTE, admin.delete)
     status_api = StatusApi(engine)
     app.router.add_post("/api/requests", status_api.submit)
     app.router.add_get("/api/requests/{request_id}", status_api.poll)

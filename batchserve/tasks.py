@@ -32,6 +32,10 @@ class TaskSet:
         task.add_done_callback(self._ended)
         return task
 
+    async def join(self) -> None:
+        """Waits for the tasks running now to end, whichever way they end."""
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
     async def aclose(self) -> None:
         """Cancels every task still running and waits for each to end."""
         for task in self._tasks:

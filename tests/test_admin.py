@@ -1,0 +1,125 @@
+"""The admin API: versions loaded, reweighted and removed while the server serves."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+from aiohttp.test_utils import TestClient
+
+from batchserve.config import Config
+from batchserve.engine import Engine
+from batchserve.server import create_app
+
+from . import sample_models
+
+KEY = "admin-s3cret"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+ROUTE = "/admin/models/a/versions/2"
+A2 = {"fn": "tests.sample_models:key_echo_a2", "devices": "sim:2", "weight": 1}
+
+
+@pytest.fixture
+async def served(aiohttp_client, tmp_path) -> AsyncIterator[tuple[TestClient, Engine]]:
+    models = tmp_path / "models.toml"
+    models.write_text(
+        '[[model]]\nname = "a"\nversion = "1"\nfn = "tests.sample_models:key_echo_a1"\n'
+        'devices = "sim:2"\n'
+    )
+    engine = Engine(Config(models=str(models), admin_key=KEY, sim_latency_ms=0))
+    yield await aiohttp_client(create_app(engine)), engine
+    sample_models.LOAD_GATE.set()
+
+
+async def versions(client: TestClient) -> dict[str, dict[str, object]]:
+    listing = await (await client.get("/api/models")).json()
+    return {v["version"]: v for model in listing["models"] for v in model["versions"]}
+
+
+async def test_without_an_admin_key_the_admin_routes_are_not_there(aiohttp_client):
+    client = await aiohttp_client(create_app(Engine(Config(sim_latency_ms=0))))
+    answer = await client.put("/admin/models/default/versions/2", json=A2, headers=AUTH)
+    assert (answer.status, (await answer.json())["error"]) == (404, "NOT_FOUND")
+
+
+async def test_a_missing_or_wrong_key_is_401_and_changes_nothing(served):
+    client, _ = served
+    for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": f"Basic {KEY}"}):
+        for method in ("PUT", "PATCH", "DELETE"):
+            answer = await client.request(method, ROUTE, json=A2, headers=headers)
+            assert answer.status == 401, (method, headers)
+            assert answer.headers["WWW-Authenticate"] == "Bearer"
+    assert list(await versions(client)) == ["1"]
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ({"weight": -1}, "field 'weight' must be more than 0"),
+        ({"colour": "red"}, "unknown field 'colour'"),
+        ({"version": "3"}, "field 'version' differs from the path's '2'"),
+        ({"devices": "sim:9"}, "sim:4, sim:5, sim:6, sim:7, sim:8 is not a device"),
+        ({"fn": "tests.sample_models:nope"}, "has no attribute nope"),
+        ({"max_batch_size": "big"}, "field 'max_batch_size' must be a int, not str"),
+    ],
+)
+async def test_a_bad_put_is_400_naming_the_field_and_changes_nothing(served, body, message):
+    client, _ = served
+    answer = await client.put(ROUTE, json=body, headers=AUTH)
+    assert answer.status == 400
+    assert message in (await answer.json())["message"]
+    assert list(await versions(client)) == ["1"]
+
+
+async def test_a_version_loads_in_the_background_then_takes_its_share(served):
+    client, engine = served
+    sample_models.LOAD_GATE.clear()
+    slow = {"fn_per_device": "tests.sample_models:slow_to_load", "devices": "sim:2"}
+    added = await client.put(ROUTE, json=slow, headers=AUTH)
+    assert added.status == 202
+    assert (await added.json())["state"] == "loading"
+    assert (await versions(client))["2"]["state"] == "loading"
+    pinned = await client.post("/api/inference", json={"input": "x", "model": "a", "version": "2"})
+    assert (pinned.status, (await pinned.json())["error"]) == (503, "NOT_READY")
+    assert pinned.headers["Retry-After"] == "1"
+    unpinned = await client.post("/api/inference", json={"input": "x", "model": "a"})
+    assert (await unpinned.json())["version"] == "1"  # a loading version takes no traffic
+    again = await client.put(ROUTE, json=slow, headers=AUTH)
+    assert (again.status, (await again.json())["error"]) == (409, "CONFLICT")
+    sample_models.LOAD_GATE.set()
+    await engine.settled()
+    assert (await versions(client))["2"]["state"] == "ready"
+    answer = await client.post("/api/inference", json={"input": "x", "model": "a", "version": "2"})
+    assert (await answer.json())["output"] == "a@2||x"
+    reweighted = await client.patch(ROUTE, json={"weight": 9}, headers=AUTH)
+    assert (reweighted.status, (await reweighted.json())["weight"]) == (200, 9)
+    shares = [
+        (await (await client.post(
+            "/api/inference", json={"input": "x", "model": "a"}, headers={"X-Request-Id": f"r{n}"}
+        )).json())["version"]
+        for n in range(100)
+    ]  # fmt: skip
+    assert 75 < shares.count("2") < 100  # weight 9 against 1 (crc32 of fixed ids)
+    bad_patch = await client.patch(ROUTE, json={"weight": 0}, headers=AUTH)
+    assert bad_patch.status == 400
+
+
+async def test_delete_finishes_what_is_queued_then_unloads(served):
+    client, engine = served
+    assert (await client.put(ROUTE, json=A2, headers=AUTH)).status == 202
+    await engine.settled()
+    queued = [
+        asyncio.ensure_future(engine.infer(f"q{n}", model="a", version="2")) for n in range(50)
+    ]
+    await asyncio.sleep(0)  # they are queued before the delete
+    removed = await client.delete(ROUTE, headers=AUTH)
+    assert (removed.status, (await removed.json())["state"]) == (202, "draining")
+    pinned = await client.post("/api/inference", json={"input": "x", "model": "a", "version": "2"})
+    assert (pinned.status, (await pinned.json())["error"]) == (404, "MODEL_NOT_FOUND")
+    assert [r.output for r in await asyncio.gather(*queued)] == [f"a@2||q{n}" for n in range(50)]
+    await engine.settled()
+    assert list(await versions(client)) == ["1"]
+    gone = await client.delete(ROUTE, headers=AUTH)
+    assert (gone.status, (await gone.json())["error"]) == (404, "MODEL_NOT_FOUND")
+    assert (await client.put(ROUTE, json=A2, headers=AUTH)).status == 202  # it can come back
