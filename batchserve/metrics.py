@@ -48,8 +48,9 @@ class Metrics:
         self.registry = CollectorRegistry()
         self._requests = Counter(
             "batchserve_requests",
-            "Requests answered, by route, HTTP status, tier and error code.",
-            ["route", "code", "tier", "error"],
+            "Requests answered, by route, HTTP status, tier, error code, and model and version"
+            " (of 200s; empty for errors, which may name no model).",
+            ["route", "code", "tier", "error", "model", "version"],
             registry=self.registry,
         )
         self._rejections = Counter(
@@ -60,7 +61,8 @@ class Metrics:
         )
         self._latency = Histogram(
             "batchserve_request_latency_seconds",
-            "Arrival to answer, for requests answered 200.",
+            "Arrival to answer, for requests answered 200, by model and version.",
+            ["model", "version"],
             buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
@@ -76,24 +78,30 @@ class Metrics:
             buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
-        self._ok = self._requests.labels("inference", "200", NO_TIER, "")
+        self._answered: dict[tuple[str, str, str, str], tuple[Any, Any]] = {}
+        """Per route, tier, model and version, its counter and latency children: bound once,
+        since labels() costs more than the increment. Every key is the server's own (routes,
+        tiers, registered models), so this stays small."""
         self._state = _StateCollector(batcher, pool, clock, slo_s)
         self.registry.register(self._state)
         self.recent = RecentWindow()
 
     def ok(self, route: str, tier: str, now: float, latency_s: float, result: Result) -> None:
-        if route == "inference" and tier == NO_TIER:
-            child = self._ok
-        else:
-            child = self._requests.labels(route, "200", tier, "")
-        child.inc()
-        self._latency.observe(latency_s)
+        key = (route, tier, result.model, result.version)
+        children = self._answered.get(key)
+        if children is None:
+            children = self._answered[key] = (
+                self._requests.labels(route, "200", tier, "", result.model, result.version),
+                self._latency.labels(result.model, result.version),
+            )
+        children[0].inc()
+        children[1].observe(latency_s)
         self._queue_wait.observe(result.queue_s)
         self._compute.observe(result.compute_s)
         self.recent.add(now, latency_s, result)
 
     def failed(self, route: str, tier: str, status: int, code: str) -> None:
-        self._requests.labels(route, str(status), tier, code).inc()
+        self._requests.labels(route, str(status), tier, code, "", "").inc()
         if code in REJECTIONS:
             self._rejections.labels(code).inc()
 
@@ -200,6 +208,18 @@ class _StateCollector(Collector):
         )
         yield from self._devices(state["devices"])
         yield self._batch_sizes()
+        fill = CounterMetricFamily(
+            "batchserve_batch_fill",
+            "Batches sent and requests in them, per model version: requests / batches is its"
+            " mean batch size, which falls when traffic spreads over many keys (params,"
+            " lengths). Never labelled with params.",
+            labels=["model", "version", "kind"],
+        )
+        for (version, kind), count in sorted(
+            self._batcher.batch_fill.items(), key=lambda item: (item[0][0].spec.label, item[0][1])
+        ):
+            fill.add_metric([version.name, version.version, kind], count)
+        yield fill
         faults = CounterMetricFamily(
             "batchserve_faults", "Device and batch faults, by kind.", labels=["kind"]
         )

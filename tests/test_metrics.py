@@ -49,13 +49,16 @@ async def test_metrics_count_answers_by_status_and_time_them(start_server, gated
     await client.post("/api/inference", data=b"not json")
     await client.post("/api/inference", json={"input": f"bad{POISON_MARKER}"})
     samples = await scrape(client)
-    ok = labels(route="inference", code="200", tier="none", error="")
+    model = {"model": "default", "version": "1"}
+    ok = labels(route="inference", code="200", tier="none", error="", **model)
     assert samples[("batchserve_requests_total", ok)] == 20
-    invalid = labels(route="inference", code="400", tier="none", error="INVALID_INPUT")
+    no_model = {"model": "", "version": ""}
+    invalid = labels(route="inference", code="400", tier="none", error="INVALID_INPUT", **no_model)
     assert samples[("batchserve_requests_total", invalid)] == 1
-    failed = labels(route="inference", code="500", tier="none", error="BACKEND_ERROR")
+    failed = labels(route="inference", code="500", tier="none", error="BACKEND_ERROR", **no_model)
     assert samples[("batchserve_requests_total", failed)] == 1
-    for name in ("request_latency", "queue_wait", "compute"):
+    assert samples[("batchserve_request_latency_seconds_count", labels(**model))] == 20
+    for name in ("queue_wait", "compute"):
         assert samples[(f"batchserve_{name}_seconds_count", ())] == 20
     batches = engine.stats().batches
     assert samples[("batchserve_batch_size_count", ())] == batches

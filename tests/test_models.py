@@ -333,3 +333,19 @@ def test_the_cli_refuses_a_bad_models_file_with_one_line(tmp_path):
     assert result.returncode == 1
     assert result.stderr.count("\n") == 1
     assert "model a@1: --devices 'sim:x': expected sim:N" in result.stderr
+
+
+async def test_metrics_label_models_but_never_client_text(aiohttp_client, models_file):
+    engine = Engine(Config(models=str(models_file), sim_latency_ms=0))
+    client = await aiohttp_client(create_app(engine))
+    for body in [
+        {"input": "x", "model": "b"},
+        {"input": "x", "model": "b", "params": {"secret-param": 1}},
+        {"input": "x", "model": "made-up-model"},
+    ]:
+        await client.post("/api/inference", json=body)
+    metrics = await (await client.get("/metrics")).text()
+    assert 'batchserve_batch_fill_total{kind="requests",model="b",version="1"} 2.0' in metrics
+    assert 'batchserve_request_latency_seconds_count{model="b",version="1"} 2.0' in metrics
+    assert "made-up-model" not in metrics
+    assert "secret-param" not in metrics

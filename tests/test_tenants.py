@@ -105,7 +105,10 @@ async def test_requests_need_a_known_key_and_get_answered_as_their_tenant(
     assert '"tenant":"acme"' in caplog.text
     assert "sk-" not in caplog.text  # keys are never logged
     metrics = await (await client.get("/metrics")).text()
-    assert 'code="200",error="",route="inference",tier="enterprise"' in metrics
+    assert (
+        'code="200",error="",model="default",route="inference",tier="enterprise",version="1"'
+        in metrics
+    )
 
 
 async def test_a_tenant_over_its_rate_gets_429_with_rate_limit_headers(start_server, keys_file):
