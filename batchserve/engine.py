@@ -281,7 +281,9 @@ class Engine:
         if self.phase is not Phase.READY:
             raise NotReady(f"the server is {self.phase.value}")
         version = self._registry.route(ask.model, ask.version, request_id)
-        if not self._pool.healthy_for(version):
+        if not self._pool.healthy or (
+            len(version.loaded_on) < len(self.device_names) and not self._pool.healthy_for(version)
+        ):
             raise NotReady(f"no device of {version.spec.label} is healthy; see /readyz")
         text = ask.text
         self._admission.check_input(text)

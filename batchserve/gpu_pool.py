@@ -130,7 +130,11 @@ class GpuPool:
 
     def busy_since_of(self, key: Key) -> list[float]:
         """Start times of the batches of `key` running now: what its spacing counts from."""
-        return [d.busy_since for d in self._devices if d.key == key and d.busy_since is not None]
+        return [
+            d.busy_since
+            for d in self._devices
+            if d.busy_since is not None and (d.key is key or d.key == key)
+        ]
 
     @property
     def in_flight_requests(self) -> int:

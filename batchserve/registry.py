@@ -167,6 +167,9 @@ class Registry:
 
     def __init__(self, versions: list[ModelVersion]) -> None:
         self._by_name: dict[str, dict[str, ModelVersion]] = {}
+        self._sole: ModelVersion | None = None
+        """The one version, while there is only one: a request naming nothing routes to it
+        without a look at names and weights."""
         for version in versions:
             self.add(version)
 
@@ -181,15 +184,29 @@ class Registry:
 
     def add(self, version: ModelVersion) -> None:
         self._by_name.setdefault(version.name, {})[version.version] = version
+        self._sole = self._only_version()
 
     def remove(self, version: ModelVersion) -> None:
         versions = self._by_name[version.name]
         del versions[version.version]
         if not versions:
             del self._by_name[version.name]
+        self._sole = self._only_version()
+
+    def _only_version(self) -> ModelVersion | None:
+        everything = list(self)
+        return everything[0] if len(everything) == 1 else None
 
     def route(self, model: str | None, version: str | None, request_id: str) -> ModelVersion:
         """The version a request runs on; refusals say why (400, 404 or 503)."""
+        sole = self._sole
+        if (
+            model is None
+            and version is None
+            and sole is not None
+            and sole.state is VersionState.READY
+        ):
+            return sole
         versions = self._versions_of(model)
         if version is not None:
             chosen = versions.get(version)

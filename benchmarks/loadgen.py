@@ -117,8 +117,11 @@ class Workload:
     poisoned: set[int]
     """Indexes of the inputs that carry the poison marker."""
     key_names: list[str]
-    """The key each request draws, by index; empty when the run uses no keys."""
+    """The class each request draws (an API key, a model or a length), by index; empty when
+    the run uses none. Latencies are also reported per class."""
     key_headers: dict[str, bytes]
+    model_field: bool = False
+    """Whether the class is a model, sent as the body's "model"."""
 
 
 class Run:
@@ -204,7 +207,10 @@ class Run:
     def write(self, conn: Connection, pending: Pending) -> None:
         assert conn.transport is not None
         pending.timeout = self.loop.call_later(self.timeout_s, conn.transport.close)
-        payload = orjson.dumps({"input": pending.text})
+        body = {"input": pending.text}
+        if self.workload.model_field:
+            body["model"] = pending.name
+        payload = orjson.dumps(body)
         conn.send(
             pending,
             b"%bContent-Length: %d\r\n\r\n%b" % (self.heads[pending.name], len(payload), payload),
@@ -267,10 +273,20 @@ class Run:
             self.computes.append(answer.get("compute_ms", 0.0))
 
 
+LENGTHS = [("short", (8, 32), 0.80), ("medium", (100, 300), 0.15), ("long", (800, 1500), 0.05)]
+"""--length-mix: most inputs short, a long tail (characters, drawn uniformly in each range)."""
+
+
+def _sized(text: str, length: int) -> str:
+    return (text + "." * length)[: max(length, len(text))]
+
+
 async def run(url: str, rate: float, seconds: float, warmup_s: float, seed: int,
               connections: int, timeout_s: float, poison_rate: float = 0.0,
               hang_at_s: float | None = None,
-              keys: list[tuple[str, str, float]] | None = None) -> Summary:  # fmt: skip
+              keys: list[tuple[str, str, float]] | None = None,
+              models: list[tuple[str, float]] | None = None,
+              length_mix: bool = False) -> Summary:  # fmt: skip
     loop = asyncio.get_running_loop()
     rng = random.Random(seed)
     schedule: list[float] = []
@@ -293,7 +309,19 @@ async def run(url: str, rate: float, seconds: float, warmup_s: float, seed: int,
     key_headers = {
         name: b"Authorization: Bearer %b\r\n" % key.encode() for name, key, _ in keys or []
     }
-    workload = Workload(texts, poisoned, key_names, key_headers)
+    if models:
+        key_names = rng.choices([m for m, _ in models], [w for _, w in models], k=len(schedule))
+        key_headers = {name: b"" for name, _ in models}
+        # Each input names its model, so a backend can check no call mixed models.
+        texts = [f"{name}|{text}" for name, text in zip(key_names, texts, strict=True)]
+    if length_mix:
+        key_names = rng.choices([c for c, _, _ in LENGTHS], [w for _, _, w in LENGTHS],
+                                k=len(schedule))  # fmt: skip
+        sizes = {name: size for name, size, _ in LENGTHS}
+        texts = [_sized(text, rng.randint(*sizes[name]))
+                 for text, name in zip(texts, key_names, strict=True)]  # fmt: skip
+        key_headers = {name: b"" for name, _, _ in LENGTHS}
+    workload = Workload(texts, poisoned, key_names, key_headers, model_field=bool(models))
     load = Run(loop, url, connections, timeout_s, warmup_s, workload)
     await load.warm(min(connections, max(8, int(rate * 0.3))))
     load.start = start = loop.time() + 0.05
@@ -373,6 +401,12 @@ def main() -> None:
         "--hang-at-s", type=float, default=None, help="send the hang marker at this time"
     )
     parser.add_argument(
+        "--models", default="", help="models to mix, name:weight,...; sent as the body's model"
+    )
+    parser.add_argument(
+        "--length-mix", action="store_true", help="inputs of realistic lengths (see LENGTHS)"
+    )
+    parser.add_argument(
         "--keys",
         default="",
         help="API keys to mix, name=key:weight,...; each request draws one by weight",
@@ -383,9 +417,12 @@ def main() -> None:
         for name, rest in (part.split("=", 1) for part in args.keys.split(",") if part)
         for key, weight in [rest.rsplit(":", 1)]
     ]
+    models = [(name, float(weight)) for name, weight in
+              (part.rsplit(":", 1) for part in args.models.split(",") if part)]  # fmt: skip
     summary = uvloop.run(
         run(args.url, args.rate, args.seconds, args.warmup_s, args.seed, args.connections,
-            args.timeout_s, args.poison_rate, args.hang_at_s, keys or None)
+            args.timeout_s, args.poison_rate, args.hang_at_s, keys or None, models or None,
+            args.length_mix)
     )  # fmt: skip
     sys.stdout.write(orjson.dumps(asdict(summary)).decode() + "\n")
 
