@@ -6,7 +6,8 @@ The only module that turns the error tree (`errors.py`) into HTTP answers.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, NamedTuple
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Generic, NamedTuple, TypeVar
 
 import orjson
 from aiohttp import web
@@ -41,29 +42,39 @@ class Body(NamedTuple):
     params: dict[str, Any] | None = None
 
 
-class Call(NamedTuple):
+AskedFor = TypeVar("AskedFor")
+
+
+class Call(NamedTuple, Generic[AskedFor]):
     """Who asks for what: a request read off the wire, before the engine sees it."""
 
     request_id: str
     tenant: Tenant | None
-    body: Body
+    body: AskedFor
 
 
 async def read_call(
-    request: web.Request, engine: Engine, route: str, arrival: float
-) -> Call | web.Response:
-    """The request's id, tenant, input and timeout; or, for a request refused here (bad id,
-    unknown key, bad body), its recorded error answer."""
+    request: web.Request,
+    engine: Engine,
+    route: str,
+    arrival: float,
+    read_body: Callable[[web.Request, int], Awaitable[AskedFor]],
+    *,
+    openai_shape: bool = False,
+) -> Call[AskedFor] | web.Response:
+    """The request's id, tenant and body (`read_body(request, max body bytes)`, e.g.
+    `read_input`); or, for a request refused here (bad id, unknown key, bad body), its
+    recorded error answer."""
     request_id, problem = request_id_of(request)
     tenant = None
     try:
         if problem is not None:
             raise problem
         tenant = engine.authenticate(request.headers.get("Authorization"))
-        body = await read_input(request, engine.config.max_body_bytes)
+        body = await read_body(request, engine.config.max_body_bytes)
     except BatchserveError as error:
         engine.record(route, request_id, arrival, error, tenant)
-        return error_response(error, request_id)
+        return error_response(error, request_id, openai_shape=openai_shape)
     return Call(request_id, tenant, body)
 
 
@@ -106,9 +117,7 @@ async def read_input(request: web.Request, limit: int) -> Body:
     for HTTP ones.
     """
     payload = await read_json(request, limit)
-    unknown = payload.keys() - _BODY_FIELDS
-    if unknown:
-        raise InvalidInput(f"unknown field(s): {', '.join(sorted(unknown))[:200]}")
+    refuse_unknown_fields(payload, _BODY_FIELDS)
     text = payload.get("input")
     if not isinstance(text, str):
         raise InvalidInput('the body needs a string field "input"')
@@ -116,6 +125,12 @@ async def read_input(request: web.Request, limit: int) -> Body:
     if len(payload) == 1 or (len(payload) == 2 and "timeout_ms" in payload):
         return Body(text, timeout_ms)
     return Body(text, timeout_ms, *model_fields(payload))
+
+
+def refuse_unknown_fields(payload: dict[str, Any], known: frozenset[str]) -> None:
+    unknown = payload.keys() - known
+    if unknown:
+        raise InvalidInput(f"unknown field(s): {', '.join(sorted(unknown))[:200]}")
 
 
 def model_fields(payload: dict[str, Any]) -> tuple[str | None, str | None, dict[str, Any] | None]:

@@ -22,7 +22,13 @@ from aiohttp import web
 
 from .engine import Engine
 from .errors import BatchserveError, InvalidInput
-from .http_io import error_response, json_response, read_json, request_id_of
+from .http_io import (
+    error_response,
+    json_response,
+    read_call,
+    read_json,
+    refuse_unknown_fields,
+)
 from .item import Result
 
 MAX_EMBEDDING_INPUTS = 2048
@@ -37,20 +43,12 @@ class OpenAIApi:
     async def embeddings(self, request: web.Request) -> web.Response:
         engine = self._engine
         arrival = engine.clock.time()
-        request_id, problem = request_id_of(request)
-        tenant = None
-        try:
-            if problem is not None:
-                raise problem
-            tenant = engine.authenticate(request.headers.get("Authorization"))
-            payload = await read_json(request, engine.config.max_body_bytes)
-            model, texts, base64_wanted = _embeddings_request(payload)
-            dim = engine.embedding_dim(model)
-            if payload.get("dimensions") not in (None, dim):
-                raise InvalidInput(f"model {model} returns {dim} dimensions, not others")
-        except BatchserveError as error:
-            engine.record("embeddings", request_id, arrival, error, tenant)
-            return error_response(error, request_id, openai_shape=True)
+        call = await read_call(
+            request, engine, "embeddings", arrival, self._read_embeddings, openai_shape=True
+        )
+        if isinstance(call, web.Response):
+            return call
+        request_id, tenant, (model, texts, base64_wanted) = call
         outcomes = await asyncio.gather(
             *(
                 engine.infer(
@@ -88,12 +86,21 @@ class OpenAIApi:
         }
         return json_response(200, body, {"X-Request-Id": request_id})
 
+    async def _read_embeddings(
+        self, request: web.Request, limit: int
+    ) -> tuple[str, list[str], bool]:
+        """The model (one that returns vectors), the inputs and whether base64 is wanted."""
+        payload = await read_json(request, limit)
+        model, texts, base64_wanted = _embeddings_request(payload)
+        dim = self._engine.embedding_dim(model)
+        if payload.get("dimensions") not in (None, dim):
+            raise InvalidInput(f"model {model} returns {dim} dimensions, not others")
+        return model, texts, base64_wanted
+
 
 def _embeddings_request(payload: dict[str, Any]) -> tuple[str, list[str], bool]:
     """The model, the inputs and whether base64 is wanted, checked for shape."""
-    unknown = payload.keys() - _EMBEDDING_FIELDS
-    if unknown:
-        raise InvalidInput(f"unknown field(s): {', '.join(sorted(unknown))[:200]}")
+    refuse_unknown_fields(payload, _EMBEDDING_FIELDS)
     model = payload.get("model")
     if not isinstance(model, str):
         raise InvalidInput('the body needs a string field "model"')

@@ -18,7 +18,14 @@ from .admin_api import AdminApi
 from .dashboard import Dashboard
 from .engine import Engine
 from .errors import BatchserveError, MethodNotAllowed, NotFound
-from .http_io import answer_body, error_response, json_response, read_call, request_id_of
+from .http_io import (
+    answer_body,
+    error_response,
+    json_response,
+    read_call,
+    read_input,
+    request_id_of,
+)
 from .openai_api import OpenAIApi
 from .status_api import StatusApi
 
@@ -36,7 +43,7 @@ class InferenceApi:
     async def inference(self, request: web.Request) -> web.Response:
         engine = self._engine
         arrival = engine.clock.time()
-        call = await read_call(request, engine, "inference", arrival)
+        call = await read_call(request, engine, "inference", arrival, read_input)
         if isinstance(call, web.Response):
             return call
         try:

@@ -21,6 +21,7 @@ from .http_io import (
     error_response,
     json_response,
     read_call,
+    read_input,
     request_id_of,
 )
 from .item import Result, Ticket
@@ -37,7 +38,7 @@ class StatusApi:
     async def submit(self, request: web.Request) -> web.Response:
         engine = self._engine
         arrival = engine.clock.time()
-        call = await read_call(request, engine, "requests", arrival)
+        call = await read_call(request, engine, "requests", arrival, read_input)
         if isinstance(call, web.Response):
             return call
         request_id = call.request_id
