@@ -30,11 +30,9 @@ from dataclasses import asdict, dataclass
 from typing import Any, NamedTuple
 
 from .admission import Admission
-from .backends import device_factory
 from .batcher import Batcher, BatcherStats, length_bucket
 from .clock import Clock, LoopClock, Timer, wait_until
 from .config import Config
-from .devices import parse_devices
 from .errors import (
     BatchserveError,
     Conflict,
@@ -107,18 +105,7 @@ class Engine:
             if devices is not None:
                 spec = dataclasses.replace(spec, devices=devices)
             versions = [
-                build_version(
-                    config,
-                    spec,
-                    device_factory(
-                        config,
-                        spec,
-                        parse_devices(spec.devices),
-                        fn=fn,
-                        fn_per_device=fn_per_device,
-                    ),
-                    policy,
-                )
+                build_version(config, spec, fn=fn, fn_per_device=fn_per_device, policy=policy)
             ]
         else:
             versions = [build_version(config, spec) for spec in models]

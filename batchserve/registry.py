@@ -122,10 +122,13 @@ class ModelVersion:
 def build_version(
     config: Config,
     spec: ModelSpec,
-    factory: DeviceFactory | None = None,
+    *,
+    fn: BatchFn | None = None,
+    fn_per_device: DeviceFactory | None = None,
     policy: Policy | None = None,
 ) -> ModelVersion:
-    """A model version ready to load: its devices, estimate, watchdog budget and policy."""
+    """A model version ready to load: its devices, estimate, watchdog budget and policy.
+    `fn` / `fn_per_device` (Python objects) come before the spec's own."""
     try:
         names = parse_devices(spec.devices)
     except StartupError as exc:
@@ -136,7 +139,7 @@ def build_version(
     return ModelVersion(
         spec,
         names,
-        factory or device_factory(config, spec, names),
+        device_factory(config, spec, names, fn=fn, fn_per_device=fn_per_device),
         estimate,
         BatchBudget(fixed_s=config.batch_timeout_ms / 1e3 or None),
         policy or make_policy(config.policy, spec, config.max_linger_ms, estimate),

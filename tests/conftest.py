@@ -32,7 +32,7 @@ Factory = Callable[[str], BatchFn]
 def sim_version(factory: Factory | None = None, **settings: object) -> ModelVersion:
     """The default model version that `Config(**settings)` describes, not yet loaded."""
     config = Config(**settings)  # type: ignore[arg-type]
-    return build_version(config, default_spec(config), factory)
+    return build_version(config, default_spec(config), fn_per_device=factory)
 
 
 PLAIN_KEY = Key(sim_version())
