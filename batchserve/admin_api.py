@@ -12,6 +12,7 @@ logs every change. The key is compared in constant time and never logged or echo
 from __future__ import annotations
 
 import hmac
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
@@ -22,6 +23,8 @@ from .http_io import error_response, json_response, read_json, request_id_of
 from .specs import SpecError, spec_from_fields
 
 ROUTE = "/admin/models/{name}/versions/{version}"
+Change = Callable[[web.Request, str, str], Awaitable[dict[str, Any]]]
+"""One admin change: (request, model name, version) to the version's description."""
 
 
 class AdminApi:
@@ -38,7 +41,7 @@ class AdminApi:
     async def delete(self, request: web.Request) -> web.Response:
         return await self._answer(request, self._delete, 202)
 
-    async def _answer(self, request: web.Request, change: Any, status: int) -> web.Response:
+    async def _answer(self, request: web.Request, change: Change, status: int) -> web.Response:
         request_id = request_id_of(request)[0]
         try:
             self._authorize(request.headers.get("Authorization"))

@@ -236,7 +236,7 @@ class GpuPool:
         call = device.thread.submit(run, [r.input for r in batch])
         # A plain timer, not asyncio.wait: that would add a loop pass between the call's end
         # and this device's next batch, and under load each pass waits behind every handler.
-        budget_s = version.budget.seconds(version.estimate.predict(_padded(batch)))
+        budget_s = version.call_budget_s(_padded(batch))
         watchdog = self._clock.call_at(
             started + budget_s, self._hung, device, batch, batch_id, budget_s
         )
@@ -367,7 +367,7 @@ class GpuPool:
 
     def _probe_budget_s(self, device: Device) -> float:
         version = next(iter(device.fns))
-        return version.budget.seconds(version.estimate.predict(1))
+        return version.call_budget_s(1)
 
     async def _probe(self, device: Device) -> bool:
         """One input through the first version loaded on the device."""

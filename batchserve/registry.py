@@ -84,6 +84,10 @@ class ModelVersion:
         dim = getattr(fn, "embedding_dim", None)
         self.embedding_dim = dim if isinstance(dim, int) and not isinstance(dim, bool) else None
 
+    def call_budget_s(self, padded_tokens: int) -> float:
+        """How long a call over `padded_tokens` may run before its device counts as hung."""
+        return self.budget.seconds(self.estimate.predict(padded_tokens))
+
     def tokens(self, text: str) -> int:
         """An input's length: the model's tokens, else its characters."""
         return self.count_tokens(text) if self.count_tokens else len(text)
@@ -237,9 +241,10 @@ class Registry:
     def embedding_dim(self, model: str) -> int:
         """The vector length `model` returns; 400 if any of its versions returns no vectors."""
         dims = {v.embedding_dim for v in self._versions_of(model).values()}
-        if None in dims or len(dims) != 1:
+        dim = dims.pop()
+        if dim is None or dims:
             raise InvalidInput(f"model {model} does not return embedding vectors")
-        return int(dims.pop() or 0)
+        return dim
 
     def _versions_of(self, model: str | None) -> dict[str, ModelVersion]:
         if model is None:
