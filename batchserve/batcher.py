@@ -163,6 +163,7 @@ class Batcher:
         lane.queue.push(request)
         self._queued += 1
         self._arrival_rate.add(request.arrival, 1)
+        request.key.version.arrivals.add(request.arrival, 1)
         if self._pool.free_count:
             self._wakeup.set()
         self._changed()
@@ -287,7 +288,7 @@ class Batcher:
             call_s = version.estimate.seconds
             if not call_s:
                 return None
-            return self._pool.healthy_for(version) * version.spec.max_batch_size / call_s
+            return self._devices_left(version) * version.spec.max_batch_size / call_s
         rates = [
             max(measured)
             for device in self._pool.devices
@@ -295,6 +296,18 @@ class Batcher:
             and (measured := [rate for v in device.fns if (rate := _full_batch_rps(v))])
         ]
         return sum(rates) if rates else None
+
+    def _devices_left(self, version: ModelVersion) -> float:
+        """The healthy devices `version` can count on: what the versions sharing them took
+        of their time lately is not, though start-time fair queuing leaves it at least an
+        even split when all want more."""
+        devices = self._pool.healthy_for(version)
+        sharing = self._pool.sharing(version)
+        if len(sharing) < 2:
+            return devices
+        now = self._clock.time()
+        taken = sum(v.device_time.at(now) for v in sharing if v is not version)
+        return max(devices - taken, devices / len(sharing))
 
     def predicted_queue_wait_s(self, queued: int) -> float:
         """How long a request arriving now would wait for the `queued` ahead of it to drain."""
@@ -372,6 +385,7 @@ class Batcher:
                     oldest_arrival=head[0].arrival,
                     earliest_deadline=min(request.deadline for request in head),
                     service_s=lane.predicted_s(size),
+                    device_share=self._device_share(lane.key.version, now),
                 )
                 decision = lane.key.version.policy.decide(
                     now, view, free, self._pool.busy_since_of(lane.key)
@@ -394,6 +408,20 @@ class Batcher:
         self._virtual_time = start
         lane.tag = start + (lane.predicted_s(count) or 1.0)
         return lane, count, None
+
+    def _device_share(self, version: ModelVersion, now: float) -> float | None:
+        """The devices `version`'s partial batches may spread over where other versions
+        share them: its part of their arrivals. (Counting what the others leave idle as
+        well was measured worse: the small batches it allows take time the others then
+        lack, so their share falls and this one's grows.) None where it has its devices
+        to itself."""
+        sharing = self._pool.sharing(version)
+        if len(sharing) < 2:
+            return None
+        total = sum(v.arrivals.at(now) for v in sharing)
+        if total <= 0:
+            return None
+        return self._pool.healthy_for(version) * version.arrivals.at(now) / total
 
     def _take(self, lane: Lane, count: int, now: float) -> list[QueuedRequest]:
         """`count` requests in batch order; expired ones are answered 504 instead."""

@@ -80,14 +80,15 @@ class LengthCost(CallTime):
 
 
 class DecayedRate:
-    """Events per second, exponentially decayed: an O(1) estimate of a recent rate."""
+    """Events (or seconds of device time) per second, exponentially decayed: an O(1)
+    estimate of a recent rate."""
 
     def __init__(self, horizon_s: float = 2.0) -> None:
         self._horizon_s = horizon_s
         self._rate = 0.0
         self._updated = 0.0
 
-    def add(self, now: float, count: int) -> None:
+    def add(self, now: float, count: float) -> None:
         self._rate = self.at(now) + count / self._horizon_s
         self._updated = now
 

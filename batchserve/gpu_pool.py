@@ -109,6 +109,8 @@ class GpuPool:
         self._devices = [Device(name, DeviceThread(name)) for name in names]
         self._tasks = TaskSet(on_crash)
         self.healthy = 0
+        self._sharing: dict[ModelVersion, frozenset[ModelVersion]] = {}
+        """`sharing`'s answers, until a load or unload changes what the devices hold."""
         self.faults: Counter[str] = Counter()
         """Faults by kind, counted in the logs and on /metrics."""
 
@@ -127,6 +129,15 @@ class GpuPool:
 
     def healthy_for(self, version: ModelVersion) -> int:
         return sum(d.state in HEALTHY and version in d.fns for d in self._devices)
+
+    def sharing(self, version: ModelVersion) -> frozenset[ModelVersion]:
+        """The versions loaded on any device `version` is on, itself included."""
+        neighbours = self._sharing.get(version)
+        if neighbours is None:
+            neighbours = self._sharing[version] = frozenset(
+                v for d in self._devices if version in d.fns for v in d.fns
+            )
+        return neighbours
 
     def busy_since_of(self, key: Key) -> list[float]:
         """Start times of the batches of `key` running now: what its spacing counts from."""
@@ -199,6 +210,7 @@ class GpuPool:
             if not version.loaded_on:
                 version.learn(fn)
             device.fns[version] = fn
+            self._sharing.clear()
             version.loaded_on.append(device.name)
         return problems
 
@@ -208,6 +220,7 @@ class GpuPool:
         for device in self._devices:
             device.fns.pop(version, None)
         version.loaded_on.clear()
+        self._sharing.clear()
 
     def running(self, version: ModelVersion) -> bool:
         """Whether a batch of `version` is inside a device now."""
@@ -278,6 +291,7 @@ class GpuPool:
         device.batch = []
         device.busy_total_s += finished - started
         device.recent_calls.append((started, finished))
+        key.version.device_time.add(finished, finished - started)
         if isinstance(returned, Malformed):
             error = BackendError(str(returned))
             self._failed(

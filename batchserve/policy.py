@@ -31,6 +31,9 @@ class QueueView:
     service_s: float | None = None
     """The predicted time of a batch of these requests, where it depends on their lengths;
     None: the version's typical batch time."""
+    device_share: float | None = None
+    """The devices this queue's traffic is entitled to where other versions share them (in
+    proportion to its arrivals); None: all of them."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +77,10 @@ class AdaptivePolicy:
     request leaves as soon as it arrives; a lone device (S / 1 after its start it is free
     again) never holds. Holds never pass the oldest request's linger budget or leave less
     than one batch time before a queued request's deadline.
+
+    Where versions share devices, a queue spaces its partial batches over its share of them
+    only: a version with 5 % of the traffic on 4 devices sending a 3-request batch every
+    S / 4 would take all four from a busy neighbour whose full batches need them.
     """
 
     def __init__(
@@ -101,7 +108,10 @@ class AdaptivePolicy:
         service = self._call_time.seconds if queue.service_s is None else queue.service_s
         if service is None or not busy_since:
             return Decision(queue.size)
-        spacing = SPACING_SHARE * service / (free_devices + len(busy_since))
+        devices = float(free_devices + len(busy_since))
+        if queue.device_share is not None:
+            devices = min(devices, max(1.0, queue.device_share))
+        spacing = SPACING_SHARE * service / devices
         linger_s = self.max_linger_s
         if linger_s is None:
             linger_s = max(0.0, (self.slo_s or 0.0) - service)

@@ -22,7 +22,7 @@ from typing import Any
 import orjson
 
 from .backends import device_factory
-from .capacity import CallTime, LengthCost
+from .capacity import CallTime, DecayedRate, LengthCost
 from .config import Config
 from .devices import parse_devices
 from .errors import InvalidInput, ModelNotFound, NotReady, StartupError
@@ -59,6 +59,12 @@ class ModelVersion:
     """Set when its batch function says it returns vectors of this length."""
     loaded_on: list[str] = field(default_factory=list)
     """The devices its batch function loaded on."""
+    arrivals: DecayedRate = field(default_factory=DecayedRate)
+    """Its requests a second, recent: the batcher counts them, and versions that share
+    devices split the devices' time in proportion."""
+    device_time: DecayedRate = field(default_factory=DecayedRate)
+    """Seconds of device time its calls take a second, recent: what its neighbours on
+    shared devices cannot count on."""
     plain_key: Key = field(init=False)
     """The key of its requests without params (flat cost): built once, not per request."""
 

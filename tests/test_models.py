@@ -17,6 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from batchserve.clock import FakeClock
 from batchserve.config import Config
 from batchserve.engine import Engine
 from batchserve.errors import InvalidInput, ModelNotFound, StartupError
@@ -187,6 +188,41 @@ async def test_a_cold_model_does_not_wait_behind_a_hot_models_backlog(gated: Gat
     sizes = [len(inputs) for _, inputs in gated.calls]
     assert sizes == [1, 100, 1, 100, 50]  # the cold request went second, not last
     assert gated.calls[2][1] == ["late"]
+
+
+async def test_a_model_with_few_requests_spaces_its_batches_over_its_share_of_devices(
+    gated: GatedBackend,
+):
+    """Three shared devices, 100 ms calls. The cold model has 1 % of the arrivals: its
+    partial batches are spaced as if it had one device (90 ms from its last start), not
+    three (30 ms), so its small batches do not take the devices the hot model's need."""
+    clock = FakeClock()
+    models = [
+        ModelSpec(name=name, version="1", fn_per_device=gated, devices="sim:3",
+                  max_linger_ms=1000)
+        for name in ("hot", "cold")
+    ]  # fmt: skip
+    async with Engine(Config(), models=models, clock=clock) as engine:
+        measure = [engine.submit("h", model="hot"), engine.submit("c", model="cold")]
+        await reach(engine, lambda s: s.in_flight == 2)
+        clock.advance(0.100)
+        gated.gate.set()
+        await asyncio.gather(*measure)
+        gated.gate.clear()
+        hot = [engine.submit(f"h{n}", model="hot") for n in range(100)]  # a full batch
+        first = engine.submit("c1", model="cold")
+        await reach(engine, lambda s: s.in_flight == 101 and s.free_devices == 1)
+        held = engine.submit("c2", model="cold")
+        await reach(engine, lambda s: s.queued == 1)
+        clock.advance(0.089)  # one device free: alone, cold would have sent at 30 ms
+        await asyncio.sleep(0)
+        assert engine.stats().queued == 1
+        clock.advance(0.002)
+        await reach(engine, lambda s: s.queued == 0 and s.in_flight == 102)
+        gated.gate.set()
+        await asyncio.gather(first, held, *hot)
+    cold_calls = sorted(inputs for _, inputs in gated.calls if inputs[0][0] == "c")
+    assert cold_calls == [["c"], ["c1"], ["c2"]]
 
 
 async def test_get_api_models_lists_models_versions_devices_weights_and_state(

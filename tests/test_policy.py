@@ -61,6 +61,21 @@ def test_spacing_counts_only_the_devices_that_run():
     assert math.isclose(decision.wake_at, 0.96 + SPACING_SHARE * SERVICE / 2)
 
 
+def test_a_queue_spaces_its_batches_over_its_share_of_shared_devices():
+    # Four devices, one busy with this queue's batch since 0.97. Alone it would send now
+    # (25 ms spacing); with a 5 % share (0.2 of the devices, counted as one) it waits for
+    # the spacing of one device, and with 2 of the 4 for the spacing of two.
+    busy = [0.97]
+    assert adaptive().decide(1.0, queue(3, 1.0), 3, busy) == Decision(3)
+    for share, devices in ((0.2, 1), (2.0, 2)):
+        view = QueueView(size=3, oldest_arrival=1.0, device_share=share)
+        decision = adaptive(max_linger_s=1.0).decide(1.0, view, 3, busy)
+        assert decision == Decision(0, 0.97 + SPACING_SHARE * SERVICE / devices)
+    # A share above the devices there are changes nothing.
+    view = QueueView(size=3, oldest_arrival=1.0, device_share=9.0)
+    assert adaptive().decide(1.0, view, 3, busy) == Decision(3)
+
+
 def test_a_lone_device_never_holds():
     assert adaptive().decide(1.0, queue(1, 1.0), 1, []) == Decision(1)
 
