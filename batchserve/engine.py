@@ -132,7 +132,13 @@ class Engine:
             on_crash=self._crashed,
         )
         self.metrics = (
-            Metrics(self._batcher, self._pool, clock=self.clock, slo_s=config.slo_ms / 1e3)
+            Metrics(
+                self._batcher,
+                self._pool,
+                self._registry,
+                clock=self.clock,
+                slo_s=config.slo_ms / 1e3,
+            )
             if config.metrics
             else None
         )

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -27,6 +27,7 @@ from .batcher import Batcher
 from .clock import Clock
 from .gpu_pool import HEALTHY, DeviceState, GpuPool
 from .item import Result
+from .registry import Registry
 
 LATENCY_BUCKETS = (
     0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.125, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.75,
@@ -43,7 +44,9 @@ WINDOW_S = 2.0
 
 
 class Metrics:
-    def __init__(self, batcher: Batcher, pool: GpuPool, *, clock: Clock, slo_s: float) -> None:
+    def __init__(
+        self, batcher: Batcher, pool: GpuPool, registry: Registry, *, clock: Clock, slo_s: float
+    ) -> None:
         self._clock = clock
         self.registry = CollectorRegistry()
         self._requests = Counter(
@@ -82,7 +85,7 @@ class Metrics:
         """Per route, tier, model and version, its counter and latency children: bound once,
         since labels() costs more than the increment. Every key is the server's own (routes,
         tiers, registered models), so this stays small."""
-        self._state = _StateCollector(batcher, pool, clock, slo_s)
+        self._state = _StateCollector(batcher, pool, registry, clock, slo_s)
         self.registry.register(self._state)
         self.recent = RecentWindow()
 
@@ -106,33 +109,56 @@ class Metrics:
             self._rejections.labels(code).inc()
 
     def snapshot(self) -> dict[str, Any]:
-        """The dashboard's numbers: the last WINDOW_S of answers and the state right now.
-        `time` is wall-clock, for the page's time axis."""
+        """The dashboard's numbers: the last WINDOW_S of answers and the state right now,
+        for all and for each model version. `time` is wall-clock, for the time axis."""
         now = self._clock.time()
-        return {"time": time.time(), **self.recent.summary(now), **self._state.summary(now)}
+        recent = self.recent.summary(now)
+        answered = recent.pop("by_model")
+        state = self._state.summary(now)
+        for row in state["models"]:
+            row.update(answered.get(row["label"], _window_numbers(())))
+        return {"time": time.time(), **recent, **state}
+
+
+Answer = tuple[float, float, float, float, int, str, str]
+"""(time, latency, queue wait, compute, batch size, model, version) of one 200."""
 
 
 class RecentWindow:
     """The answers of the last WINDOW_S, for live percentiles (Prometheus keeps buckets)."""
 
     def __init__(self) -> None:
-        self._answers: deque[tuple[float, float, float, float, int]] = deque()
+        self._answers: deque[Answer] = deque()
 
     def add(self, now: float, latency_s: float, result: Result) -> None:
-        self._answers.append((now, latency_s, result.queue_s, result.compute_s, result.batch_size))
+        self._answers.append(
+            (now, latency_s, result.queue_s, result.compute_s, result.batch_size,
+             result.model, result.version)
+        )  # fmt: skip
 
-    def summary(self, now: float) -> dict[str, float | None]:
+    def summary(self, now: float) -> dict[str, Any]:
+        """The window's numbers for all answers, and under "by_model" for each version's."""
         while self._answers and self._answers[0][0] < now - WINDOW_S:
             self._answers.popleft()
-        columns = list(zip(*self._answers, strict=True)) or [()] * 5
+        by_model: dict[str, list[Answer]] = {}
+        for answer in self._answers:
+            by_model.setdefault(f"{answer[5]}@{answer[6]}", []).append(answer)
         return {
-            "throughput_rps": len(self._answers) / WINDOW_S,
-            "p50_ms": _percentile_ms(columns[1], 0.50),
-            "p99_ms": _percentile_ms(columns[1], 0.99),
-            "queue_p50_ms": _percentile_ms(columns[2], 0.50),
-            "compute_p50_ms": _percentile_ms(columns[3], 0.50),
-            "mean_batch": sum(columns[4]) / len(columns[4]) if columns[4] else None,
+            **_window_numbers(self._answers),
+            "by_model": {label: _window_numbers(rows) for label, rows in by_model.items()},
         }
+
+
+def _window_numbers(answers: Iterable[Answer]) -> dict[str, float | None]:
+    columns = list(zip(*answers, strict=True)) or [()] * 7
+    return {
+        "throughput_rps": len(columns[0]) / WINDOW_S,
+        "p50_ms": _percentile_ms(columns[1], 0.50),
+        "p99_ms": _percentile_ms(columns[1], 0.99),
+        "queue_p50_ms": _percentile_ms(columns[2], 0.50),
+        "compute_p50_ms": _percentile_ms(columns[3], 0.50),
+        "mean_batch": sum(columns[4]) / len(columns[4]) if columns[4] else None,
+    }
 
 
 def _percentile_ms(values: tuple[float, ...] | tuple[()], q: float) -> float | None:
@@ -145,8 +171,11 @@ def _percentile_ms(values: tuple[float, ...] | tuple[()], q: float) -> float | N
 class _StateCollector(Collector):
     """Reads the batcher and the pool at scrape time."""
 
-    def __init__(self, batcher: Batcher, pool: GpuPool, clock: Clock, slo_s: float) -> None:
+    def __init__(
+        self, batcher: Batcher, pool: GpuPool, registry: Registry, clock: Clock, slo_s: float
+    ) -> None:
         self._batcher = batcher
+        self._registry = registry
         self._pool = pool
         self._clock = clock
         self._slo_s = slo_s
@@ -165,6 +194,20 @@ class _StateCollector(Collector):
             "slo_s": self._slo_s,
             "desired_replicas": desired_replicas(arrival, capacity),
             "batch_sizes": {str(size): n for size, n in sorted(self._batcher.batch_sizes.items())},
+            "models": [
+                {
+                    "label": version.spec.label,
+                    "model": version.name,
+                    "version": version.version,
+                    "state": version.state.value,
+                    "devices": version.loaded_on,
+                    "queued": self._batcher.queued_for(version),
+                    "arrival_rps": version.arrivals.at(now),
+                    "device_seconds_per_s": version.device_time.at(now),
+                    "batches": self._batcher.batch_fill[version, "batches"],
+                }
+                for version in self._registry
+            ],
             "devices": [
                 {
                     "name": device.name,

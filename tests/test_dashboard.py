@@ -65,6 +65,7 @@ async def test_the_page_loads_and_its_charts_follow_the_load(start_server, tmp_p
     assert int(attributes["points"]) >= 3
     assert float(attributes["throughput"]) > 0
     assert dom.count("<canvas") >= 4  # the four uPlot charts drew
+    assert 'data-model="default@1"' in dom  # the per-model table has its row
     assert "<td>sim:0</td>" in dom
     assert "<td>sim:1</td>" in dom
     assert screenshot.read_bytes().startswith(b"\x89PNG")

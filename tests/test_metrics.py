@@ -101,6 +101,10 @@ async def test_stats_give_the_dashboard_live_numbers(start_server, gated):
     assert stats["p50_ms"] == stats["p99_ms"] == pytest.approx(100.0)
     assert [device["name"] for device in stats["devices"]] == ["sim:0", "sim:1"]
     assert sum(int(n) * count for n, count in stats["batch_sizes"].items()) == 10
+    [model] = stats["models"]  # the one model the flags define, on the same window
+    assert (model["label"], model["state"], model["queued"]) == ("default@1", "ready", 0)
+    assert model["throughput_rps"] == stats["throughput_rps"]
+    assert model["p99_ms"] == stats["p99_ms"]
     clock.advance(2.001)  # the window has moved past every answer
     assert (await (await client.get("/api/stats")).json())["throughput_rps"] == 0
 

@@ -385,3 +385,14 @@ async def test_metrics_label_models_but_never_client_text(aiohttp_client, models
     assert 'batchserve_request_latency_seconds_count{model="b",version="1"} 2.0' in metrics
     assert "made-up-model" not in metrics
     assert "secret-param" not in metrics
+    stats = await (await client.get("/api/stats")).json()  # the dashboard's numbers
+    rows = {row["label"]: row for row in stats["models"]}
+    assert sorted(rows) == ["a@1", "a@2", "b@1"]
+    assert rows["b@1"]["throughput_rps"] == 2 / 2.0  # answers in the last two seconds
+    assert rows["b@1"]["batches"] >= 1
+    assert rows["b@1"]["arrival_rps"] > 0
+    assert rows["a@1"]["throughput_rps"] == 0
+    assert rows["a@1"]["p99_ms"] is None
+    assert rows["a@1"]["devices"] == ["sim:0", "sim:1", "sim:2"]
+    assert {row["state"] for row in rows.values()} == {"ready"}
+    assert "made-up-model" not in str(stats)
