@@ -366,9 +366,11 @@ class Batcher:
         """The lane to send from now and how many of its requests; else when to look again.
 
         Among the lanes whose policy would send now, the one with the smallest virtual start
-        tag: each batch advances its lane's tag by its predicted time, so lanes share the
-        devices' time evenly whatever their traffic, and a lane that wakes from idle starts
-        at the current virtual time rather than with credit saved up."""
+        tag: each batch advances its lane's tag by its predicted time over the weight of the
+        tenants waiting in it, so lanes share the devices' time in proportion to the tenants
+        they serve whatever their traffic (a tenant flooding a length bucket of its own gets
+        a tenant's share, not the bucket's), and a lane that wakes from idle starts at the
+        current virtual time rather than with credit saved up."""
         best: tuple[float, float, Lane, int] | None = None
         wake_at: float | None = None
         for lane in self._lanes.values():
@@ -406,7 +408,7 @@ class Batcher:
             return None, 0, wake_at
         start, _, lane, count = best
         self._virtual_time = start
-        lane.tag = start + (lane.predicted_s(count) or 1.0)
+        lane.tag = start + (lane.predicted_s(count) or 1.0) / lane.queue.weight
         return lane, count, None
 
     def _device_share(self, version: ModelVersion, now: float) -> float | None:

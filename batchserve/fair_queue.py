@@ -34,6 +34,9 @@ class FairQueue:
         self._rank_of: dict[str, int] = {}
         self._weight: dict[str, float] = {}
         self._credit: dict[str, float] = {}
+        self.weight = 0.0
+        """The weights of the tenants waiting here, summed: the queue's claim on device
+        time against other queues, so fairness between tenants counts device time."""
 
     def __len__(self) -> int:
         return len(self._by_arrival)
@@ -51,6 +54,7 @@ class FairQueue:
             waiting = self._tenants[request.tenant] = OrderedDict()
             self._rank_of[request.tenant] = request.tier_rank
             self._weight[request.tenant] = request.tenant_weight
+            self.weight += request.tenant_weight
             self._credit[request.tenant] = 0.0
             self._turns[request.tier_rank].append(request.tenant)
         waiting[request.request_id] = request
@@ -69,6 +73,7 @@ class FairQueue:
         self._rank_of.clear()
         self._weight.clear()
         self._credit.clear()
+        self.weight = 0.0
         for turns in self._turns:
             turns.clear()
 
@@ -127,6 +132,7 @@ class FairQueue:
             self._drop_tenant(request.tenant)
 
     def _drop_tenant(self, tenant: str) -> None:
+        self.weight -= self._weight[tenant]
         del self._tenants[tenant], self._rank_of[tenant], self._weight[tenant]
         del self._credit[tenant]
 

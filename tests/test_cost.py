@@ -9,10 +9,12 @@ import pytest
 
 from batchserve.capacity import CallTime, LengthCost
 from batchserve.cli import config_from_args
+from batchserve.clock import FakeClock
 from batchserve.config import Config
 from batchserve.engine import Engine
 from batchserve.policy import AdaptivePolicy, Decision, QueueView
 from batchserve.specs import ModelSpec
+from batchserve.tenants import Tenant
 
 from .conftest import GatedBackend
 
@@ -72,3 +74,25 @@ async def test_length_cost_batches_group_similar_lengths_and_cap_tokens(gated: G
         [f"long-input-{n:02d}" for n in range(4, 6)],
         [f"s{n}" for n in range(6)],
     ]
+
+
+async def test_a_tenant_alone_in_a_length_bucket_gets_a_tenants_share_not_the_buckets(
+    gated: GatedBackend,
+):
+    """Tenant a floods long inputs into a bucket of its own; b and c share the short one.
+    Lanes share device time by the tenants waiting in them, so a's lane gets a third of
+    the calls (each predicts the same time here: the virtual clock stands still), not half."""
+    model = ModelSpec(
+        name="m", version="1", fn_per_device=gated, devices="sim:1", cost="length",
+        max_batch_size=10,
+    )  # fmt: skip
+    a, b, c = (Tenant(name, "paid") for name in "abc")
+    async with Engine(Config(), models=[model], clock=FakeClock()) as engine:
+        first = engine.submit("first")
+        await gated.entered("sim:0")
+        flood = [engine.submit(f"L{n:020d}", tenant=a) for n in range(40)]
+        short = [engine.submit(f"{t.name}{n}", tenant=t) for n in range(20) for t in (b, c)]
+        gated.gate.set()
+        await asyncio.gather(first, *flood, *short)
+    kinds = ["L" if inputs[0][0] == "L" else "S" for _, inputs in gated.calls[1:]]
+    assert kinds == ["L", "S", "S", "L", "S", "S", "L", "L"]
