@@ -14,7 +14,9 @@ or a policy's own wake-up time comes.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
+import logging
 import math
 from collections import Counter, deque
 from collections.abc import Callable
@@ -22,14 +24,17 @@ from dataclasses import dataclass
 
 from .capacity import DecayedRate
 from .clock import Clock
-from .errors import BackendError, BatchserveError, NotReady, Overloaded
+from .errors import BatchserveError, NotReady, Overloaded
 from .fair_queue import TIER_RANKS, FairQueue, predicted_wait_s
-from .faults import BatchFailure, RetryBudget, plan_recovery
+from .faults import BatchFailure, FailureKind, RetryBudget, plan_recovery
 from .gpu_pool import HEALTHY, GpuPool
 from .item import Key, QueuedRequest
+from .poison import PoisonMemory
 from .policy import QueueView
 from .registry import ModelVersion
 from .tasks import CrashHandler, TaskSet
+
+log = logging.getLogger(__name__)
 
 ADMISSION_UTILIZATION = 0.9
 """The share of the measured capacity that shedding counts on: headroom for the policy's
@@ -57,8 +62,8 @@ class Lane:
         self.tag = tag
         """Virtual time at which its next batch starts; smaller goes first."""
         spec = key.version.spec
-        self.max_batch = spec.max_batch_size
-        if spec.max_batch_tokens is not None:
+        self.max_batch = 1 if key.alone else spec.max_batch_size
+        if spec.max_batch_tokens is not None and not key.alone:
             longest = (1 << key.bucket) - 1  # the bucket's longest input
             self.max_batch = max(1, min(self.max_batch, spec.max_batch_tokens // longest))
 
@@ -89,6 +94,7 @@ class Batcher:
         bisect_failures: bool,
         retry_budget: RetryBudget,
         shed: bool,
+        poison_memory: int,
         on_crash: CrashHandler,
     ):
         self._pool = pool
@@ -100,7 +106,11 @@ class Batcher:
         self._queued = 0
         self._virtual_time = 0.0
         self._shed = shed
+        self._poison = PoisonMemory(poison_memory)
         self._retries: deque[tuple[Key, list[QueuedRequest]]] = deque()
+        """Groups of failed batches the retry budget paid for: they go before anything new."""
+        self._rescues: deque[tuple[Key, list[QueuedRequest]]] = deque()
+        """Groups it could not pay for: they go to a device with no full batch to take."""
         self.recoveries: Counter[str] = Counter()
         """Requests sent round again by kind of failure, and those answered 500."""
         self._wakeup = asyncio.Event()
@@ -139,7 +149,7 @@ class Batcher:
         waiting = sum(
             len(lane.queue) for key, lane in self._lanes.items() if key.version is version
         )
-        return waiting + sum(len(g) for key, g in self._retries if key.version is version)
+        return waiting + sum(len(g) for key, g in self._groups() if key.version is version)
 
     async def __aenter__(self) -> Batcher:
         self._tasks.start(self._run(), name="batchserve-batcher")
@@ -154,6 +164,10 @@ class Batcher:
                 f"the queue holds its limit of {self._max_queue} requests",
                 retry_after_s=self._drain_time_s(),
             )
+        if self._poison.knows(request.key, request.input, request.arrival):
+            request.key = dataclasses.replace(request.key, alone=True)
+            self.recoveries["poison_repeats"] += 1
+            log.info("request %s repeats a known poison input: it runs alone", request.request_id)
         lane = self._lanes.get(request.key)
         if lane is None:
             lane = self._lanes[request.key] = Lane(request.key, self._virtual_time)
@@ -181,16 +195,26 @@ class Batcher:
     def fail_queued(self, error: BatchserveError, version: ModelVersion | None = None) -> None:
         """Answers every waiting request (of `version`, if given) with `error`."""
         lanes = [lane for lane in self._lanes.values() if version in (None, lane.key.version)]
-        retries = [r for r in self._retries if version in (None, r[0].version)]
-        for request in itertools.chain(*(lane.queue for lane in lanes), *(g for _, g in retries)):
+        groups = [g for _, g in self._groups(version)]
+        for request in itertools.chain(*(lane.queue for lane in lanes), *groups):
             if not request.future.done():
                 request.future.set_exception(error)
         for lane in lanes:
             self._queued -= len(lane.queue)
             del self._lanes[lane.key]
-        for retry in retries:
-            self._retries.remove(retry)
+        for queue in (self._retries, self._rescues):
+            kept = [(key, g) for key, g in queue if version not in (None, key.version)]
+            queue.clear()
+            queue.extend(kept)
         self._changed()
+
+    def _groups(self, version: ModelVersion | None = None) -> list[tuple[Key, list[QueuedRequest]]]:
+        """The groups waiting to run again (of `version`, if given): paid, then spare."""
+        return [
+            (key, group)
+            for key, group in itertools.chain(self._retries, self._rescues)
+            if version in (None, key.version)
+        ]
 
     def batch_done(self, finished: float, answered: int) -> None:
         self._completed += answered
@@ -199,33 +223,53 @@ class Batcher:
         self._changed()
 
     def batch_failed(self, batch: list[QueuedRequest], key: Key, failure: BatchFailure) -> None:
+        """Plans the rescue of a failed batch: split over the free devices, paid for by the
+        retry budget, or left for spare device time."""
         recovery = plan_recovery(
-            batch, failure.kind, bisect=self._bisect, budget=self._retry_budget
+            batch,
+            failure.kind,
+            bisect=self._bisect,
+            budget=self._retry_budget,
+            parts=self._pool.free_for(key.version),
+            unproven=len(set(batch[0].failed_on)) < 2
+            and self._pool.healthy_avoiding(key.version, batch[0].failed_on) > 0,
         )
-        for group in recovery.retry:
-            for request in group:
-                request.running = False
+        for request in batch:
+            request.rescue_round += 1
+            request.running = False
         self._retries.extendleft((key, group) for group in reversed(recovery.retry))
-        self.recoveries[f"retried_{failure.kind.value}"] += sum(map(len, recovery.retry))
-        error = failure.error
-        if recovery.unpaid:
-            self.recoveries["not_retried_over_budget"] += len(recovery.fail)
-            error = BackendError(
-                f"{error}; not retried, so innocent inputs may share this answer:"
-                " too many batches are failing (see --retry-budget)"
-            )
+        self._rescues.extend((key, group) for group in recovery.spare)
+        again = sum(map(len, recovery.retry)) + sum(map(len, recovery.spare))
+        self.recoveries[f"retried_{failure.kind.value}"] += again
+        self.recoveries["waiting_for_spare_time"] += sum(map(len, recovery.spare))
         for request in recovery.fail:
+            if failure.kind is FailureKind.RAISED and len(batch) == 1:
+                self._found_poison(request)
             if not request.future.done():
-                request.future.set_exception(error)
+                request.future.set_exception(failure.error)
                 self.recoveries["failed"] += 1
         self._wakeup.set()
         self._changed()
+
+    def _found_poison(self, request: QueuedRequest) -> None:
+        """Clears the devices its failures counted against, and remembers it."""
+        self._pool.poison_found(request)
+        self.recoveries["poison_isolated"] += 1
+        self.recoveries["isolation_rounds"] += request.rescue_round
+        self._poison.remember(request.key, request.input, self._clock.time())
+        if not request.key.alone:
+            log.warning(
+                "request %s of %s is a poison input; a repeat of it will run alone (%d remembered)",
+                request.request_id,
+                request.key.version.spec.label,
+                len(self._poison),
+            )
 
     def health_changed(self) -> None:
         """Fails what no healthy device is left to run."""
         if not self._pool.healthy:
             self.fail_queued(NotReady("no healthy device is left to run this request"))
-        waiting = itertools.chain(self._lanes, (key for key, _ in self._retries))
+        waiting = itertools.chain(self._lanes, (key for key, _ in self._groups()))
         for version in {key.version for key in waiting}:
             if not self._pool.healthy_for(version):
                 self.fail_queued(
@@ -317,8 +361,8 @@ class Batcher:
         return queued / capacity if capacity else math.inf
 
     def _retrying(self) -> int:
-        """Requests in the retry lane, which batches take before the queue."""
-        return sum(len(group) for _, group in self._retries)
+        """Requests waiting to run again: the paid ones go before the queue."""
+        return sum(len(group) for _, group in self._groups())
 
     def _drain_time_s(self) -> float:
         rate = self._drain_rate.at(self._clock.time())
@@ -329,7 +373,13 @@ class Batcher:
         while True:
             self._wakeup.clear()
             now = clock.time()
-            if self._retries and self._send_retry(now):
+            if self._retries and self._send_group(self._retries, now):
+                continue
+            if (
+                self._rescues
+                and not self._full_batch_waiting()
+                and self._send_group(self._rescues, now)
+            ):
                 continue
             lane, count, wake_at = self._choose(now)
             if lane is not None:
@@ -344,14 +394,26 @@ class Batcher:
             if alarm is not None:
                 alarm.cancel()
 
-    def _send_retry(self, now: float) -> bool:
-        """Sends the first retry group that a free device can run; False if none can."""
-        for index, (key, group) in enumerate(self._retries):
-            if self._pool.free_for(key.version):
-                del self._retries[index]
+    def _send_group(self, groups: deque[tuple[Key, list[QueuedRequest]]], now: float) -> bool:
+        """Sends the first of `groups` that a free device can run; False if none can."""
+        for index, (key, group) in enumerate(groups):
+            if group[0].device_retried:  # a lone input, proving it fails on another device
+                free = self._pool.free_avoiding(key.version, group[0].failed_on)
+            else:
+                free = self._pool.free_for(key.version)
+            if free:
+                del groups[index]
+                self.recoveries["rescue_calls"] += 1
                 self._send(key, [request for request in group if _waiting(request, now)])
                 return True
         return False
+
+    def _full_batch_waiting(self) -> bool:
+        """Whether fresh work fills a batch that a free device could take now."""
+        return any(
+            len(lane.queue) >= lane.max_batch and self._pool.free_for(lane.key.version)
+            for lane in self._lanes.values()
+        )
 
     def _send(self, key: Key, batch: list[QueuedRequest]) -> None:
         if batch:

@@ -143,16 +143,24 @@ _FLAGS: list[tuple[str, Callable[[str], object], str]] = [
     (
         "retry-budget",
         float,
-        "retry calls (halves of a failing batch, malformed results) earn this share of a"
-        " call per first-try batch sent while no full batch is left waiting; a failing batch"
-        " the budget cannot pay for fails whole, so a flood of poison inputs cannot starve"
-        " everyone else. Hung batches are always retried",
+        "retry calls (parts of a failing batch, malformed results) earn this share of a"
+        " call per first-try batch sent while no full batch is left waiting; the rescue of a"
+        " failing batch the budget cannot pay for waits for a device with no full batch to"
+        " take, so a flood of poison inputs cannot starve everyone else, and devices never"
+        " idle while a rescue waits. Hung batches are always retried",
     ),
     (
         "retry-reserve",
         float,
         "most retry calls the budget holds at once; isolating one poison input in a full"
         " batch of 100 takes about 14",
+    ),
+    (
+        "poison-memory",
+        int,
+        "how many inputs found poison to remember (digests of model version, params and"
+        " text, each for an hour): a repeat runs alone in a batch of one, so it fails only"
+        " itself; 0 turns it off",
     ),
     ("sim-latency-ms", float, "duration of one simulated batch call, whatever its size"),
     (

@@ -41,6 +41,7 @@ class Config:
     bisect_failures: bool = True
     retry_budget: float = 0.25
     retry_reserve: float = 30.0
+    poison_memory: int = 10_000
     sim_latency_ms: float = 100.0
     sim_cost: tuple[float, float] | None = None
     """(a, b): a simulated call takes a ms + b ms per padded token, instead of the latency."""
@@ -72,6 +73,7 @@ class Config:
             (self.batch_timeout_ms >= 0, "batch_timeout_ms must be 0 (derived) or more"),
             (self.retry_budget >= 0, "retry_budget must be 0 or more"),
             (self.retry_reserve >= 0, "retry_reserve must be 0 or more"),
+            (self.poison_memory >= 0, "poison_memory must be 0 or more"),
             (self.sim_latency_ms >= 0, "sim_latency_ms must be 0 or more"),
             (
                 self.sim_cost is None or min(self.sim_cost) >= 0,

@@ -129,6 +129,7 @@ class Engine:
                 ratio=config.retry_budget, reserve=config.retry_reserve, tokens=config.retry_reserve
             ),
             shed=config.keys_file is not None,
+            poison_memory=config.poison_memory,
             on_crash=self._crashed,
         )
         self.metrics = (

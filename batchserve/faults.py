@@ -7,7 +7,7 @@ bound how often. The pool and the batcher apply them; nothing here reads a clock
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .errors import BackendError
 from .item import QueuedRequest
@@ -20,6 +20,9 @@ class FailureKind(enum.Enum):
     """It answered with something other than one str per input: retry once, whole."""
     HUNG = "hung"
     """It ran past its budget: the requests go to another device, once."""
+    DEVICE_FAILING = "device_failing"
+    """Its device kept failing calls on different inputs and is restarting: the requests go
+    to another device, once, as for a hang."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,24 +35,28 @@ class BatchFailure:
 
 @dataclass(frozen=True, slots=True)
 class Recovery:
-    """What becomes of a failed batch: groups to run again as they are, and those who fail."""
+    """What becomes of a failed batch: groups to run again as they are, and those who fail.
+
+    `retry` groups are paid for by the retry budget and run before anything new; `spare`
+    ones, which the budget could not pay for, run only on a device that has no full first-try
+    batch to take, so rescue never takes device time from fresh work but never leaves a
+    device idle either."""
 
     retry: list[list[QueuedRequest]]
     fail: list[QueuedRequest]
-    unpaid: bool = False
-    """True when the retry budget, not the rules, made `fail` fail."""
+    spare: list[list[QueuedRequest]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
 class RetryBudget:
-    """Caps the calls that retries add: `ratio` per first-try call, up to a `reserve`.
+    """Caps the calls that retries take from fresh work: `ratio` per first-try call, up to a
+    `reserve`.
 
     Without a cap, a flood of poison inputs is a denial of service: isolating each one costs
-    about 2 log2(batch size) calls, more than the devices have, and the retries, which run
-    first, starve everyone else. With it, a rare poison input is isolated at once (the default
-    reserve covers one in a full batch), and under a flood the batches it cannot pay for fail whole,
-    as they would on a server without isolation. Hung batches always get their retry: a hang
-    is the device's fault, not the requests'.
+    several calls, and retries that ran first would starve everyone else. With it, a rare
+    poison input is isolated at once (the default reserve covers one in a full batch), and
+    under a flood what it cannot pay for waits for spare device time. Hung batches always get
+    their retry: a hang is the device's fault, not the requests'.
     """
 
     ratio: float = 0.25
@@ -67,30 +74,59 @@ class RetryBudget:
 
 
 def plan_recovery(
-    batch: list[QueuedRequest], kind: FailureKind, *, bisect: bool, budget: RetryBudget
+    batch: list[QueuedRequest],
+    kind: FailureKind,
+    *,
+    bisect: bool,
+    budget: RetryBudget,
+    parts: int = 2,
+    unproven: bool = False,
 ) -> Recovery:
-    """Halving isolates each poison input in about log2(len(batch)) rounds; every other
-    request then succeeds. Malformed and hung batches are run again once, whole: neither says
-    which input is to blame, and a second failure is then the backend's, not bad luck's."""
+    """A raised batch is split into `parts` (at least 2: one per free device), so each poison
+    input stands alone after about log_parts(len(batch)) rounds and every other request then
+    succeeds. A lone input that raised is poison once it has failed on a second device too,
+    or where no other device can run it; until then (`unproven`) its device may be to blame
+    (a broken device fails every input), and it runs once more, on another device.
+    Malformed and hung batches (and those of a failing device) are run again once, whole:
+    neither says which input is to blame, and a second failure is then the backend's."""
     if kind is FailureKind.RAISED:
-        if not bisect or len(batch) == 1:
+        if len(batch) == 1:
+            [request] = batch
+            if unproven and not request.device_retried:
+                request.device_retried = True
+                return Recovery([batch], [])
             return Recovery([], list(batch))
-        if not budget.spend(2):
-            return Recovery([], list(batch), unpaid=True)
-        middle = len(batch) // 2
-        return Recovery([batch[:middle], batch[middle:]], [])
+        if not bisect:
+            return Recovery([], list(batch))
+        groups = split(batch, parts)
+        if budget.spend(len(groups)):
+            return Recovery(groups, [])
+        return Recovery([], [], spare=groups)
     if kind is FailureKind.MALFORMED:
         again = [r for r in batch if not r.malformed_retried]
-        if again and not budget.spend(1):
-            return Recovery([], list(batch), unpaid=True)
         for request in again:
             request.malformed_retried = True
-    else:
-        again = [r for r in batch if not r.hang_retried]
-        for request in again:
-            request.hang_retried = True
-    fail = [r for r in batch if r not in again]  # QueuedRequest compares by identity
-    return Recovery([again] if again else [], fail)
+        fail = [r for r in batch if r not in again]  # QueuedRequest compares by identity
+        if again and not budget.spend(1):
+            return Recovery([], fail, spare=[again])
+        return Recovery([again] if again else [], fail)
+    again = [r for r in batch if not r.hang_retried]
+    for request in again:
+        request.hang_retried = True
+    return Recovery([again] if again else [], [r for r in batch if r not in again])
+
+
+def split(batch: list[QueuedRequest], parts: int) -> list[list[QueuedRequest]]:
+    """`batch` in `parts` contiguous groups (at least 2, at most one per request) whose
+    sizes differ by at most one."""
+    parts = max(2, min(parts, len(batch)))
+    size, extra = divmod(len(batch), parts)
+    groups, start = [], 0
+    for index in range(parts):
+        end = start + size + (index >= parts - extra)
+        groups.append(batch[start:end])
+        start = end
+    return groups
 
 
 @dataclass(slots=True)

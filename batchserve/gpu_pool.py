@@ -56,12 +56,22 @@ class DeviceState(enum.Enum):
     """The hung call returned; probes run after a back-off until one answers in time."""
     DEAD = "dead"
     """Its batch function failed to load."""
+    FAILING = "failing"
+    """Its calls kept raising on different inputs: it is being restarted (its batch
+    functions loaded again on a fresh thread, then probed), backing off while that fails."""
 
 
 HEALTHY = frozenset({DeviceState.IDLE, DeviceState.BUSY})
 BUSY_WINDOW_S = 10.0
 LOGGED_IDS = 5
 """A failed batch's log line names this many request ids and counts the rest."""
+FAILING_BLAME = 2
+"""A device is failing once this many of its failed calls (since its last success) had
+every input succeed on another device: the device, not an input, was to blame. A poison
+input never succeeds anywhere, so poison alone never marks a device failing."""
+MAX_FAILURES_KEPT = 64
+FIRST_RESTART_DELAY_S = 1.0
+"""A device that fails to restart waits this long before the next try, then doubles."""
 
 
 @dataclass(eq=False)
@@ -79,6 +89,11 @@ class Device:
     """Time spent in finished batch calls, for the busy ratio."""
     recent_calls: deque[tuple[float, float]] = field(default_factory=deque)
     """(start, end) of the calls that ended in the last BUSY_WINDOW_S."""
+    failures: list[set[str]] = field(default_factory=list)
+    """Per failed call since its last success, the request ids not yet answered elsewhere
+    (at most MAX_FAILURES_KEPT calls)."""
+    blame: int = 0
+    """Its failed calls since its last success whose every input then succeeded elsewhere."""
 
     def busy_ratio(self, now: float) -> float:
         """Share of the last BUSY_WINDOW_S spent inside batch calls."""
@@ -129,6 +144,18 @@ class GpuPool:
 
     def healthy_for(self, version: ModelVersion) -> int:
         return sum(d.state in HEALTHY and version in d.fns for d in self._devices)
+
+    def free_avoiding(self, version: ModelVersion, avoid: tuple[str, ...]) -> int:
+        """Free devices that can run `version`, other than those named in `avoid`."""
+        return sum(
+            d.state is DeviceState.IDLE and version in d.fns and d.name not in avoid
+            for d in self._devices
+        )
+
+    def healthy_avoiding(self, version: ModelVersion, avoid: tuple[str, ...]) -> int:
+        return sum(
+            d.state in HEALTHY and version in d.fns and d.name not in avoid for d in self._devices
+        )
 
     def sharing(self, version: ModelVersion) -> frozenset[ModelVersion]:
         """The versions loaded on any device `version` is on, itself included."""
@@ -237,6 +264,17 @@ class GpuPool:
         the caller has checked that one is free."""
         version = key.version
         device = next(d for d in self._devices if d.state is DeviceState.IDLE and version in d.fns)
+        if device.name in batch[0].failed_on:  # a rescue: another device, if one is free
+            device = next(
+                (
+                    d
+                    for d in self._devices
+                    if d.state is DeviceState.IDLE
+                    and version in d.fns
+                    and d.name not in batch[0].failed_on
+                ),
+                device,
+            )
         device.state = DeviceState.BUSY
         device.busy_since = started = self._clock.time()
         device.key = key
@@ -292,16 +330,13 @@ class GpuPool:
         device.busy_total_s += finished - started
         device.recent_calls.append((started, finished))
         key.version.device_time.add(finished, finished - started)
-        if isinstance(returned, Malformed):
-            error = BackendError(str(returned))
-            self._failed(
-                batch, key, BatchFailure(FailureKind.MALFORMED, error, device.name, batch_id)
-            )
-            return
         if isinstance(returned, Exception):
-            error = BackendError(f"the batch function raised {type(returned).__name__}: {returned}")
-            self._failed(batch, key, BatchFailure(FailureKind.RAISED, error, device.name, batch_id))
+            self._call_failed(device, batch, key, batch_id, returned)
             return
+        device.failures.clear()
+        device.blame = 0
+        if batch[0].failed_on:  # a rescue: where it failed before may have been to blame
+            self._exonerate(device, batch)
         outputs = returned
         version = key.version
         version.estimate.observe(finished - started, _padded(batch))
@@ -322,6 +357,109 @@ class GpuPool:
                         version.version,
                     )
                 )
+
+    def _call_failed(
+        self,
+        device: Device,
+        batch: list[QueuedRequest],
+        key: Key,
+        batch_id: int,
+        returned: Exception,
+    ) -> None:
+        """Counts the failure against the device, and hands the batch to the batcher: as
+        the device's fault if this failure marks it failing."""
+        if isinstance(returned, Malformed):
+            kind, error = FailureKind.MALFORMED, BackendError(str(returned))
+        else:
+            kind = FailureKind.RAISED
+            error = BackendError(f"the batch function raised {type(returned).__name__}: {returned}")
+        for request in batch:
+            request.failed_on += (device.name,)
+        device.failures.append({r.request_id for r in batch})
+        del device.failures[:-MAX_FAILURES_KEPT]
+        if device.blame < FAILING_BLAME:
+            self._failed(batch, key, BatchFailure(kind, error, device.name, batch_id))
+            return
+        self._mark_failing(device)
+        self._failed(
+            batch,
+            key,
+            BatchFailure(FailureKind.DEVICE_FAILING, error, device.name, batch_id),
+            then=f"; {device.name} is failing and restarts",
+        )
+        self._listener.health_changed()
+
+    def _exonerate(self, device: Device, batch: list[QueuedRequest]) -> None:
+        """A rescued batch succeeded on `device`: where its requests failed before, on other
+        devices, a failed call none of whose inputs is left unanswered was the device's
+        fault."""
+        answered = {r.request_id for r in batch}
+        names = {name for r in batch for name in r.failed_on} - {device.name}
+        for other in self._devices:
+            if other.name not in names:
+                continue
+            for failed in other.failures:
+                failed -= answered
+            other.blame += sum(not failed for failed in other.failures)
+            other.failures = [failed for failed in other.failures if failed]
+            if other.blame >= FAILING_BLAME and other.state is DeviceState.IDLE:
+                self._mark_failing(other)
+                self._listener.health_changed()
+
+    def _mark_failing(self, device: Device) -> None:
+        """Takes the device out of service and starts its restart."""
+        log.warning(
+            "%s failed %d calls whose inputs then succeeded elsewhere: it takes no work"
+            " and restarts",
+            device.name,
+            device.blame,
+        )
+        device.state = DeviceState.FAILING
+        device.failures.clear()
+        device.blame = 0
+        self.healthy -= 1
+        self.faults["device_failing"] += 1
+        self._tasks.start(self._restart(device), name=f"batchserve-restart-{device.name}")
+
+    def poison_found(self, request: QueuedRequest) -> None:
+        """A poison input explains the failed calls it was in: they no longer count against
+        their devices."""
+        for device in self._devices:
+            device.failures = [ids for ids in device.failures if request.request_id not in ids]
+
+    async def _restart(self, device: Device) -> None:
+        """Loads the device's versions again on a fresh thread and probes it; rejoins when
+        the probe answers, else backs off, doubling, and tries again."""
+        delay_s = FIRST_RESTART_DELAY_S
+        while True:
+            device.state = DeviceState.FAILING
+            log.warning("restarting %s: loading its models again on a fresh thread", device.name)
+            device.thread.stop()
+            device.thread = DeviceThread(device.name)
+            device.thread.start(asyncio.get_running_loop())
+            problem = await self._reload(device)
+            if problem is None and await self._probe(device):
+                break
+            if problem is not None:
+                log.warning("%s failed to restart: %s", device.name, problem)
+            self.faults["restart_failed"] += 1
+            log.warning("%s stays out; next restart in %.1f s", device.name, delay_s)
+            await sleep_until(self._clock, self._clock.time() + delay_s)
+            delay_s = min(2 * delay_s, MAX_PROBE_DELAY_S)
+        device.state = DeviceState.IDLE
+        self.healthy += 1
+        self.faults["device_restarted"] += 1
+        log.warning("%s restarted and answered its probe; it takes work again", device.name)
+        self._listener.health_changed()
+
+    async def _reload(self, device: Device) -> str | None:
+        """Calls each loaded version's factory again on the device's thread; what failed."""
+        for version in list(device.fns):
+            try:
+                device.fns[version] = await device.thread.submit(version.factory, device.name)
+            except Exception as exc:
+                return f"{version.spec.label}: {type(exc).__name__}: {exc}"
+        return None
 
     def _failed(
         self, batch: list[QueuedRequest], key: Key, failure: BatchFailure, then: str = ""

@@ -46,6 +46,8 @@ class Key:
     bucket: int = 0
     params: Mapping[str, Any] | None = field(default=None, compare=False, hash=False)
     """The params themselves, passed to the batch function as keyword arguments."""
+    alone: bool = False
+    """A remembered poison input: it runs in a batch of one, so it fails only itself."""
 
 
 @dataclass(slots=True, eq=False)
@@ -71,6 +73,12 @@ class QueuedRequest:
     """Batch order: see fair_queue.py. Without API keys, one tenant at the top rank."""
     malformed_retried: bool = False
     hang_retried: bool = False
+    device_retried: bool = False
+    """Ran alone once more, on another device, before it counted as poison."""
+    failed_on: tuple[str, ...] = ()
+    """The devices its failed calls ran on: a rescue of it prefers another."""
+    rescue_round: int = 0
+    """How many failed calls it has been in: isolation's rounds, for the chaos numbers."""
     running: bool = False
     """Set when a batch carrying it starts on a device (for the status API)."""
 

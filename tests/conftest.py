@@ -7,6 +7,7 @@ import contextlib
 import os
 import sys
 import threading
+from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,13 +47,17 @@ class GatedBackend:
     It also counts how many calls are inside each device at once, so a test can prove a
     device never ran two batches together. Faults on demand: an input carrying the poison
     marker makes its call raise, devices named in `stuck` hang until `unstick` is set, and
-    the first `malformed_calls` calls answer one output short.
+    the first `malformed_calls` calls answer one output short, and every call on a device
+    named in `broken` raises (a GPU that fell off the bus). `loads` counts the factory's
+    calls per device: a restart loads again.
     """
 
     gate: threading.Event = field(default_factory=threading.Event)
     stuck: set[str] = field(default_factory=set)
     unstick: threading.Event = field(default_factory=threading.Event)
     malformed_calls: int = 0
+    broken: set[str] = field(default_factory=set)
+    loads: Counter[str] = field(default_factory=Counter)
     calls: list[tuple[str, list[str]]] = field(default_factory=list)
     max_concurrent: dict[str, int] = field(default_factory=dict)
     _inside: dict[str, int] = field(default_factory=dict)
@@ -60,6 +65,8 @@ class GatedBackend:
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __call__(self, device: str) -> BatchFn:
+        self.loads[device] += 1
+
         def run(inputs: list[str]) -> list[str]:
             with self._lock:
                 self.calls.append((device, list(inputs)))
@@ -73,6 +80,8 @@ class GatedBackend:
                 self.gate.wait()
                 if device in self.stuck:
                     self.unstick.wait()
+                if device in self.broken:
+                    raise RuntimeError(f"{device} fell off the bus")
                 if any(POISON_MARKER in text for text in inputs):
                     raise ValueError("this batch holds a poison input")
                 outputs = [simulate(text) for text in inputs]

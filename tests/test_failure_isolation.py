@@ -10,12 +10,16 @@ from __future__ import annotations
 import asyncio
 import math
 
+import pytest
 from aiohttp.test_utils import TestClient
 
 from batchserve.backends import POISON_MARKER, simulate
 from batchserve.clock import FakeClock
+from batchserve.config import Config
 from batchserve.engine import Engine
+from batchserve.errors import BackendError
 from batchserve.faults import PROBE_INPUT
+from batchserve.item import Result
 
 from .conftest import GatedBackend, reach
 
@@ -92,20 +96,116 @@ async def test_without_bisection_one_poison_input_fails_its_whole_batch(start_se
     assert len(gated.calls) == 2
 
 
-async def test_a_flood_of_failures_spends_the_retry_budget_then_batches_fail_whole(
-    start_server, gated
-):
-    client, engine = await start_server(gated, retry_budget=0, retry_reserve=30)
-    texts = [f"in-{n}{POISON_MARKER}" for n in range(99)]
-    answers = await fill_one_batch(client, engine, gated, texts)
-    assert [status for status, _ in answers] == [500] * 99
-    assert len(gated.calls) <= 2 + 30  # the reserve pays for 15 splits of two calls
-    gated.gate.clear()
-    answers = await fill_one_batch(client, engine, gated, ["innocent", f"bad{POISON_MARKER}"])
-    for status, body in answers:
-        assert status == 500
-        assert "not retried, so innocent inputs may share this answer" in str(body["message"])
-    assert engine.recoveries["not_retried_over_budget"] >= 2
+async def test_idle_devices_rescue_every_innocent_request_of_a_burst_without_a_budget(gated):
+    """500 requests at once on two devices, 5 of them poison, and no retry budget at all:
+    once the fresh batches have gone the devices would idle, so they run every rescue."""
+    gated.gate.set()
+    config = Config(retry_budget=0, retry_reserve=0)
+    async with Engine(config, fn_per_device=gated, devices="sim:2", clock=FakeClock()) as engine:
+        texts = [f"in-{n}" + (POISON_MARKER if n % 100 == 7 else "") for n in range(500)]
+        results = await asyncio.gather(*map(engine.infer, texts), return_exceptions=True)
+        for text, result in zip(texts, results, strict=True):
+            if POISON_MARKER in text:
+                assert isinstance(result, BackendError)
+            else:
+                assert isinstance(result, Result)
+                assert result.output == simulate(text)
+        assert engine.recoveries["poison_isolated"] == 5
+        assert engine.recoveries["failed"] == 5
+
+
+async def test_a_rescue_the_budget_cannot_pay_for_waits_while_a_full_batch_waits(gated):
+    config = Config(retry_budget=0, retry_reserve=0, max_batch_size=4)
+    async with Engine(config, fn_per_device=gated, devices="sim:1", clock=FakeClock()) as engine:
+        first = engine.submit("first")
+        await gated.entered("sim:0")
+        failing = [engine.submit(t) for t in ["a0", f"a1{POISON_MARKER}", "a2", "a3"]]
+        fresh = [engine.submit(f"b{n}") for n in range(4)]
+        gated.gate.set()
+        await asyncio.gather(first, *fresh, *failing, return_exceptions=True)
+    calls = [inputs for _, inputs in gated.calls]
+    assert calls[1][0] == "a0"  # the failing batch
+    assert calls[2] == ["b0", "b1", "b2", "b3"]  # the full fresh batch before its rescue
+    assert [len(inputs) for inputs in calls[3:5]] == [2, 2]
+
+
+async def test_a_failed_batch_splits_into_one_part_per_free_device(gated):
+    gated.gate.set()
+    config = Config(max_batch_size=8)
+    async with Engine(config, fn_per_device=gated, devices="sim:4", clock=FakeClock()) as engine:
+        texts = [f"in-{n}" + (POISON_MARKER if n == 5 else "") for n in range(8)]
+        tickets = [engine.submit(text) for text in texts]  # queued before any batch forms
+        results = await asyncio.gather(*tickets, return_exceptions=True)
+        sizes = sorted((len(inputs) for _, inputs in gated.calls), reverse=True)
+        assert sizes == [8, 2, 2, 2, 2, 1, 1]  # 4 devices free: 4 parts, then the pair
+        assert engine.recoveries["isolation_rounds"] == 3  # the poison input was in 3 calls
+        assert [isinstance(r, BackendError) for r in results] == [n == 5 for n in range(8)]
+
+
+async def test_a_repeated_poison_input_runs_alone_and_fails_only_itself(gated, caplog):
+    poison = f"bad{POISON_MARKER}"
+    async with Engine(Config(), fn_per_device=gated, devices="sim:1", clock=FakeClock()) as e:
+        gated.gate.set()
+        with pytest.raises(BackendError):
+            await e.infer(poison)
+        assert "is a poison input; a repeat of it will run alone" in caplog.text
+        gated.gate.clear()
+        first = e.submit("hold")
+        await gated.entered("sim:0")
+        tickets = [e.submit("c0"), e.submit(poison), e.submit("c1")]
+        gated.gate.set()
+        results = await asyncio.gather(first, *tickets, return_exceptions=True)
+        assert isinstance(results[2], BackendError)
+        assert [r.output for r in results if isinstance(r, Result)] == ["dloh", "0c", "1c"]
+        assert e.recoveries["poison_repeats"] == 1
+        assert e.faults["batch_raised"] == 2  # the first time, and the repeat alone
+    assert [poison] in [inputs for _, inputs in gated.calls[2:]]
+    assert ["c0", "c1"] in [inputs for _, inputs in gated.calls]
+
+
+async def test_without_poison_memory_a_repeat_sinks_its_batch_again(gated):
+    poison = f"bad{POISON_MARKER}"
+    config = Config(poison_memory=0)
+    async with Engine(config, fn_per_device=gated, devices="sim:1", clock=FakeClock()) as e:
+        gated.gate.set()
+        with pytest.raises(BackendError):
+            await e.infer(poison)
+        gated.gate.clear()
+        first = e.submit("hold")
+        await gated.entered("sim:0")
+        tickets = [e.submit("c0"), e.submit(poison), e.submit("c1")]
+        gated.gate.set()
+        await asyncio.gather(first, *tickets, return_exceptions=True)
+        assert e.faults["batch_raised"] > 2
+    assert ["c0", poison, "c1"] in [inputs for _, inputs in gated.calls]
+
+
+async def test_a_device_whose_every_call_raises_restarts_and_backs_off_while_broken(gated):
+    """sim:1 fails every call on every input: it is marked failing after a few calls, its
+    requests run on sim:0, its factory is called again and its probe fails, so it stays
+    out; once it works again, the next restart brings it back."""
+    gated.gate.set()
+    gated.broken = {"sim:1"}
+    clock = FakeClock()
+    config = Config(max_batch_size=4)
+    async with Engine(config, fn_per_device=gated, devices="sim:2", clock=clock) as engine:
+        for wave in range(10):
+            texts = [f"w{wave}-{n}" for n in range(8)]
+            results = await asyncio.gather(*map(engine.infer, texts))
+            assert [r.output for r in results] == [simulate(t) for t in texts]
+        assert engine.device_states()["sim:1"] == "failing"
+        assert gated.loads["sim:1"] >= 2  # loaded again on a fresh thread
+        assert engine.faults["device_failing"] == 1
+        assert engine.faults["restart_failed"] >= 1
+        assert engine.recoveries["poison_isolated"] == 0  # no innocent input was blamed
+        # A batch, the part and the lone input of it that it failed again before the parts
+        # that ran on sim:0 had proved it to blame, then one probe after its restart.
+        assert len(gated.calls_on("sim:1")) == 3 + 1
+        gated.broken.clear()
+        clock.advance(1.0)  # the first back-off
+        await reach(engine, lambda s: s.healthy_devices == 2)
+        assert engine.device_states()["sim:1"] == "idle"
+        assert engine.faults["device_restarted"] == 1
 
 
 async def test_a_malformed_result_is_retried_once_and_nobody_takes_from_it(start_server, gated):

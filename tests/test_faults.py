@@ -85,21 +85,51 @@ def test_bisection_fails_exactly_the_poison_inputs_in_bounded_calls(size, poison
     assert calls <= 1 + 2 * rounds * max(1, len(poison))
 
 
-def test_the_retry_budget_pays_for_halves_until_spent_then_batches_fail_whole():
+def test_the_retry_budget_pays_for_parts_until_spent_then_they_wait_for_spare_time():
     budget = RetryBudget(ratio=0.5, reserve=3.0, tokens=3.0)
     assert plan_recovery(requests(4), FailureKind.RAISED, bisect=True, budget=budget).retry
     spent = plan_recovery(requests(4), FailureKind.RAISED, bisect=True, budget=budget)
-    assert (spent.retry, len(spent.fail), spent.unpaid) == ([], 4, True)
+    assert (spent.retry, spent.fail, [len(g) for g in spent.spare]) == ([], [], [2, 2])
     malformed = plan_recovery(requests(2), FailureKind.MALFORMED, bisect=True, budget=budget)
     assert malformed.retry
     assert budget.tokens == 0
     unpaid = plan_recovery(requests(2), FailureKind.MALFORMED, bisect=True, budget=budget)
-    assert (unpaid.retry, unpaid.unpaid) == ([], True)
+    assert (unpaid.retry, unpaid.fail, len(unpaid.spare)) == ([], [], 1)
     hung = requests(2)
     assert plan_recovery(hung, FailureKind.HUNG, bisect=True, budget=budget).retry == [hung]
+    failing = requests(2)
+    recovery = plan_recovery(failing, FailureKind.DEVICE_FAILING, bisect=True, budget=budget)
+    assert recovery.retry == [failing]  # the device's fault: whole, once, unpaid
     for _ in range(100):
         budget.on_first_try()
     assert budget.tokens == 3.0  # refills by `ratio` a first try, up to the reserve
+
+
+@pytest.mark.parametrize(
+    ("size", "parts", "sizes"),
+    [(99, 2, [49, 50]), (8, 4, [2, 2, 2, 2]), (10, 4, [2, 2, 3, 3]), (3, 8, [1, 1, 1]),
+     (5, 0, [2, 3])],
+)  # fmt: skip
+def test_a_raised_batch_splits_in_order_into_one_part_per_free_device(size, parts, sizes):
+    batch = requests(size)
+    recovery = plan_recovery(
+        batch, FailureKind.RAISED, bisect=True, budget=RetryBudget(), parts=parts
+    )
+    assert [len(group) for group in recovery.retry] == sizes
+    assert [r for group in recovery.retry for r in group] == batch
+    assert len(recovery.retry) <= RetryBudget().tokens  # paid one call a part
+
+
+def test_a_lone_input_failed_on_one_device_runs_once_more_before_it_counts_as_poison():
+    [request] = one = requests(1)
+    budget = RetryBudget()
+    first = plan_recovery(one, FailureKind.RAISED, bisect=True, budget=budget, unproven=True)
+    assert (first.retry, first.fail) == ([one], [])
+    assert request.device_retried
+    again = plan_recovery(one, FailureKind.RAISED, bisect=True, budget=budget, unproven=True)
+    assert (again.retry, again.fail) == ([], one)
+    proven = plan_recovery(requests(1), FailureKind.RAISED, bisect=True, budget=budget)
+    assert proven.retry == []
 
 
 def test_a_given_budget_is_used_as_it_is():

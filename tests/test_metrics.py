@@ -62,11 +62,13 @@ async def test_metrics_count_answers_by_status_and_time_them(start_server, gated
         assert samples[(f"batchserve_{name}_seconds_count", ())] == 20
     batches = engine.stats().batches
     assert samples[("batchserve_batch_size_count", ())] == batches
-    assert samples[("batchserve_batch_size_sum", ())] == 21  # 20 answered, 1 poison alone
+    # 20 answered; the poison input alone, then alone on the other device, which proves it
+    # poison and not its first device broken
+    assert samples[("batchserve_batch_size_sum", ())] == 22
     assert samples[("batchserve_device_healthy", labels(device="sim:0"))] == 1
     busy = samples[("batchserve_device_busy_seconds_total", labels(device="sim:0"))]
     assert busy == pytest.approx(0.25)  # its first call; any later ones took no virtual time
-    assert samples[("batchserve_faults_total", labels(kind="batch_raised"))] == 1
+    assert samples[("batchserve_faults_total", labels(kind="batch_raised"))] == 2
     assert samples[("batchserve_queue_depth", ())] == 0
     assert samples[("batchserve_capacity_rps", ())] > 0
     assert samples[("batchserve_desired_replicas", ())] >= 1
