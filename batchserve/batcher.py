@@ -234,6 +234,8 @@ class Batcher:
             unproven=len(set(batch[0].failed_on)) < 2
             and self._pool.healthy_avoiding(key.version, batch[0].failed_on) > 0,
         )
+        if not batch[0].rescue_round and len(batch) > 1:
+            self.recoveries["first_try_batches_failed"] += 1
         for request in batch:
             request.rescue_round += 1
             request.running = False

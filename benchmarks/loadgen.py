@@ -286,7 +286,7 @@ async def run(url: str, rate: float, seconds: float, warmup_s: float, seed: int,
               hang_at_s: float | None = None,
               keys: list[tuple[str, str, float]] | None = None,
               models: list[tuple[str, float]] | None = None,
-              length_mix: bool = False) -> Summary:  # fmt: skip
+              length_mix: bool = False, repeat_poison: int = 0) -> Summary:  # fmt: skip
     loop = asyncio.get_running_loop()
     rng = random.Random(seed)
     schedule: list[float] = []
@@ -294,6 +294,10 @@ async def run(url: str, rate: float, seconds: float, warmup_s: float, seed: int,
     while (clock := clock + rng.expovariate(rate)) < seconds:
         schedule.append(clock)
     poisoned = {index for index in range(len(schedule)) if rng.random() < poison_rate}
+    # One poison input sent again and again, evenly spread: a client's retry loop.
+    step = max(1, len(schedule) // repeat_poison) if repeat_poison else 0
+    repeated = set(range(0, len(schedule), step)[:repeat_poison]) if step else set()
+    poisoned |= repeated
     names = [name for name, _, _ in keys or []]
     key_names = rng.choices(names, [w for _, _, w in keys], k=len(schedule)) if keys else []
     hang_index = next(
@@ -301,7 +305,8 @@ async def run(url: str, rate: float, seconds: float, warmup_s: float, seed: int,
         None,
     )
     texts = [
-        f"req-{seed}-{index}-{'abcdefgh'[: index % 9]}"
+        ("the-same-bad-input" if index in repeated else f"req-{seed}-{index}-")
+        + ("" if index in repeated else "abcdefgh"[: index % 9])
         + (POISON_MARKER if index in poisoned else "")
         + (HANG_MARKER if index == hang_index else "")
         for index in range(len(schedule))
@@ -401,6 +406,12 @@ def main() -> None:
         "--hang-at-s", type=float, default=None, help="send the hang marker at this time"
     )
     parser.add_argument(
+        "--repeat-poison",
+        type=int,
+        default=0,
+        help="send one and the same poison input this many times, spread over the run",
+    )
+    parser.add_argument(
         "--models", default="", help="models to mix, name:weight,...; sent as the body's model"
     )
     parser.add_argument(
@@ -422,7 +433,7 @@ def main() -> None:
     summary = uvloop.run(
         run(args.url, args.rate, args.seconds, args.warmup_s, args.seed, args.connections,
             args.timeout_s, args.poison_rate, args.hang_at_s, keys or None, models or None,
-            args.length_mix)
+            args.length_mix, args.repeat_poison)
     )  # fmt: skip
     sys.stdout.write(orjson.dumps(asdict(summary)).decode() + "\n")
 

@@ -12,10 +12,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import statistics
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -91,7 +94,7 @@ def run_point(
              "--seconds", str(seconds), "--seed", str(seed), *load_args],
             cwd=ROOT, capture_output=True, text=True, timeout=seconds + 120, check=True,
         )  # fmt: skip
-        return dict(json.loads(load.stdout))
+        return {**json.loads(load.stdout), "server": server_counters()}
     finally:
         server.send_signal(signal.SIGTERM)
         try:
@@ -99,6 +102,19 @@ def run_point(
         except subprocess.TimeoutExpired:
             server.kill()
             server.wait()
+
+
+COUNTERS = re.compile(r'^batchserve_(recoveries|faults)_total\{kind="([a-z_]+)"\} (\S+)$', re.M)
+
+
+def server_counters() -> dict[str, float]:
+    """The server's fault and recovery counters, read from /metrics before it stops."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{PORT}/metrics", timeout=10) as answer:
+            text = answer.read().decode()
+    except urllib.error.URLError:  # --metrics off
+        return {}
+    return {f"{family}.{kind}": float(value) for family, kind, value in COUNTERS.findall(text)}
 
 
 def median(results: list[dict[str, float]], key: str) -> float:
