@@ -8,6 +8,7 @@ Time is passed in.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 from .config import Config
 from .errors import InputTooLarge, InvalidInput, RateLimited, Unauthenticated
@@ -34,17 +35,20 @@ class Admission:
             )
         return tenant
 
-    def take_token(self, tenant: Tenant | None, now: float) -> None:
-        """Spends one of the tenant's tokens, or refuses the request with when to retry."""
+    def take_token(
+        self, tenant: Tenant | None, now: float, capacity_rps: Callable[[], float | None]
+    ) -> None:
+        """Spends one of the tenant's tokens at its tier's rate for the live capacity, or
+        refuses the request with when to retry and the rate now."""
         if tenant is None or self._keys is None:
             return
-        wait_s, bucket = self._keys.take(tenant, now)
+        wait_s, bucket = self._keys.take(tenant, now, capacity_rps())
         if wait_s:
             raise RateLimited(
                 f"tenant {tenant.name} is over the {tenant.tier} tier's rate of"
-                f" {bucket.rate:g} requests a second",
+                f" {bucket.rate:.3g} requests a second",
                 retry_after_s=wait_s,
-                limit=bucket.burst,
+                limit=bucket.rate,
                 reset_s=bucket.seconds_to_full(),
             )
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from .capacity import DecayedRate
 from .clock import Clock
-from .errors import BatchserveError, NotReady, Overloaded
+from .errors import BackendError, BatchserveError, NotReady, Overloaded
 from .fair_queue import TIER_RANKS, FairQueue, predicted_wait_s
 from .faults import BatchFailure, FailureKind, RetryBudget, plan_recovery
 from .gpu_pool import HEALTHY, GpuPool
@@ -62,8 +62,8 @@ class Lane:
         self.tag = tag
         """Virtual time at which its next batch starts; smaller goes first."""
         spec = key.version.spec
-        self.max_batch = 1 if key.alone else spec.max_batch_size
-        if spec.max_batch_tokens is not None and not key.alone:
+        self.max_batch = spec.max_batch_size
+        if spec.max_batch_tokens is not None:
             longest = (1 << key.bucket) - 1  # the bucket's longest input
             self.max_batch = max(1, min(self.max_batch, spec.max_batch_tokens // longest))
 
@@ -164,10 +164,11 @@ class Batcher:
                 f"the queue holds its limit of {self._max_queue} requests",
                 retry_after_s=self._drain_time_s(),
             )
-        if self._poison.knows(request.key, request.input, request.arrival):
-            request.key = dataclasses.replace(request.key, alone=True)
+        poison = self._poison.recall(request.key, request.input, request.arrival)
+        if poison:
+            request.key = dataclasses.replace(request.key, poison=poison)
             self.recoveries["poison_repeats"] += 1
-            log.info("request %s repeats a known poison input: it runs alone", request.request_id)
+            log.info("request %s repeats a known poison input: it runs apart", request.request_id)
         lane = self._lanes.get(request.key)
         if lane is None:
             lane = self._lanes[request.key] = Lane(request.key, self._virtual_time)
@@ -233,6 +234,7 @@ class Batcher:
             parts=self._pool.free_for(key.version),
             unproven=len(set(batch[0].failed_on)) < 2
             and self._pool.healthy_avoiding(key.version, batch[0].failed_on) > 0,
+            known_poison=bool(key.poison),
         )
         if not batch[0].rescue_round and len(batch) > 1:
             self.recoveries["first_try_batches_failed"] += 1
@@ -240,32 +242,64 @@ class Batcher:
             request.rescue_round += 1
             request.running = False
         self._retries.extendleft((key, group) for group in reversed(recovery.retry))
-        self._rescues.extend((key, group) for group in recovery.spare)
-        again = sum(map(len, recovery.retry)) + sum(map(len, recovery.spare))
+        unpaid: list[QueuedRequest] = []
+        for group in recovery.spare:
+            if self._spare_time_in_time(key.version, group):
+                self._rescues.append((key, group))
+                self.recoveries["waiting_for_spare_time"] += len(group)
+            else:
+                unpaid += group
+        again = sum(map(len, recovery.retry)) + sum(map(len, recovery.spare)) - len(unpaid)
         self.recoveries[f"retried_{failure.kind.value}"] += again
-        self.recoveries["waiting_for_spare_time"] += sum(map(len, recovery.spare))
-        for request in recovery.fail:
-            if failure.kind is FailureKind.RAISED and len(batch) == 1:
+        if unpaid:
+            self.recoveries["not_retried_no_spare_time"] += len(unpaid)
+            error = BackendError(
+                f"{failure.error}; not retried, so innocent inputs may share this answer:"
+                " too many batches are failing for the spare device time (see --retry-budget)"
+            )
+            self._fail(unpaid, error)
+        if failure.kind is FailureKind.RAISED and recovery.fail and (len(batch) == 1 or key.poison):
+            for request in recovery.fail:
                 self._found_poison(request)
-            if not request.future.done():
-                request.future.set_exception(failure.error)
-                self.recoveries["failed"] += 1
+        self._fail(recovery.fail, failure.error)
         self._wakeup.set()
         self._changed()
 
+    def _spare_time_in_time(self, version: ModelVersion, group: list[QueuedRequest]) -> bool:
+        """Whether spare device time should reach `group` before its first deadline: the
+        devices' idle share (1 - arrivals / capacity) makes so many calls a second, and the
+        groups already waiting for it go first."""
+        capacity, call_s = self.capacity_rps(version), version.estimate.seconds
+        if not capacity or not call_s:
+            return True  # nothing measured yet: no grounds to give up
+        idle_share = 1.0 - self._arrival_rate.at(self._clock.time()) / capacity
+        spare_calls_s = self._pool.healthy_for(version) * max(0.0, idle_share) / call_s
+        if spare_calls_s <= 0:
+            return False
+        start_s = (len(self._rescues) + 1) / spare_calls_s
+        return self._clock.time() + start_s + call_s < min(r.deadline for r in group)
+
+    def _fail(self, requests: list[QueuedRequest], error: BatchserveError) -> None:
+        for request in requests:
+            if not request.future.done():
+                request.future.set_exception(error)
+                self.recoveries["failed"] += 1
+
     def _found_poison(self, request: QueuedRequest) -> None:
-        """Clears the devices its failures counted against, and remembers it."""
+        """Clears the devices its failures counted against, and remembers it (again: a
+        repeat renews its time to live)."""
         self._pool.poison_found(request)
+        self._poison.remember(request.key, request.input, self._clock.time())
+        if request.key.poison:
+            return
         self.recoveries["poison_isolated"] += 1
         self.recoveries["isolation_rounds"] += request.rescue_round
-        self._poison.remember(request.key, request.input, self._clock.time())
-        if not request.key.alone:
-            log.warning(
-                "request %s of %s is a poison input; a repeat of it will run alone (%d remembered)",
-                request.request_id,
-                request.key.version.spec.label,
-                len(self._poison),
-            )
+        log.warning(
+            "request %s of %s is a poison input; a repeat of it will run apart (%d remembered)",
+            request.request_id,
+            request.key.version.spec.label,
+            len(self._poison),
+        )
 
     def health_changed(self) -> None:
         """Fails what no healthy device is left to run."""
@@ -377,12 +411,6 @@ class Batcher:
             now = clock.time()
             if self._retries and self._send_group(self._retries, now):
                 continue
-            if (
-                self._rescues
-                and not self._full_batch_waiting()
-                and self._send_group(self._rescues, now)
-            ):
-                continue
             lane, count, wake_at = self._choose(now)
             if lane is not None:
                 self._send(lane.key, self._take(lane, count, now))
@@ -390,6 +418,9 @@ class Batcher:
                 # of a full batch or more is left waiting.
                 if len(lane.queue) < lane.max_batch:
                     self._retry_budget.on_first_try()
+                continue
+            # No fresh batch would leave now: a free device would idle, so it rescues.
+            if self._rescues and self._send_group(self._rescues, now):
                 continue
             alarm = None if wake_at is None else clock.call_at(wake_at, self._wakeup.set)
             await self._wakeup.wait()
@@ -405,17 +436,11 @@ class Batcher:
                 free = self._pool.free_for(key.version)
             if free:
                 del groups[index]
-                self.recoveries["rescue_calls"] += 1
-                self._send(key, [request for request in group if _waiting(request, now)])
+                batch = [request for request in group if _waiting(request, now)]
+                self.recoveries["rescue_calls"] += bool(batch)
+                self._send(key, batch)
                 return True
         return False
-
-    def _full_batch_waiting(self) -> bool:
-        """Whether fresh work fills a batch that a free device could take now."""
-        return any(
-            len(lane.queue) >= lane.max_batch and self._pool.free_for(lane.key.version)
-            for lane in self._lanes.values()
-        )
 
     def _send(self, key: Key, batch: list[QueuedRequest]) -> None:
         if batch:

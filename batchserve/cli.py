@@ -159,8 +159,8 @@ _FLAGS: list[tuple[str, Callable[[str], object], str]] = [
         "poison-memory",
         int,
         "how many inputs found poison to remember (digests of model version, params and"
-        " text, each for an hour): a repeat runs alone in a batch of one, so it fails only"
-        " itself; 0 turns it off",
+        " text, each for an hour): a repeat runs apart, batched only with repeats of itself,"
+        " so it fails only itself; 0 turns it off",
     ),
     ("sim-latency-ms", float, "duration of one simulated batch call, whatever its size"),
     (

@@ -271,7 +271,7 @@ class Engine:
         """Checks who calls, their rate, that the engine can take the request, which model
         version runs it and that the input and params are acceptable; then queues it and
         arms its deadline."""
-        self._admission.take_token(tenant, arrival)
+        self._admission.take_token(tenant, arrival, self._batcher.capacity_rps)
         if self.phase is not Phase.READY:
             raise NotReady(f"the server is {self.phase.value}")
         version = self._registry.route(ask.model, ask.version, request_id)

@@ -81,15 +81,19 @@ def plan_recovery(
     budget: RetryBudget,
     parts: int = 2,
     unproven: bool = False,
+    known_poison: bool = False,
 ) -> Recovery:
     """A raised batch is split into `parts` (at least 2: one per free device), so each poison
     input stands alone after about log_parts(len(batch)) rounds and every other request then
     succeeds. A lone input that raised is poison once it has failed on a second device too,
     or where no other device can run it; until then (`unproven`) its device may be to blame
-    (a broken device fails every input), and it runs once more, on another device.
+    (a broken device fails every input), and it runs once more, on another device. Repeats
+    of a remembered poison input (`known_poison`) batched together fail together, at once.
     Malformed and hung batches (and those of a failing device) are run again once, whole:
     neither says which input is to blame, and a second failure is then the backend's."""
     if kind is FailureKind.RAISED:
+        if known_poison:  # repeats of one remembered poison input, and nothing else
+            return Recovery([], list(batch))
         if len(batch) == 1:
             [request] = batch
             if unproven and not request.device_retried:

@@ -46,8 +46,9 @@ class Key:
     bucket: int = 0
     params: Mapping[str, Any] | None = field(default=None, compare=False, hash=False)
     """The params themselves, passed to the batch function as keyword arguments."""
-    alone: bool = False
-    """A remembered poison input: it runs in a batch of one, so it fails only itself."""
+    poison: bytes = b""
+    """A remembered poison input's digest: it runs apart, in batches of its own repeats
+    only, so it fails only itself."""
 
 
 @dataclass(slots=True, eq=False)

@@ -38,19 +38,19 @@ class PoisonMemory:
         while len(self._expiry) > self.capacity:
             self._expiry.popitem(last=False)
 
-    def knows(self, key: Key, text: str, now: float) -> bool:
-        """Whether `text` under `key`'s version and params was found poison lately. Costs
-        nothing while nothing is remembered: the common case."""
+    def recall(self, key: Key, text: str, now: float) -> bytes:
+        """The digest of `text` under `key`'s version and params if it was found poison
+        lately, else b"". Costs nothing while nothing is remembered: the common case."""
         if not self._expiry:
-            return False
+            return b""
         digest = _digest(key, text)
         expiry = self._expiry.get(digest)
         if expiry is None:
-            return False
+            return b""
         if expiry <= now:
             del self._expiry[digest]
-            return False
-        return True
+            return b""
+        return digest
 
 
 def _digest(key: Key, text: str) -> bytes:

@@ -8,7 +8,8 @@
     weight = 2.0                 # optional: twice the turns of its tier's other tenants
 
     [tiers.free]                 # optional; these override the defaults below
-    rate = 5.0                   # requests a second, sustained
+    share = 0.01                 # each tenant's rate: this share of the live capacity x 0.75
+    rate = 5.0                   # or a fixed rate, requests a second (pins it)
     burst = 10.0                 # requests at once
     timeout_ms = 2000            # the tier's deadline (capped by --timeout-ms)
 
@@ -30,17 +31,33 @@ from .errors import StartupError
 TIERS = ("free", "paid", "enterprise")
 
 
+RATE_UTILIZATION = 0.75
+"""Tier shares are of this part of the live capacity: headroom for bursts and estimates."""
+
+
 @dataclass(frozen=True, slots=True)
 class TierLimits:
-    rate: float
+    share: float
     burst: float
+    rate: float | None = None
+    """A fixed rate; None: `share` of the live capacity."""
     timeout_ms: float | None = None
+
+    def rate_at(self, capacity_rps: float | None) -> float:
+        """Each tenant's requests a second: pinned, else its share of what the healthy
+        devices can take now (so a hung or failing device lowers it at once), else, before
+        any batch has measured the capacity, one burst a second."""
+        if self.rate is not None:
+            return self.rate
+        if capacity_rps is None:
+            return self.burst
+        return self.share * RATE_UTILIZATION * capacity_rps
 
 
 DEFAULT_LIMITS = {
-    "free": TierLimits(rate=5.0, burst=10.0),
-    "paid": TierLimits(rate=50.0, burst=100.0),
-    "enterprise": TierLimits(rate=500.0, burst=1000.0),
+    "free": TierLimits(share=0.01, burst=10.0),
+    "paid": TierLimits(share=0.1, burst=100.0),
+    "enterprise": TierLimits(share=1.0, burst=1000.0),
 }
 
 
@@ -64,10 +81,13 @@ class TokenBucket:
     tokens: float
     updated: float
 
-    def take(self, now: float) -> float:
-        """Takes one token; returns 0, or the seconds until one will be there."""
+    def refill(self, now: float) -> None:
         self.tokens = min(self.burst, self.tokens + (now - self.updated) * self.rate)
         self.updated = now
+
+    def take(self, now: float) -> float:
+        """Takes one token; returns 0, or the seconds until one will be there."""
+        self.refill(now)
         if self.tokens >= 1:
             self.tokens -= 1
             return 0.0
@@ -98,8 +118,10 @@ class KeyRing:
                 limits[tier] = replace(limits[tier], **settings)
             except TypeError:
                 raise StartupError(
-                    f"--keys-file {path}: [tiers.{tier}] takes rate, burst and timeout_ms"
+                    f"--keys-file {path}: [tiers.{tier}] takes share, rate, burst and timeout_ms"
                 ) from None
+            if not limits[tier].share > 0 or (limits[tier].rate or 1) <= 0:
+                raise StartupError(f"--keys-file {path}: [tiers.{tier}] share and rate must be > 0")
         tenants: dict[bytes, tuple[bytes, Tenant]] = {}
         for number, (key, entry) in enumerate(data.get("keys", {}).items(), start=1):
             tier = entry.get("tier")
@@ -137,11 +159,18 @@ class KeyRing:
             return self.anonymous
         return found[1]
 
-    def take(self, tenant: Tenant, now: float) -> tuple[float, TokenBucket]:
-        """Spends one of the tenant's tokens: (0 or seconds to wait, the tenant's bucket)."""
+    def take(
+        self, tenant: Tenant, now: float, capacity_rps: float | None
+    ) -> tuple[float, TokenBucket]:
+        """Spends one of the tenant's tokens at its tier's rate for the live capacity:
+        (0 or seconds to wait, the tenant's bucket)."""
+        limits = self.limits[tenant.tier]
+        rate = limits.rate_at(capacity_rps)
         bucket = self._buckets.get(tenant.name)
         if bucket is None:
-            limits = self.limits[tenant.tier]
-            bucket = TokenBucket(limits.rate, limits.burst, limits.burst, now)
+            bucket = TokenBucket(rate, limits.burst, limits.burst, now)
             self._buckets[tenant.name] = bucket
+        else:
+            bucket.refill(now)  # what accrued so far, at the rate it accrued at
+            bucket.rate = rate
         return bucket.take(now), bucket

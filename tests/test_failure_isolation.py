@@ -142,25 +142,27 @@ async def test_a_failed_batch_splits_into_one_part_per_free_device(gated):
         assert [isinstance(r, BackendError) for r in results] == [n == 5 for n in range(8)]
 
 
-async def test_a_repeated_poison_input_runs_alone_and_fails_only_itself(gated, caplog):
+async def test_a_repeated_poison_input_runs_apart_and_fails_only_itself(gated, caplog):
     poison = f"bad{POISON_MARKER}"
     async with Engine(Config(), fn_per_device=gated, devices="sim:1", clock=FakeClock()) as e:
         gated.gate.set()
         with pytest.raises(BackendError):
             await e.infer(poison)
-        assert "is a poison input; a repeat of it will run alone" in caplog.text
+        assert "is a poison input; a repeat of it will run apart" in caplog.text
         gated.gate.clear()
         first = e.submit("hold")
         await gated.entered("sim:0")
-        tickets = [e.submit("c0"), e.submit(poison), e.submit("c1")]
+        tickets = [e.submit("c0"), e.submit(poison), e.submit("c1"), e.submit(poison)]
         gated.gate.set()
         results = await asyncio.gather(first, *tickets, return_exceptions=True)
-        assert isinstance(results[2], BackendError)
+        assert [type(r) for r in results[2::2]] == [BackendError, BackendError]
         assert [r.output for r in results if isinstance(r, Result)] == ["dloh", "0c", "1c"]
-        assert e.recoveries["poison_repeats"] == 1
-        assert e.faults["batch_raised"] == 2  # the first time, and the repeat alone
-    assert [poison] in [inputs for _, inputs in gated.calls[2:]]
-    assert ["c0", "c1"] in [inputs for _, inputs in gated.calls]
+        assert e.recoveries["poison_repeats"] == 2
+        assert e.recoveries["poison_isolated"] == 1
+        # The first time; then both repeats in one call of their own, failed at once.
+        assert e.faults["batch_raised"] == 2
+    calls = [inputs for _, inputs in gated.calls[2:]]
+    assert sorted(calls) == sorted([["c0", "c1"], [poison, poison]])
 
 
 async def test_without_poison_memory_a_repeat_sinks_its_batch_again(gated):

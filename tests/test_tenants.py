@@ -51,8 +51,9 @@ def test_keys_map_to_tenants_and_tiers_and_unknown_keys_to_nobody(keys_file):
         assert ring.authenticate(header) is None
     anonymous = KeyRing.load(keys_file, anonymous_tier="free")
     assert anonymous.authenticate("Bearer wrong") == Tenant("anonymous", "free")
-    assert anonymous.limits["free"].rate == 0.001  # the file overrides the defaults
-    assert anonymous.limits["paid"].rate == 50.0
+    assert anonymous.limits["free"].rate == 0.001  # the file pins the free tier's rate
+    assert anonymous.limits["paid"].rate is None  # the others follow the live capacity
+    assert anonymous.limits["paid"].share == 0.1
 
 
 @pytest.mark.parametrize(
@@ -61,7 +62,8 @@ def test_keys_map_to_tenants_and_tiers_and_unknown_keys_to_nobody(keys_file):
         ('[keys."sk-secret"]\ntenant = "a"\ntier = "gold"\n', "key number 1 needs"),
         ('[keys."sk-secret"]\ntenant = "a"\ntier = "free"\nweight = 0\n', "weight above 0"),
         ("[tiers.gold]\nrate = 1\n", "unknown tier 'gold'"),
-        ("[tiers.free]\nspeed = 1\n", "takes rate, burst and timeout_ms"),
+        ("[tiers.free]\nspeed = 1\n", "takes share, rate, burst and timeout_ms"),
+        ("[tiers.free]\nshare = 0\n", "share and rate must be > 0"),
         ("not toml [", "--keys-file"),
     ],
 )
@@ -72,6 +74,24 @@ def test_bad_keys_files_stop_start_up_without_printing_a_key(tmp_path, text, mes
         KeyRing.load(str(path), anonymous_tier=None)
     assert message in str(raised.value)
     assert "sk-secret" not in str(raised.value)
+
+
+def test_tier_rates_are_shares_of_the_live_capacity_unless_pinned(keys_file):
+    ring = KeyRing.load(keys_file, anonymous_tier=None)
+    acme, hobby = Tenant("acme", "enterprise"), Tenant("hobby", "free")
+    paid = Tenant("shop", "paid")
+    assert ring.take(paid, 0.0, None)[1].rate == 100.0  # unmeasured: one burst a second
+    assert ring.take(paid, 0.0, 2000.0)[1].rate == pytest.approx(150.0)  # 0.1 x 0.75 x 2000
+    assert ring.take(acme, 0.0, 2000.0)[1].rate == pytest.approx(1500.0)
+    # A device hangs: the capacity halves, and so does every share-based rate, at once.
+    assert ring.take(paid, 0.0, 1000.0)[1].rate == pytest.approx(75.0)
+    assert ring.take(hobby, 0.0, 1000.0)[1].rate == 0.001  # pinned by the file
+    # Tokens accrued at the rate they accrued at: 1 s at 75 a second, capped by the burst.
+    bucket = ring.take(paid, 0.0, 1000.0)[1]
+    tokens = bucket.tokens
+    ring.take(paid, 0.5, 4000.0)
+    assert bucket.tokens == pytest.approx(min(100.0, tokens + 0.5 * 75.0) - 1)
+    assert bucket.rate == pytest.approx(300.0)
 
 
 def test_token_bucket_refills_at_its_rate_up_to_its_burst():
@@ -125,7 +145,7 @@ async def test_a_tenant_over_its_rate_gets_429_with_rate_limit_headers(start_ser
     assert body["error"] == "RATE_LIMITED"
     assert body["retry_after_ms"] > 0
     assert int(limited.headers["Retry-After"]) >= 1
-    assert limited.headers["RateLimit-Limit"] == "2"
+    assert limited.headers["RateLimit-Limit"] == "0.001"  # the tier's rate, pinned here
     assert limited.headers["RateLimit-Remaining"] == "0"
     assert int(limited.headers["RateLimit-Reset"]) >= 1
     other = await client.post(
