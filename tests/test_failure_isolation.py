@@ -200,9 +200,9 @@ async def test_a_device_whose_every_call_raises_restarts_and_backs_off_while_bro
         assert engine.faults["device_failing"] == 1
         assert engine.faults["restart_failed"] >= 1
         assert engine.recoveries["poison_isolated"] == 0  # no innocent input was blamed
-        # A batch, the part and the lone input of it that it failed again before the parts
-        # that ran on sim:0 had proved it to blame, then one probe after its restart.
-        assert len(gated.calls_on("sim:1")) == 3 + 1
+        # A handful: the calls it failed until two of them had every input succeed on
+        # sim:0 (which device takes which part is up to the threads), then one probe.
+        assert 3 <= len(gated.calls_on("sim:1")) <= 10
         gated.broken.clear()
         clock.advance(1.0)  # the first back-off
         await reach(engine, lambda s: s.healthy_devices == 2)
