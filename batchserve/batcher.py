@@ -110,7 +110,7 @@ class Batcher:
         self._retries: deque[tuple[Key, list[QueuedRequest]]] = deque()
         """Groups of failed batches the retry budget paid for: they go before anything new."""
         self._rescues: deque[tuple[Key, list[QueuedRequest]]] = deque()
-        """Groups it could not pay for: they go to a device with no full batch to take."""
+        """Groups it could not pay for, biggest first: they go to devices that would idle."""
         self.recoveries: Counter[str] = Counter()
         """Requests sent round again by kind of failure, and those answered 500."""
         self._wakeup = asyncio.Event()
@@ -249,6 +249,11 @@ class Batcher:
                 self.recoveries["waiting_for_spare_time"] += len(group)
             else:
                 unpaid += group
+        if recovery.spare:
+            # Spare calls go to the biggest groups first: a call answers its whole group
+            # when it holds no poison, and big groups carry most of the innocent requests.
+            ranked = sorted(self._rescues, key=lambda waiting: -len(waiting[1]))
+            self._rescues = deque(ranked)
         again = sum(map(len, recovery.retry)) + sum(map(len, recovery.spare)) - len(unpaid)
         self.recoveries[f"retried_{failure.kind.value}"] += again
         if unpaid:
@@ -419,8 +424,14 @@ class Batcher:
                 if len(lane.queue) < lane.max_batch:
                     self._retry_budget.on_first_try()
                 continue
-            # No fresh batch would leave now: a free device would idle, so it rescues.
-            if self._rescues and self._send_group(self._rescues, now):
+            # No fresh batch would leave now. A device takes unpaid rescue only where it would
+            # otherwise idle: nothing fresh is waiting, or another device is free for the
+            # batch being held (a rescue taking the only free one would delay it a call).
+            if (
+                self._rescues
+                and (not self._lanes or self._pool.free_count > 1)
+                and self._send_group(self._rescues, now)
+            ):
                 continue
             alarm = None if wake_at is None else clock.call_at(wake_at, self._wakeup.set)
             await self._wakeup.wait()

