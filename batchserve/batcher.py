@@ -243,19 +243,20 @@ class Batcher:
             request.running = False
         self._retries.extendleft((key, group) for group in reversed(recovery.retry))
         unpaid: list[QueuedRequest] = []
+        waiting = 0
         for group in recovery.spare:
             if self._spare_time_in_time(key.version, group):
                 self._rescues.append((key, group))
-                self.recoveries["waiting_for_spare_time"] += len(group)
+                waiting += len(group)
             else:
                 unpaid += group
+        self.recoveries["waiting_for_spare_time"] += waiting
         if recovery.spare:
             # Spare calls go to the biggest groups first: a call answers its whole group
             # when it holds no poison, and big groups carry most of the innocent requests.
             ranked = sorted(self._rescues, key=lambda waiting: -len(waiting[1]))
             self._rescues = deque(ranked)
-        again = sum(map(len, recovery.retry)) + sum(map(len, recovery.spare)) - len(unpaid)
-        self.recoveries[f"retried_{failure.kind.value}"] += again
+        self.recoveries[f"retried_{failure.kind.value}"] += sum(map(len, recovery.retry)) + waiting
         if unpaid:
             self.recoveries["not_retried_no_spare_time"] += len(unpaid)
             error = BackendError(

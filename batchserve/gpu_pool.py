@@ -446,11 +446,7 @@ class GpuPool:
             log.warning("%s stays out; next restart in %.1f s", device.name, delay_s)
             await sleep_until(self._clock, self._clock.time() + delay_s)
             delay_s = min(2 * delay_s, MAX_PROBE_DELAY_S)
-        device.state = DeviceState.IDLE
-        self.healthy += 1
-        self.faults["device_restarted"] += 1
-        log.warning("%s restarted and answered its probe; it takes work again", device.name)
-        self._listener.health_changed()
+        self._rejoin(device, "device_restarted", "restarted and answered its probe")
 
     async def _reload(self, device: Device) -> str | None:
         """Calls each loaded version's factory again on the device's thread; what failed."""
@@ -511,10 +507,14 @@ class GpuPool:
             if await self._probe(device):
                 break
             delay_s = min(2 * delay_s, MAX_PROBE_DELAY_S)
+        self._rejoin(device, "device_recovered", "answered its probe in time")
+
+    def _rejoin(self, device: Device, fault: str, how: str) -> None:
+        """A device out of service (hung, or failing) takes work again."""
         device.state = DeviceState.IDLE
         self.healthy += 1
-        self.faults["device_recovered"] += 1
-        log.warning("%s answered its probe in time and takes work again", device.name)
+        self.faults[fault] += 1
+        log.warning("%s %s; it takes work again", device.name, how)
         self._listener.health_changed()
 
     def _probe_budget_s(self, device: Device) -> float:
