@@ -58,7 +58,7 @@ class Lane:
 
     def __init__(self, key: Key, tag: float) -> None:
         self.key = key
-        self.queue = FairQueue()
+        self.queue = FairQueue[QueuedRequest]()
         self.tag = tag
         """Virtual time at which its next batch starts; smaller goes first."""
         spec = key.version.spec

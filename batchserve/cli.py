@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from aiohttp import web
 
 from .backends import HANG_MARKER, POISON_MARKER
-from .config import BACKEND_BATCH_LIMIT, POLICIES, Config
+from .config import BACKEND_BATCH_LIMIT, GENERATE_MODES, POLICIES, Config
 from .engine import Engine
 from .errors import StartupError
 from .server import create_app
@@ -64,6 +64,24 @@ _FLAGS: list[tuple[str, Callable[[str], object], str]] = [
         " cost, ...; see README) to serve several models and versions at once; without it"
         " --fn/--fn-per-device/--devices define one model named default",
     ),
+    (
+        "generator",
+        str,
+        "serve a generation model instead of a batch function: sim (the simulated one, on"
+        " sim:N devices) or a factory package.module:attr called once per device that"
+        " returns a generator (kv_budget_tokens, step, release; see README), e.g."
+        " batchserve.models.tiny_gpt:load. Requests: POST /api/generate, /v1/completions,"
+        " /v1/chat/completions",
+    ),
+    (
+        "generate-mode",
+        str,
+        "continuous: sequences join and leave the running batch at every step (the"
+        " device's KV budget decides who runs); static: a batch forms when the device is"
+        " free and runs until its longest sequence ends (the baseline, for benchmarks)",
+    ),
+    ("max-tokens", int, "what a generation may make when its request gives no max_tokens"),
+    ("max-tokens-cap", int, "the most max_tokens a generation request may ask for"),
     (
         "policy",
         str,
@@ -189,7 +207,21 @@ _FLAGS: list[tuple[str, Callable[[str], object], str]] = [
     ),
     ("sim-hang-ms", float, "chaos: how long a hung simulated call takes to return"),
     ("sim-seed", int, "chaos: seed of the simulated devices' fault draws"),
+    (
+        "sim-step-ms",
+        _cost_pair,
+        "a,b: a simulated generation step takes a ms plus b ms per token it processes (a new"
+        " sequence's prompt, one for each sequence already decoding)",
+    ),
+    (
+        "sim-kv-budget",
+        int,
+        "KV-cache tokens a simulated generation device holds at once (prompts + tokens)",
+    ),
 ]
+
+
+_CHOICES: dict[str, tuple[str, ...]] = {"policy": POLICIES, "generate-mode": GENERATE_MODES}
 
 
 def build_parser(prog: str = "batchserve") -> argparse.ArgumentParser:
@@ -210,7 +242,7 @@ def build_parser(prog: str = "batchserve") -> argparse.ArgumentParser:
             f"--{flag}",
             type=kind,
             default=os.environ.get(env, default),
-            choices=POLICIES if flag == "policy" else None,
+            choices=_CHOICES.get(flag),
             metavar="{on,off}" if kind is _on_off else "A,B" if kind is _cost_pair else None,
             help=f"{text} ({values}default: {shown}; env {env})",
         )

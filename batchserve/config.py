@@ -11,6 +11,8 @@ BACKEND_BATCH_LIMIT = 100
 """The batch-function contract: at most this many inputs per call."""
 
 PolicyName = Literal["adaptive", "fixed"]
+GenerateMode = Literal["continuous", "static"]
+GENERATE_MODES: tuple[GenerateMode, ...] = ("continuous", "static")
 POLICIES: tuple[PolicyName, ...] = ("adaptive", "fixed")
 
 
@@ -22,6 +24,11 @@ class Config:
     fn: str | None = None
     fn_per_device: str | None = None
     models: str | None = None
+    generator: str | None = None
+    generate_mode: GenerateMode = "continuous"
+    max_tokens: int = 256
+    """What a generation request without max_tokens may generate."""
+    max_tokens_cap: int = 4096
     policy: PolicyName = "adaptive"
     max_batch_size: int = BACKEND_BATCH_LIMIT
     max_linger_ms: float = 50.0
@@ -50,6 +57,9 @@ class Config:
     sim_bad_output_rate: float = 0.0
     sim_hang_ms: float = 10_000.0
     sim_seed: int = 0
+    sim_step_ms: tuple[float, float] = (10.0, 0.05)
+    """(a, b): a simulated generation step takes a ms + b ms per token it processes."""
+    sim_kv_budget: int = 16_384
 
     def __post_init__(self) -> None:
         rules: list[tuple[bool, str]] = [
@@ -85,14 +95,24 @@ class Config:
                 and sum(self.sim_fault_rates) <= 1,
                 "the sim fault rates must each be between 0 and 1, and add up to 1 at most",
             ),
+            (1 <= self.max_tokens <= self.max_tokens_cap, "max_tokens must be 1 to max_tokens_cap"),
+            (self.generate_mode in GENERATE_MODES, "generate_mode must be continuous or static"),
+            (min(self.sim_step_ms) >= 0, "sim_step_ms must be two numbers a,b of 0 or more"),
+            (self.sim_kv_budget >= 1, "sim_kv_budget must be 1 or more"),
+            (
+                self.generator is None or (self.fn is None and self.fn_per_device is None),
+                "--generator makes the model a generation model: give it or --fn/--fn-per-device",
+            ),
             (self.policy in POLICIES, f"policy must be one of {', '.join(POLICIES)}"),
             (
                 self.fn is None or self.fn_per_device is None,
                 "give --fn or --fn-per-device, not both",
             ),
             (
-                self.models is None or (self.fn is None and self.fn_per_device is None),
-                "--models names each model's fn itself: give it or --fn/--fn-per-device",
+                self.models is None
+                or (self.fn is None and self.fn_per_device is None and self.generator is None),
+                "--models names each model's fn or generator itself: give it or"
+                " --fn/--fn-per-device/--generator",
             ),
         ]
         broken = [message for ok, message in rules if not ok]

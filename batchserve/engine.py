@@ -25,7 +25,7 @@ import gc
 import logging
 import sys
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, NamedTuple
 
@@ -37,13 +37,18 @@ from .errors import (
     BatchserveError,
     Conflict,
     DuplicateRequestId,
+    InputTooLarge,
     InvalidInput,
     ModelNotFound,
     NotReady,
+    Overloaded,
     StartupError,
 )
 from .fair_queue import TIER_RANKS
 from .faults import BatchFailure, RetryBudget
+from .generation import Generation
+from .generation_models import GenerationModel, Generators, build_generation_model
+from .generators import Seq
 from .gpu_pool import GpuPool
 from .item import Key, QueuedRequest, Result, Ticket, new_request_id
 from .metrics import Metrics
@@ -98,19 +103,30 @@ class Engine:
         simulated model, on `devices` (default `config.devices`). `clock` and `policy` (the
         default model's) are for tests."""
         self.config = config = config or Config()
+        self.clock = clock or LoopClock()
         if models is None and config.models is not None:
             models = load_models_file(config.models, config)
+        from_flags = models is None
         if models is None:
             spec = default_spec(config)
             if devices is not None:
                 spec = dataclasses.replace(spec, devices=devices)
-            versions = [
-                build_version(config, spec, fn=fn, fn_per_device=fn_per_device, policy=policy)
-            ]
-        else:
-            versions = [build_version(config, spec) for spec in models]
+            models = [spec]
+        versions = [
+            build_version(config, spec, fn=fn, fn_per_device=fn_per_device, policy=policy)
+            if from_flags
+            else build_version(config, spec)
+            for spec in models
+            if spec.generator is None
+        ]
         self._registry = Registry(versions)
-        self.clock = clock or LoopClock()
+        self._generators = Generators(
+            [
+                build_generation_model(config, spec, clock=self.clock, on_crash=self._crashed)
+                for spec in models
+                if spec.generator is not None
+            ]
+        )
         self.phase = Phase.STARTING
         self.started = asyncio.Event()
         """Set once every device has loaded and the engine takes requests."""
@@ -118,6 +134,9 @@ class Engine:
         """Set when one of the engine's tasks crashed; `failure` says which and why."""
         self.failure: str | None = None
         self._pending: dict[str, QueuedRequest] = {}
+        self._generating: dict[str, Generation] = {}
+        self._no_generations = asyncio.Event()
+        self._no_generations.set()
         self._pool = GpuPool(versions, clock=self.clock, listener=self, on_crash=self._crashed)
         self.device_names = [device.name for device in self._pool.devices]
         self._batcher = Batcher(
@@ -137,6 +156,7 @@ class Engine:
                 self._batcher,
                 self._pool,
                 self._registry,
+                self._generators,
                 clock=self.clock,
                 slo_s=config.slo_ms / 1e3,
             )
@@ -160,6 +180,7 @@ class Engine:
         async with contextlib.AsyncExitStack() as stack:
             await stack.enter_async_context(self._pool)
             await stack.enter_async_context(self._batcher)
+            await stack.enter_async_context(self._generators)
             self._stack = stack.pop_all()
         for version in self._registry:
             version.state = VersionState.READY
@@ -229,6 +250,129 @@ class Engine:
         ticket.add_done_callback(functools.partial(self._submitted_done, request, expiry, tenant))
         return ticket
 
+    @contextlib.asynccontextmanager
+    async def generate(
+        self,
+        prompt: str,
+        *,
+        model: str | None = None,
+        version: str | None = None,
+        max_tokens: int | None = None,
+        stop: str | list[str] | None = None,
+        params: Mapping[str, Any] | None = None,
+        timeout_ms: float | None = None,
+        request_id: str | None = None,
+        tenant: Tenant | None = None,
+        arrival: float | None = None,
+        route: str = "generate",
+    ) -> AsyncIterator[Generation]:
+        """Starts one generation; read its text as it comes with `gen.pieces()`, or whole
+        with `await gen.result()`:
+
+            async with engine.generate("Once upon", max_tokens=50) as gen:
+                async for piece in gen.pieces():
+                    print(piece, end="")
+
+        A refusal raises on entry (`errors.py`'s, like `infer`'s). `timeout_ms` bounds the
+        wait for the first token; the sequence then runs to its end. Leaving the block
+        before it ends cancels it: its sequence is released before the next step.
+        """
+        arrival = self.clock.time() if arrival is None else arrival
+        request_id = request_id or new_request_id()
+        try:
+            generation_model, gen = self._generation(
+                prompt, model, version, max_tokens, stop, params, timeout_ms,
+                request_id, tenant, arrival,
+            )  # fmt: skip
+        except BatchserveError as error:
+            self.record(route, request_id, arrival, error, tenant)
+            raise
+        self._no_generations.clear()
+        self._generating[request_id] = gen
+        generation_model.submit(gen)
+        expiry = self.clock.call_at(gen.deadline, self._expire, generation_model, gen)
+        try:
+            yield gen
+        finally:
+            expiry.cancel()
+            if not gen.done:
+                gen.cancel()
+                generation_model.discard(gen)
+                generation_model.wake()
+            del self._generating[request_id]
+            if not self._generating:
+                self._no_generations.set()
+            now = self.clock.time()
+            self._recorder.record_generation(route, tenant, gen, now)
+
+    def _generation(
+        self,
+        prompt: str,
+        model: str | None,
+        version: str | None,
+        max_tokens: int | None,
+        stop: str | list[str] | None,
+        params: Mapping[str, Any] | None,
+        timeout_ms: float | None,
+        request_id: str,
+        tenant: Tenant | None,
+        arrival: float,
+    ) -> tuple[GenerationModel, Generation]:
+        """Checks a generation request as `_queue` checks a batch one, and its tokens: a
+        prompt that can never fit a device's budget is refused at once (413)."""
+        self._admission.take_token(tenant, arrival, self._batcher.capacity_rps)
+        if self.phase is not Phase.READY:
+            raise NotReady(f"the server is {self.phase.value}")
+        if model is not None and model not in self._generators and model in self._registry:
+            raise InvalidInput(
+                f"model {model[:64]} runs batches, not generation: POST /api/inference"
+            )
+        generation_model = self._generators.route(model, version, request_id)
+        self._admission.check_input(prompt)
+        if request_id in self._generating or request_id in self._pending:
+            raise DuplicateRequestId(f"request id {request_id} is already in flight")
+        if generation_model.waiting >= self.config.max_queue:
+            raise Overloaded(
+                f"{generation_model.waiting} generations are waiting, the limit",
+                retry_after_s=1.0,
+            )
+        prompt_tokens = generation_model.count_tokens(prompt)
+        room = generation_model.kv_budget - prompt_tokens
+        limit = _max_tokens(max_tokens, self.config.max_tokens_cap)
+        if limit is None:
+            limit = min(self.config.max_tokens, room)
+        if prompt_tokens + limit > generation_model.kv_budget or limit < 1:
+            raise InputTooLarge(
+                f"the prompt's {prompt_tokens} tokens and max_tokens {limit} do not fit a"
+                f" device's budget of {generation_model.kv_budget} tokens"
+            )
+        if params is not None and not isinstance(params, Mapping):
+            raise InvalidInput(f"params must be a JSON object, not {type(params).__name__}")
+        deadline = arrival + self._admission.timeout_s(timeout_ms, tenant)
+        gen = Generation(
+            Seq(request_id, prompt, params=dict(params or {})),
+            prompt_tokens=prompt_tokens,
+            max_tokens=limit,
+            stops=_stop_strings(stop),
+            arrival=arrival,
+            deadline=deadline,
+            model=generation_model.spec.name,
+            version=generation_model.spec.version,
+        )
+        if tenant is not None:
+            gen.tenant, gen.tier_rank = tenant.name, TIER_RANKS[tenant.tier]
+            gen.tenant_weight = tenant.weight
+        return generation_model, gen
+
+    def chat_prompt(self, model: str | None, messages: list[dict[str, str]]) -> str:
+        """A chat's messages as one prompt, in the template of `model`'s generator."""
+        return self._generators.route(model, None, "").chat_prompt(messages)
+
+    def _expire(self, generation_model: GenerationModel, gen: Generation) -> None:
+        gen.expire(self.clock.time())
+        if gen.cancelled:
+            generation_model.discard(gen)
+
     def authenticate(self, authorization: str | None) -> Tenant | None:
         """The caller's tenant from `Authorization: Bearer <key>`; None when the engine runs
         open (no keys file)."""
@@ -274,6 +418,10 @@ class Engine:
         self._admission.take_token(tenant, arrival, self._batcher.capacity_rps)
         if self.phase is not Phase.READY:
             raise NotReady(f"the server is {self.phase.value}")
+        if ask.model in self._generators:
+            raise InvalidInput(
+                f"model {ask.model} generates text: POST /api/generate or /v1/completions"
+            )
         version = self._registry.route(ask.model, ask.version, request_id)
         if not self._pool.healthy or (
             len(version.loaded_on) < len(self.device_names) and not self._pool.healthy_for(version)
@@ -414,8 +562,9 @@ class Engine:
         await asyncio.shield(self._drained)
 
     async def _drain(self, deadline: float) -> None:
-        idle = asyncio.ensure_future(
-            self._batcher.wait_until(lambda s: s.queued == 0 and s.in_flight == 0)
+        idle = asyncio.gather(
+            self._batcher.wait_until(lambda s: s.queued == 0 and s.in_flight == 0),
+            self._no_generations.wait(),
         )
         if not await wait_until(self.clock, idle, deadline):
             idle.cancel()
@@ -440,17 +589,19 @@ class Engine:
     def _fail_everything(self, error: BatchserveError) -> None:
         self._batcher.fail_queued(error)
         self._pool.fail_in_flight(error)
+        self._generators.fail_all(error, self.clock.time())
 
     # Read-only views, for doors, operators and tests
 
     def readiness(self) -> tuple[bool, str]:
         """Ready while serving with at least one healthy device; else why not."""
-        if self.phase is Phase.READY and not self._pool.healthy:
+        if self.phase is Phase.READY and self._pool.devices and not self._pool.healthy:
             return False, "no healthy device"
         return self.phase is Phase.READY, self.phase.value
 
     def device_states(self) -> dict[str, str]:
-        return self._pool.states()
+        """Each batch device's state, and each generation device's (busy while it steps)."""
+        return self._pool.states() | self._generators.states()
 
     def stats(self) -> EngineStats:
         return self._with_pending(self._batcher.stats())
@@ -465,15 +616,16 @@ class Engine:
     @property
     def call_time_s(self) -> float | None:
         """The first model version's measured batch time: what its spacing, watchdog and
-        shedding use."""
-        return next(iter(self._registry)).estimate.seconds
+        shedding use (None without batch models)."""
+        first = next(iter(self._registry), None)
+        return None if first is None else first.estimate.seconds
 
     def capacity_rps(self) -> float | None:
         return self._batcher.capacity_rps()
 
     def models(self) -> list[dict[str, Any]]:
-        """Each model, its versions, their devices, weights and state."""
-        return self._registry.describe()
+        """Each model, its versions, their devices, weights and state; batch models first."""
+        return self._registry.describe() + self._generators.describe()
 
     def embedding_dim(self, model: str) -> int:
         """The length of the vectors `model` returns; InvalidInput if it returns none."""
@@ -493,6 +645,33 @@ class Engine:
     def recoveries(self) -> Counter[str]:
         """Requests retried or failed after a fault, by kind (read-only)."""
         return Counter(self._batcher.recoveries)
+
+
+MAX_STOPS = 16
+MAX_STOP_CHARS = 256
+
+
+def _max_tokens(given: object, cap: int) -> int | None:
+    if given is None:
+        return None
+    if isinstance(given, bool) or not isinstance(given, int) or not 1 <= given <= cap:
+        raise InvalidInput(f"max_tokens must be a whole number from 1 to {cap}")
+    return given
+
+
+def _stop_strings(stop: object) -> tuple[str, ...]:
+    """`stop` as given (a string or a list of them), checked: non-empty, few and short."""
+    stops = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    if (
+        not isinstance(stops, list)
+        or len(stops) > MAX_STOPS
+        or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stops)
+    ):
+        raise InvalidInput(
+            f'"stop" must be a string or a list of at most {MAX_STOPS} strings, each 1 to'
+            f" {MAX_STOP_CHARS} characters"
+        )
+    return tuple(stops)
 
 
 def _free_device_memory() -> None:

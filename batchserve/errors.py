@@ -11,6 +11,7 @@ BatchserveError            one request's failure; its class declares the HTTP st
 ├── Conflict               the model version exists, or is still loading   (409)
 ├── InputTooLarge          body or input over --max-input-bytes           (413)
 ├── RateLimited            the tenant is over its tier's rate             (429)
+├── ClientClosed           the client left first; counted, never sent      (499)
 ├── BackendError           the batch function raised or answered badly     (500)
 ├── Overloaded             the queue is full; carries a retry estimate     (503)
 ├── NotReady               starting, draining, failed or no healthy device (503)
@@ -80,6 +81,12 @@ class RateLimited(BatchserveError):
         self.retry_after_s = retry_after_s
         self.limit = limit
         self.reset_s = reset_s
+
+
+class ClientClosed(BatchserveError):
+    """nginx's 499: what metrics and the access log call a request whose client left."""
+
+    status, code = 499, "CLIENT_CLOSED"
 
 
 class BackendError(BatchserveError):

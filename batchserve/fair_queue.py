@@ -17,18 +17,35 @@ import itertools
 import math
 from collections import OrderedDict, deque
 from collections.abc import Iterator
-
-from .item import QueuedRequest
+from typing import Generic, Protocol, TypeVar
 
 TIER_RANKS = {"enterprise": 0, "paid": 1, "free": 2}
 """Lower goes first; requests without a tier rank with enterprise (the server is open)."""
 
 
-class FairQueue:
+class Waiting(Protocol):
+    """What the queue reads of a waiting request: a batch request or a generation."""
+
+    @property
+    def request_id(self) -> str: ...
+    @property
+    def arrival(self) -> float: ...
+    @property
+    def tenant(self) -> str: ...
+    @property
+    def tier_rank(self) -> int: ...
+    @property
+    def tenant_weight(self) -> float: ...
+
+
+Request = TypeVar("Request", bound=Waiting)
+
+
+class FairQueue(Generic[Request]):
     def __init__(self, aging_s: float = 1.0) -> None:
         self.aging_s = aging_s
-        self._by_arrival: OrderedDict[str, QueuedRequest] = OrderedDict()
-        self._tenants: dict[str, OrderedDict[str, QueuedRequest]] = {}
+        self._by_arrival: OrderedDict[str, Request] = OrderedDict()
+        self._tenants: dict[str, OrderedDict[str, Request]] = {}
         self._turns: list[deque[str]] = [deque() for _ in range(len(TIER_RANKS))]
         """Per tier rank, the tenants with requests waiting, in round-robin order."""
         self._rank_of: dict[str, int] = {}
@@ -41,13 +58,13 @@ class FairQueue:
     def __len__(self) -> int:
         return len(self._by_arrival)
 
-    def __iter__(self) -> Iterator[QueuedRequest]:
+    def __iter__(self) -> Iterator[Request]:
         return iter(list(self._by_arrival.values()))
 
     def __repr__(self) -> str:
         return f"<FairQueue requests={len(self)} tenants={len(self._tenants)}>"
 
-    def push(self, request: QueuedRequest) -> None:
+    def push(self, request: Request) -> None:
         self._by_arrival[request.request_id] = request
         waiting = self._tenants.get(request.tenant)
         if waiting is None:
@@ -77,13 +94,13 @@ class FairQueue:
         for turns in self._turns:
             turns.clear()
 
-    def head(self, count: int) -> list[QueuedRequest]:
+    def head(self, count: int) -> list[Request]:
         """The oldest `count` requests: what the policy judges urgency by."""
         return list(itertools.islice(self._by_arrival.values(), count))
 
-    def take(self, count: int) -> list[QueuedRequest]:
+    def take(self, count: int) -> list[Request]:
         """Up to `count` requests in batch order (see the module docstring)."""
-        batch: list[QueuedRequest] = []
+        batch: list[Request] = []
         while len(batch) < count and (turns := self._next_tier()) is not None:
             tenant = turns[0]
             if self._credit[tenant] < 1:
@@ -124,7 +141,7 @@ class FairQueue:
             for t in self._turns[tier_rank]
         )
 
-    def _forget(self, request: QueuedRequest) -> None:
+    def _forget(self, request: Request) -> None:
         waiting = self._tenants[request.tenant]
         del waiting[request.request_id]
         if not waiting:

@@ -121,7 +121,7 @@ async def read_input(request: web.Request, limit: int) -> Body:
     text = payload.get("input")
     if not isinstance(text, str):
         raise InvalidInput('the body needs a string field "input"')
-    timeout_ms = _timeout_ms(payload.get("timeout_ms"), request)
+    timeout_ms = timeout_ms_of(payload.get("timeout_ms"), request)
     if len(payload) == 1 or (len(payload) == 2 and "timeout_ms" in payload):
         return Body(text, timeout_ms)
     return Body(text, timeout_ms, *model_fields(payload))
@@ -156,7 +156,7 @@ def _json_problem(exc: orjson.JSONDecodeError) -> str:
     return f"the body is not valid UTF-8 JSON: {exc}"
 
 
-def _timeout_ms(in_body: object, request: web.Request) -> float | None:
+def timeout_ms_of(in_body: object, request: web.Request) -> float | None:
     """The request's own timeout: the body's, else the header's, else None."""
     requested: object = in_body
     if requested is None and "X-Request-Timeout-Ms" in request.headers:

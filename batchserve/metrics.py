@@ -25,6 +25,8 @@ from prometheus_client.registry import Collector
 
 from .batcher import Batcher
 from .clock import Clock
+from .generation import Generation
+from .generation_models import Generators
 from .gpu_pool import HEALTHY, DeviceState, GpuPool
 from .item import Result
 from .registry import Registry
@@ -32,6 +34,9 @@ from .registry import Registry
 LATENCY_BUCKETS = (
     0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.125, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.75,
     1.0, 2.0, 5.0, 10.0,
+)  # fmt: skip
+TOKEN_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0,
 )  # fmt: skip
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 80, 96, 100)
 TARGET_UTILIZATION = 0.7
@@ -45,7 +50,14 @@ WINDOW_S = 2.0
 
 class Metrics:
     def __init__(
-        self, batcher: Batcher, pool: GpuPool, registry: Registry, *, clock: Clock, slo_s: float
+        self,
+        batcher: Batcher,
+        pool: GpuPool,
+        registry: Registry,
+        generators: Generators,
+        *,
+        clock: Clock,
+        slo_s: float,
     ) -> None:
         self._clock = clock
         self.registry = CollectorRegistry()
@@ -81,12 +93,36 @@ class Metrics:
             buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
+        self._ttft = Histogram(
+            "batchserve_time_to_first_token_seconds",
+            "Arrival to the first token, for generations that made one, by model and version.",
+            ["model", "version"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self._tpot = Histogram(
+            "batchserve_time_per_output_token_seconds",
+            "After the first token, each generation's mean time per further token.",
+            ["model", "version"],
+            buckets=TOKEN_BUCKETS,
+            registry=self.registry,
+        )
+        self._generated = Counter(
+            "batchserve_generated_tokens",
+            "Tokens generated for answered generations, by model and version.",
+            ["model", "version"],
+            registry=self.registry,
+        )
         self._answered: dict[tuple[str, str, str, str], tuple[Any, Any]] = {}
         """Per route, tier, model and version, its counter and latency children: bound once,
         since labels() costs more than the increment. Every key is the server's own (routes,
         tiers, registered models), so this stays small."""
         self._state = _StateCollector(batcher, pool, registry, clock, slo_s)
         self.registry.register(self._state)
+        self._generation_state = _GenerationCollector(generators, clock)
+        self.registry.register(self._generation_state)
+        self._first_tokens: deque[tuple[float, float, str]] = deque()
+        """(time, time to first token, model label) of recent generations, for the page."""
         self.recent = RecentWindow()
 
     def ok(self, route: str, tier: str, now: float, latency_s: float, result: Result) -> None:
@@ -103,6 +139,19 @@ class Metrics:
         self._compute.observe(result.compute_s)
         self.recent.add(now, latency_s, result)
 
+    def generated(self, route: str, tier: str, now: float, gen: Generation) -> None:
+        """A generation that ended by itself (stop or length); per generation, not per token."""
+        self._requests.labels(route, "200", tier, "", gen.model, gen.version).inc()
+        self._latency.labels(gen.model, gen.version).observe(now - gen.arrival)
+        tokens = len(gen.seq.tokens)
+        self._generated.labels(gen.model, gen.version).inc(tokens)
+        first = gen.first_token_at
+        if first is not None:
+            self._ttft.labels(gen.model, gen.version).observe(first - gen.arrival)
+            self._first_tokens.append((now, first - gen.arrival, f"{gen.model}@{gen.version}"))
+            if tokens > 1:
+                self._tpot.labels(gen.model, gen.version).observe((now - first) / (tokens - 1))
+
     def failed(self, route: str, tier: str, status: int, code: str) -> None:
         self._requests.labels(route, str(status), tier, code, "", "").inc()
         if code in REJECTIONS:
@@ -117,7 +166,14 @@ class Metrics:
         state = self._state.summary(now)
         for row in state["models"]:
             row.update(answered.get(row["label"], _window_numbers(())))
-        return {"time": time.time(), **recent, **state}
+        while self._first_tokens and self._first_tokens[0][0] < now - WINDOW_S:
+            self._first_tokens.popleft()
+        generation = self._generation_state.summary(now)
+        for row in generation:
+            ttfts = tuple(t for _, t, label in self._first_tokens if label == row["label"])
+            row["ttft_p50_ms"] = _percentile_ms(ttfts, 0.50)
+            row["ttft_p99_ms"] = _percentile_ms(ttfts, 0.99)
+        return {"time": time.time(), **recent, **state, "generation": generation}
 
 
 Answer = tuple[float, float, float, float, int, str, str]
@@ -317,6 +373,75 @@ class _StateCollector(Collector):
             buckets=buckets,
             sum_value=sum(size * count for size, count in sizes.items()),
         )
+
+
+class _GenerationCollector(Collector):
+    """Reads the generation models' schedulers at scrape time."""
+
+    def __init__(self, generators: Generators, clock: Clock) -> None:
+        self._generators = generators
+        self._clock = clock
+
+    def summary(self, now: float) -> list[dict[str, Any]]:
+        return [
+            {
+                "label": model.spec.label,
+                "model": model.spec.name,
+                "version": model.spec.version,
+                "devices": [loop.device for loop in model.loops],
+                "running": model.running,
+                "waiting": model.waiting,
+                "kv_used_tokens": sum(loop.kv_used for loop in model.loops),
+                "kv_budget_tokens": sum(loop.kv_budget for loop in model.loops),
+                "tokens_per_s": model.token_rate.at(now),
+                "steps": model.steps,
+                "preemptions": model.preemptions,
+                "step_failures": model.step_failures,
+            }
+            for model in self._generators
+        ]
+
+    def collect(self) -> Iterator[Metric]:
+        rows = self.summary(self._clock.time())
+        labels = ["model", "version"]
+        families: list[tuple[str, str, str, type[GaugeMetricFamily | CounterMetricFamily]]] = [
+            ("running", "batchserve_sequences_running", "Sequences in steps now.", Gauge),
+            ("waiting", "batchserve_sequences_waiting", "Sequences waiting to run.", Gauge),
+            (
+                "kv_used_tokens",
+                "batchserve_kv_used_tokens",
+                "KV-cache tokens the running sequences hold, over all devices.",
+                Gauge,
+            ),
+            (
+                "kv_budget_tokens",
+                "batchserve_kv_budget_tokens",
+                "KV-cache tokens the devices can hold at once, summed.",
+                Gauge,
+            ),
+            ("steps", "batchserve_generation_steps", "Decoding steps run.", Count),
+            (
+                "preemptions",
+                "batchserve_preemptions",
+                "Sequences put back in line because the running ones outgrew the budget.",
+                Count,
+            ),
+            (
+                "step_failures",
+                "batchserve_step_failures",
+                "Steps that raised or answered badly (each is retried in halves).",
+                Count,
+            ),
+        ]
+        for key, name, text, kind in families:
+            family = kind(name, text, labels=labels)
+            for row in rows:
+                family.add_metric([row["model"], row["version"]], row[key])
+            yield family
+
+
+Gauge = GaugeMetricFamily
+Count = CounterMetricFamily
 
 
 def desired_replicas(arrival_rps: float, capacity_rps: float | None) -> int:

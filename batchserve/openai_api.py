@@ -1,4 +1,5 @@
-"""The OpenAI-shaped door: `POST /v1/embeddings`, so OpenAI client libraries work unchanged.
+"""The OpenAI-shaped door: `POST /v1/embeddings` and `GET /v1/models`, so OpenAI client
+libraries work unchanged (generation: `openai_completions.py`).
 
     client = openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="unused")
     client.embeddings.create(model="minilm", input=["a", "b"]).data[0].embedding
@@ -85,6 +86,14 @@ class OpenAIApi:
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
         }
         return json_response(200, body, {"X-Request-Id": request_id})
+
+    async def models(self, request: web.Request) -> web.Response:
+        """GET /v1/models: every model this server runs, batch and generation."""
+        data = [
+            {"id": model["name"], "object": "model", "created": 0, "owned_by": "batchserve"}
+            for model in self._engine.models()
+        ]
+        return json_response(200, {"object": "list", "data": data})
 
     async def _read_embeddings(
         self, request: web.Request, limit: int

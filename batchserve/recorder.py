@@ -12,7 +12,8 @@ from typing import Any
 
 import orjson
 
-from .errors import BatchserveError
+from .errors import BatchserveError, ClientClosed
+from .generation import Generation
 from .item import Result
 from .metrics import NO_TIER, Metrics
 from .tenants import Tenant
@@ -48,6 +49,30 @@ class Recorder:
                 _access_line(route, request_id, tenant, status, code, latency_s, outcome)
             )
 
+    def record_generation(
+        self, route: str, tenant: Tenant | None, gen: Generation, now: float
+    ) -> None:
+        """A generation accepted and now over: ended by itself, failed, or left."""
+        error = _generation_outcome(gen)
+        if error is not None:
+            self.record(route, gen.request_id, tenant, now - gen.arrival, error, now)
+            return
+        if self._metrics is not None:
+            tier = NO_TIER if tenant is None else tenant.tier
+            self._metrics.generated(route, tier, now, gen)
+        if self._access_log_on:
+            line = _access_line(route, gen.request_id, tenant, 200, None, now - gen.arrival, gen)
+            access_log.info(line)
+
+
+def _generation_outcome(gen: Generation) -> BatchserveError | None:
+    """How a generation's answer counts: its error; None when it ended by itself."""
+    if gen.error is not None:
+        return gen.error
+    if gen.finish_reason is None:
+        return ClientClosed("the client left before the generation ended")
+    return None
+
 
 def _access_line(
     route: str,
@@ -56,7 +81,7 @@ def _access_line(
     status: int,
     code: str | None,
     latency_s: float,
-    outcome: Result | BatchserveError,
+    outcome: Result | BatchserveError | Generation,
 ) -> str:
     """One JSON object: who, what status, where the time went. Never the input text.
 
@@ -77,6 +102,16 @@ def _access_line(
             "compute_ms": round(outcome.compute_s * 1e3, 3),
             "batch_id": outcome.batch_id,
             "batch_size": outcome.batch_size,
+            "device": outcome.device,
+        }
+    elif isinstance(outcome, Generation):
+        summary = outcome.summary()
+        line |= {
+            "ttft_ms": summary["ttft_ms"],
+            "tokens": summary["tokens"],
+            "prompt_tokens": summary["prompt_tokens"],
+            "finish_reason": summary["finish_reason"],
+            "preemptions": outcome.preemptions,
             "device": outcome.device,
         }
     return orjson.dumps(line).decode()

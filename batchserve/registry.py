@@ -17,7 +17,7 @@ import inspect
 import zlib
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 
@@ -122,6 +122,7 @@ class ModelVersion:
         return {
             "version": self.version,
             "state": self.state.value,
+            "kind": "batch",
             "weight": self.spec.weight,
             "devices": self.loaded_on or self.device_names,
             "cost": self.spec.cost,
@@ -195,6 +196,9 @@ class Registry:
     def get(self, name: str, version: str) -> ModelVersion | None:
         return self._by_name.get(name, {}).get(version)
 
+    def __contains__(self, name: object) -> bool:
+        return name in self._by_name
+
     def add(self, version: ModelVersion) -> None:
         self._by_name.setdefault(version.name, {})[version.version] = version
         self._sole = self._only_version()
@@ -242,7 +246,7 @@ class Registry:
             )
         if len(ready) == 1:
             return ready[0]
-        return _weighted_pick(ready, request_id)
+        return weighted_pick(ready, [v.spec.weight for v in ready], request_id)
 
     def embedding_dim(self, model: str) -> int:
         """The vector length `model` returns; 400 if any of its versions returns no vectors."""
@@ -254,6 +258,11 @@ class Registry:
 
     def _versions_of(self, model: str | None) -> dict[str, ModelVersion]:
         if model is None:
+            if not self._by_name:
+                raise InvalidInput(
+                    "this server runs no batch model; its models generate text:"
+                    " POST /api/generate or /v1/completions"
+                )
             if len(self._by_name) != 1:
                 raise InvalidInput(
                     f'name a "model": this server runs {", ".join(sorted(self._by_name))}'
@@ -279,12 +288,15 @@ class Registry:
         ]
 
 
-def _weighted_pick(ready: list[ModelVersion], request_id: str) -> ModelVersion:
+Choice = TypeVar("Choice")
+
+
+def weighted_pick(choices: list[Choice], weights: list[float | None], request_id: str) -> Choice:
     """Versions share traffic by weight (1 without one); the same id picks the same one."""
-    weights = [v.spec.weight or 1.0 for v in ready]
-    point = zlib.crc32(request_id.encode()) / 2**32 * sum(weights)
-    for version, weight in zip(ready, weights, strict=True):
-        point -= weight
+    shares = [weight or 1.0 for weight in weights]
+    point = zlib.crc32(request_id.encode()) / 2**32 * sum(shares)
+    for choice, share in zip(choices, shares, strict=True):
+        point -= share
         if point < 0:
-            return version
-    return ready[-1]
+            return choice
+    return choices[-1]

@@ -1,7 +1,9 @@
 """The HTTP door onto the engine: parse, call the engine, write the answer.
 
 `create_app` mounts the doors over one `Engine`: this module's inference and health routes,
-the status API (`status_api.py`) and the dashboard (`dashboard.py`). Each is handed only what
+generation (`generate_api.py`), the OpenAI-shaped routes (`openai_api.py`,
+`openai_completions.py`), the status API (`status_api.py`) and the dashboard
+(`dashboard.py`). Each is handed only what
 it needs; none holds another's object. The app's cleanup context starts the engine and, at
 shutdown, drains and stops it. Every path or method that no route serves gets the same JSON
 error body and `X-Request-Id` as any other answer.
@@ -18,6 +20,7 @@ from .admin_api import AdminApi
 from .dashboard import Dashboard
 from .engine import Engine
 from .errors import BatchserveError, MethodNotAllowed, NotFound
+from .generate_api import GenerateApi
 from .http_io import (
     answer_body,
     error_response,
@@ -27,6 +30,7 @@ from .http_io import (
     request_id_of,
 )
 from .openai_api import OpenAIApi
+from .openai_completions import OpenAICompletionsApi
 from .status_api import StatusApi
 
 ENGINE_KEY: web.AppKey[Engine] = web.AppKey("batchserve_engine")
@@ -100,7 +104,13 @@ def create_app(engine: Engine) -> web.Application:
     app.router.add_get("/api/models", inference.models)
     app.router.add_get("/healthz", inference.healthz)
     app.router.add_get("/readyz", inference.readyz)
-    app.router.add_post("/v1/embeddings", OpenAIApi(engine).embeddings)
+    openai = OpenAIApi(engine)
+    app.router.add_post("/v1/embeddings", openai.embeddings)
+    app.router.add_get("/v1/models", openai.models)
+    completions = OpenAICompletionsApi(engine)
+    app.router.add_post("/v1/completions", completions.completions)
+    app.router.add_post("/v1/chat/completions", completions.chat_completions)
+    app.router.add_post("/api/generate", GenerateApi(engine).generate)
     if engine.config.admin_key:
         admin = AdminApi(engine, engine.config.admin_key)
         app.router.add_put(ADMIN_ROUTE, admin.put)

@@ -4,6 +4,7 @@
     name = "reverse"            # required
     version = "1"               # required; several entries may share a name
     fn = "pkg.mod:attr"         # or fn_per_device = "pkg.mod:attr"; neither: simulated
+                                # or generator = "pkg.mod:attr" (or "sim"): a generation model
     devices = "sim:2"           # as --devices; models may share devices
     max_batch_size = 100        # optional
     weight = 90                 # optional: share of this name's unpinned traffic
@@ -24,10 +25,13 @@ import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from .config import BACKEND_BATCH_LIMIT, Config
 from .errors import StartupError
+
+if TYPE_CHECKING:
+    from .generators import GeneratorFactory
 
 BatchFn = Callable[..., list[Any]]
 """A batch function: a list of inputs (and the request's params as keyword arguments) to a
@@ -48,6 +52,9 @@ class ModelSpec:
     fn: str | BatchFn | None = None
     """A path package.module:attr (a models file), or the function itself (Python)."""
     fn_per_device: str | DeviceFactory | None = None
+    generator: str | GeneratorFactory | None = None
+    """A generation model's factory (see generators.py), "sim" for the simulated one;
+    None: a batch model."""
     devices: str = "sim:4"
     max_batch_size: int = BACKEND_BATCH_LIMIT
     weight: float | None = None
@@ -73,6 +80,7 @@ _KINDS: dict[str, tuple[type, ...]] = {
     "version": (str,),
     "fn": (str,),
     "fn_per_device": (str,),
+    "generator": (str,),
     "devices": (str,),
     "max_batch_size": (int,),
     "weight": (int, float),
@@ -110,6 +118,11 @@ def _check(spec: ModelSpec) -> None:
         ("name", _plain(spec.name), f"must be 1 to {MAX_NAME} letters, digits or -_."),
         ("version", _plain(spec.version), f"must be 1 to {MAX_NAME} letters, digits or -_."),
         ("fn", spec.fn is None or spec.fn_per_device is None, "give fn or fn_per_device, not both"),
+        (
+            "generator",
+            spec.generator is None or (spec.fn is None and spec.fn_per_device is None),
+            "declares a generation model: give it or fn/fn_per_device, not both",
+        ),
         (
             "max_batch_size",
             1 <= spec.max_batch_size <= BACKEND_BATCH_LIMIT,
@@ -183,6 +196,7 @@ def default_spec(config: Config) -> ModelSpec:
         version=DEFAULT_VERSION,
         fn=config.fn,
         fn_per_device=config.fn_per_device,
+        generator=config.generator,
         devices=config.devices,
         max_batch_size=config.max_batch_size,
         max_linger_ms=config.max_linger_ms,

@@ -71,3 +71,31 @@ async def test_a_hung_cuda_call_marks_the_gpu_unhealthy_until_a_probe_answers():
             assert (await again.json())["output"] == "bcd"
         process.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(process.wait(), 30) == 0
+
+
+async def test_tiny_gpt_generates_on_cuda_through_a_real_server():
+    """Continuous batching with real KV caches on the GPU: each of 64 concurrent streams
+    gets max_tokens printable tokens, the same as when it runs alone."""
+    prompts = [f"cuda prompt {i} " * (1 + i % 3) for i in range(64)]
+    async with (
+        real_server(
+            "--devices", "cuda:0", "--generator", "batchserve.models.tiny_gpt:load",
+            "--max-tokens", "32",
+        ) as (process, _banner, url),
+        aiohttp.ClientSession(url) as session,
+    ):  # fmt: skip
+
+        async def made(prompt: str) -> str:
+            async with session.post("/api/generate", json={"prompt": prompt}) as answer:
+                assert answer.status == 200
+                body = await answer.json()
+                assert body["tokens"] == 32 or body["finish_reason"] == "stop"
+                output: str = body["output"]
+                return output
+
+        alone = [await made(p) for p in prompts[:8]]
+        together = await asyncio.gather(*(made(p) for p in prompts))
+        assert together[:8] == alone
+        assert all(text.isprintable() for text in together)
+        process.send_signal(signal.SIGTERM)
+        assert await process.wait() == 0

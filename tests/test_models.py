@@ -239,6 +239,7 @@ async def test_get_api_models_lists_models_versions_devices_weights_and_state(
                     {
                         "version": "1",
                         "state": "ready",
+                        "kind": "batch",
                         "weight": 3,
                         "devices": ["sim:0", "sim:1", "sim:2"],
                         "cost": "flat",
@@ -247,6 +248,7 @@ async def test_get_api_models_lists_models_versions_devices_weights_and_state(
                     {
                         "version": "2",
                         "state": "ready",
+                        "kind": "batch",
                         "weight": 1,
                         "devices": ["sim:0", "sim:1"],
                         "cost": "flat",
@@ -260,6 +262,7 @@ async def test_get_api_models_lists_models_versions_devices_weights_and_state(
                     {
                         "version": "1",
                         "state": "ready",
+                        "kind": "batch",
                         "weight": None,
                         "devices": ["sim:0", "sim:1", "sim:2"],
                         "cost": "flat",

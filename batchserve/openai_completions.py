@@ -1,0 +1,233 @@
+"""The OpenAI-shaped generation doors: `POST /v1/completions` and `/v1/chat/completions`.
+
+    client = openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="unused")
+    client.completions.create(model="default", prompt="Hello", max_tokens=16)
+    for chunk in client.chat.completions.create(model="default", messages=[...], stream=True):
+        print(chunk.choices[0].delta.content or "", end="")
+
+Both run one generation through the engine, exactly as `/api/generate` does; a chat's
+messages become one prompt by the generator's `chat_prompt(messages)` when it has one, else
+by a plain role-tagged template. `temperature`, `top_p` and `seed` go to the generator as
+params. What the server cannot honour (`n` above 1, `echo`, `logprobs`) is refused (400), not
+ignored. Errors carry OpenAI's body shape, which its clients raise as typed exceptions; a
+failure mid-stream is a `data: {"error": ...}` chunk, which the official client raises.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, NamedTuple
+
+from aiohttp import web
+
+from .engine import Engine
+from .errors import BatchserveError, InvalidInput
+from .generation import Generation
+from .http_io import (
+    error_response,
+    json_response,
+    read_call,
+    read_json,
+    refuse_unknown_fields,
+    timeout_ms_of,
+)
+from .sse import data_event, stream_generation
+
+_COMMON = frozenset(
+    {
+        "model", "max_tokens", "stop", "stream", "stream_options", "temperature", "top_p",
+        "n", "seed", "user", "presence_penalty", "frequency_penalty", "logprobs", "logit_bias",
+    }
+)  # fmt: skip
+_COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "suffix", "best_of"}
+_CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs"}
+_TO_PARAMS = ("temperature", "top_p", "seed")
+
+
+class Completion(NamedTuple):
+    """A completions or chat body, read: what the engine needs, and how to answer."""
+
+    model: str
+    prompt: str | list[dict[str, str]]
+    """The prompt, or a chat's messages (role, content)."""
+    max_tokens: int | None
+    stop: str | list[str] | None
+    params: dict[str, Any]
+    stream: bool
+    include_usage: bool
+    timeout_ms: float | None
+
+
+class OpenAICompletionsApi:
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._complete(request, chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._complete(request, chat=True)
+
+    async def _complete(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
+        engine = self._engine
+        arrival = engine.clock.time()
+        route = "chat_completions" if chat else "completions"
+
+        async def read(request: web.Request, limit: int) -> Completion:
+            return _read_completion(await read_json(request, limit), request, chat=chat)
+
+        call = await read_call(request, engine, route, arrival, read, openai_shape=True)
+        if isinstance(call, web.Response):
+            return call
+        request_id, body = call.request_id, call.body
+        shape = _Shape(chat, f"{'chatcmpl' if chat else 'cmpl'}-{request_id}", body.model)
+        try:
+            prompt = (
+                engine.chat_prompt(body.model, body.prompt)
+                if isinstance(body.prompt, list)
+                else body.prompt
+            )
+            async with engine.generate(
+                prompt,
+                model=body.model,
+                max_tokens=body.max_tokens,
+                stop=body.stop,
+                params=body.params,
+                timeout_ms=body.timeout_ms,
+                request_id=request_id,
+                tenant=call.tenant,
+                arrival=arrival,
+                route=route,
+            ) as gen:
+                if body.stream:
+                    return await stream_generation(
+                        request,
+                        gen,
+                        {"X-Request-Id": request_id},
+                        piece=shape.piece,
+                        ending=lambda ended: shape.ending(ended, body.include_usage),
+                        failure=_failure_chunk,
+                        refusal=lambda e: error_response(e, request_id, openai_shape=True),
+                    )
+                output = await gen.result()
+        except BatchserveError as error:
+            return error_response(error, request_id, openai_shape=True)
+        return json_response(200, shape.whole(gen, output), {"X-Request-Id": request_id})
+
+
+class _Shape:
+    """How one answer is written: a completion or a chat completion, whole or in chunks."""
+
+    def __init__(self, chat: bool, answer_id: str, model: str) -> None:
+        self._chat = chat
+        self._head = {
+            "id": answer_id,
+            "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": model,
+        }
+        self._started = False
+
+    def whole(self, gen: Generation, output: str) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0, "finish_reason": gen.finish_reason}
+        if self._chat:
+            choice["message"] = {"role": "assistant", "content": output}
+        else:
+            choice |= {"text": output, "logprobs": None}
+        return self._head | {"choices": [choice], "usage": _usage(gen)}
+
+    def piece(self, text: str) -> bytes:
+        return self._chunk(text, None)
+
+    def ending(self, gen: Generation, include_usage: bool) -> bytes:
+        ending = self._chunk("", gen.finish_reason)
+        if include_usage:
+            ending += data_event(self._chunk_head() | {"choices": [], "usage": _usage(gen)})
+        return ending
+
+    def _chunk(self, text: str, finish_reason: str | None) -> bytes:
+        choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason}
+        if self._chat:
+            delta: dict[str, str] = {} if finish_reason else {"content": text}
+            if not self._started:
+                delta["role"] = "assistant"
+            choice["delta"] = delta
+        else:
+            choice |= {"text": text, "logprobs": None}
+        self._started = True
+        return data_event(self._chunk_head() | {"choices": [choice]})
+
+    def _chunk_head(self) -> dict[str, Any]:
+        if self._chat:
+            return self._head | {"object": "chat.completion.chunk"}
+        return self._head
+
+
+def _usage(gen: Generation) -> dict[str, int]:
+    made = len(gen.seq.tokens)
+    return {
+        "prompt_tokens": gen.prompt_tokens,
+        "completion_tokens": made,
+        "total_tokens": gen.prompt_tokens + made,
+    }
+
+
+def _failure_chunk(error: BatchserveError) -> bytes:
+    return data_event(
+        {"error": {"message": str(error), "type": error.code.lower(), "code": error.code}}
+    )
+
+
+def _read_completion(payload: dict[str, Any], request: web.Request, *, chat: bool) -> Completion:
+    refuse_unknown_fields(payload, _CHAT_FIELDS if chat else _COMPLETION_FIELDS)
+    model = payload.get("model")
+    if not isinstance(model, str):
+        raise InvalidInput('the body needs a string field "model"')
+    if payload.get("n", 1) != 1 or payload.get("best_of", 1) != 1:
+        raise InvalidInput('"n" and "best_of" other than 1 are not supported')
+    if payload.get("echo") or payload.get("logprobs") or payload.get("suffix"):
+        raise InvalidInput('"echo", "logprobs" and "suffix" are not supported')
+    prompt: str | list[dict[str, str]]
+    if chat:
+        prompt = _messages(payload.get("messages"))
+    else:
+        given = payload.get("prompt")
+        if isinstance(given, list) and len(given) == 1:
+            given = given[0]
+        if not isinstance(given, str):
+            raise InvalidInput('"prompt" must be a string (or a list of one string)')
+        prompt = given
+    max_tokens = payload.get("max_completion_tokens", payload.get("max_tokens"))
+    stream = payload.get("stream") or False
+    options = payload.get("stream_options") or {}
+    if not isinstance(stream, bool) or not isinstance(options, dict):
+        raise InvalidInput('"stream" must be true or false, "stream_options" an object')
+    return Completion(
+        model,
+        prompt,
+        max_tokens,
+        payload.get("stop"),
+        {name: payload[name] for name in _TO_PARAMS if payload.get(name) is not None},
+        stream,
+        options.get("include_usage") is True,
+        timeout_ms_of(None, request),
+    )
+
+
+def _messages(given: object) -> list[dict[str, str]]:
+    """A chat's messages as (role, text) pairs; content parts of type text are joined."""
+    if not isinstance(given, list) or not given:
+        raise InvalidInput('"messages" must be a non-empty list')
+    messages: list[dict[str, str]] = []
+    for message in given:
+        role = message.get("role") if isinstance(message, dict) else None
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, list):
+            parts = [p.get("text") for p in content if isinstance(p, dict)]
+            if len(parts) != len(content) or not all(isinstance(p, str) for p in parts):
+                raise InvalidInput("message content parts must be of type text")
+            content = "".join(parts)  # type: ignore[arg-type]
+        if not isinstance(role, str) or not isinstance(content, str):
+            raise InvalidInput('each message needs a string "role" and text "content"')
+        messages.append({"role": role, "content": content})
+    return messages

@@ -1,0 +1,165 @@
+"""Iteration-level (continuous) batching: one scheduler per device of a generation model.
+
+Before each step a device drops the sequences that ended or whose waiter left (releasing
+them in the model before the step), then admits waiting ones while they fit its KV budget
+as they stand now (prompt + tokens so far + 1). Admission is optimistic: sequences grow a
+token a step, and when the running ones no longer fit, the newest is preempted (released, and
+put back at the head of the line with its tokens, to be recomputed when it runs again). A
+sequence alone always fits, since a prompt whose tokens plus `max_tokens` exceed the budget is
+refused at once (413). Steps then run back to back while any sequence runs.
+
+`static` mode is the baseline the benchmark compares against: a batch forms only when the
+device is empty, reserving prompt + `max_tokens` for each sequence so none is ever
+preempted, and nothing joins it until its longest sequence ends.
+
+A step that raises is retried in halves, each half released first so the model recomputes
+it, until only the sequences that make it fail are failed (500), as batches are bisected.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING
+
+from .clock import Clock
+from .config import GenerateMode
+from .device_thread import DeviceThread
+from .errors import BackendError
+from .generation import Generation, GenState
+from .generators import Generator, GeneratorFactory, check_step
+
+if TYPE_CHECKING:
+    from .generation_models import GenerationModel
+
+log = logging.getLogger(__name__)
+
+
+class StepLoop:
+    """One device: its thread, its generator and the sequences running on it."""
+
+    def __init__(self, device: str, model: GenerationModel, clock: Clock) -> None:
+        self.device = device
+        self._model = model
+        self._clock = clock
+        self._thread = DeviceThread(device)
+        self._generator: Generator | None = None
+        self.running: list[Generation] = []
+        """In the order they were admitted: the newest is preempted first."""
+        self._to_release: list[str] = []
+
+    def __repr__(self) -> str:
+        return f"<StepLoop {self.device} running={len(self.running)}>"
+
+    @property
+    def kv_budget(self) -> int:
+        return 0 if self._generator is None else self._generator.kv_budget_tokens
+
+    @property
+    def kv_used(self) -> int:
+        return sum(gen.held_tokens for gen in self.running)
+
+    async def load(self, factory: GeneratorFactory) -> Generator:
+        """Starts the device's thread and loads the generator on it."""
+        self._thread.start(asyncio.get_running_loop())
+        self._generator = await self._thread.submit(factory, self.device)
+        return self._generator
+
+    def stop(self) -> None:
+        self._thread.stop()
+
+    async def run(self, mode: GenerateMode) -> None:
+        while True:
+            self._sweep()
+            if mode == "continuous" or not self.running:
+                self._admit(reserve=mode == "static")
+            self._preempt_over_budget()
+            if self._to_release:
+                released, self._to_release = self._to_release, []
+                await self._release(released)
+            if not self.running:
+                await self._model.wait_for_work()
+                continue
+            made = await self._step(list(self.running))
+            now = self._clock.time()
+            for gen, token in made:
+                if not gen.cancelled and not gen.done:
+                    gen.add(token, now)
+            self._model.token_rate.add(now, len(made))
+
+    def _sweep(self) -> None:
+        """Drops what ended or was cancelled; their state is released before the next step."""
+        kept: list[Generation] = []
+        for gen in self.running:
+            if gen.done or gen.cancelled:
+                self._to_release.append(gen.request_id)
+            else:
+                kept.append(gen)
+        self.running = kept
+
+    def _admit(self, *, reserve: bool) -> None:
+        """Takes waiting sequences, in the queue's order, while they fit the budget: as they
+        stand now, or (`reserve`) with room for all their `max_tokens`."""
+        budget = self.kv_budget
+        used = sum(self._need(gen, reserve) for gen in self.running)
+        limit = self._model.max_batch_size if reserve else None
+        while limit is None or len(self.running) < limit:
+            gen = self._model.take()
+            if gen is None:
+                return
+            if used + self._need(gen, reserve) > budget:
+                self._model.put_back(gen)
+                return
+            used += self._need(gen, reserve)
+            gen.state, gen.device = GenState.RUNNING, self.device
+            self.running.append(gen)
+
+    @staticmethod
+    def _need(gen: Generation, reserve: bool) -> int:
+        return gen.prompt_tokens + gen.max_tokens if reserve else gen.held_tokens
+
+    def _preempt_over_budget(self) -> None:
+        """Grown past the budget: the newest sequences go back to the head of the line."""
+        while len(self.running) > 1 and self.kv_used > self.kv_budget:
+            gen = self.running.pop()
+            gen.state = GenState.WAITING
+            gen.preemptions += 1
+            self._model.preemptions += 1
+            self._to_release.append(gen.request_id)
+            self._model.put_back(gen)
+
+    async def _step(self, gens: list[Generation]) -> list[tuple[Generation, str | None]]:
+        """One step over `gens`; on a failure, the halves again, down to the culprits."""
+        generator = self._generator
+        assert generator is not None
+        try:
+            answer = await self._thread.submit(generator.step, [gen.seq for gen in gens])
+            tokens = check_step(answer, len(gens))
+        except Exception as exc:
+            self._model.step_failures += 1
+            log.warning(
+                "%s: a step of %d sequences failed (%s: %s)",
+                self.device,
+                len(gens),
+                type(exc).__name__,
+                exc,
+            )
+            await self._release([gen.request_id for gen in gens])
+            if len(gens) == 1:
+                gens[0].fail(
+                    BackendError(f"the generator failed: {type(exc).__name__}: {exc}"),
+                    self._clock.time(),
+                )
+                return []
+            half = len(gens) // 2
+            return await self._step(gens[:half]) + await self._step(gens[half:])
+        self._model.steps += 1
+        return list(zip(gens, tokens, strict=True))
+
+    async def _release(self, seq_ids: list[str]) -> None:
+        generator = self._generator
+        assert generator is not None
+        try:
+            await self._thread.submit(generator.release, seq_ids)
+        except Exception as exc:
+            log.error("%s: release failed (%s: %s)", self.device, type(exc).__name__, exc)

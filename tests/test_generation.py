@@ -1,0 +1,445 @@
+"""Generation with continuous batching: the scheduler, the engine's generate, and its doors.
+
+The simulated generator answers each prompt with the prompt reversed, one character a token,
+so every stream is checked against its own prompt. A recording generator around it shows
+what each step carried and what was released; a gate holds a step until the test opens it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+
+import aiohttp
+import openai
+import orjson
+import pytest
+
+from batchserve.clock import FakeClock
+from batchserve.config import Config
+from batchserve.engine import Engine
+from batchserve.errors import (
+    BackendError,
+    DeadlineExceeded,
+    InputTooLarge,
+    InvalidInput,
+    ModelNotFound,
+)
+from batchserve.generators import Seq, SimulatedGenerator
+from batchserve.server import create_app
+from batchserve.specs import ModelSpec
+
+from .conftest import HANG_GUARD_S, real_server
+
+FAIL_AT_3 = "!fail@3!"
+"""A prompt carrying this makes the step that would make its fourth token raise."""
+
+
+class RecordingGenerator:
+    """The simulated generator, instant, with every step's sequences and every release
+    recorded, an optional gate on the steps, and a fault at a chosen token."""
+
+    def __init__(self, device: str, budget: int = 10_000) -> None:
+        self._inner = SimulatedGenerator(
+            device, fixed_s=0.0, per_token_s=0.0, kv_budget_tokens=budget
+        )
+        self.kv_budget_tokens = budget
+        self.steps: list[list[str]] = []
+        self.released: list[str] = []
+        self.release_seen = threading.Event()
+        self.gate = threading.Event()
+        self.gate.set()
+        self.entered = threading.Event()
+        """Set once a step has begun (and may be waiting at the gate)."""
+
+    def count_tokens(self, text: str) -> int:
+        return len(text)
+
+    def step(self, seqs: list[Seq]) -> list[str | None]:
+        self.entered.set()
+        assert self.gate.wait(HANG_GUARD_S), "the test never opened the gate"
+        self.steps.append([seq.id for seq in seqs])
+        if any(FAIL_AT_3 in seq.prompt and len(seq.tokens) == 3 for seq in seqs):
+            raise RuntimeError("fault at the fourth token")
+        return self._inner.step(seqs)
+
+    def release(self, seq_ids: list[str]) -> None:
+        self.released.extend(seq_ids)
+        self._inner.release(seq_ids)
+        self.release_seen.set()
+
+
+@pytest.fixture
+def recorders() -> Iterator[list[RecordingGenerator]]:
+    made: list[RecordingGenerator] = []
+    yield made
+    for recorder in made:
+        recorder.gate.set()
+
+
+def recording(made: list[RecordingGenerator], budget: int = 10_000):  # type: ignore[no-untyped-def]
+    def load(device: str) -> RecordingGenerator:
+        made.append(RecordingGenerator(device, budget))
+        return made[-1]
+
+    return load
+
+
+def engine_with(factory: object, devices: str = "sim:1", **settings: object) -> Engine:
+    config = Config(**settings)  # type: ignore[arg-type]
+    spec = ModelSpec(name="writer", version="1", generator=factory, devices=devices)  # type: ignore[arg-type]
+    return Engine(config, models=[spec])
+
+
+async def generate(engine: Engine, prompt: str, **asks: object) -> tuple[str, dict[str, object]]:
+    async with engine.generate(prompt, **asks) as gen:  # type: ignore[arg-type]
+        return await gen.result(), gen.summary()
+
+
+async def test_every_stream_is_its_own_prompt_reversed_under_concurrency_and_preemption():
+    # 400 generations on 2 devices whose budget holds a few at a time: sequences join and
+    # leave between steps, are preempted and recomputed, and every token stays in its own
+    # stream, in order.
+    engine = Engine(
+        Config(generator="sim", devices="sim:2", sim_step_ms=(0.0, 0.0), sim_kv_budget=120)
+    )
+    async with engine:
+        prompts = [f"{i}:" + "abcdefghij"[: i % 10] * (1 + i % 4) for i in range(400)]
+
+        async def streamed(prompt: str) -> str:
+            async with engine.generate(prompt) as gen:
+                return "".join([piece async for piece in gen.pieces()])
+
+        outputs = await asyncio.gather(*(streamed(p) for p in prompts))
+        assert outputs == [p[::-1] for p in prompts]
+        assert engine.metrics is not None
+        (row,) = engine.metrics.snapshot()["generation"]
+        assert row["preemptions"] > 0
+        assert row["running"] == row["waiting"] == row["kv_used_tokens"] == 0
+
+
+async def test_stop_strings_cut_the_output_and_max_tokens_ends_it():
+    async with Engine(Config(generator="sim", devices="sim:1", sim_step_ms=(0, 0))) as engine:
+        # "abcdefgh" answers "hgfedcba"
+        assert (await generate(engine, "abcdefgh", stop="dc"))[0] == "hgfe"
+        assert (await generate(engine, "abcdefgh", stop=["xx", "fe", "c"]))[0] == "hg"
+        output, summary = await generate(engine, "abcdefgh", max_tokens=3)
+        assert (output, summary["finish_reason"], summary["tokens"]) == ("hgf", "length", 3)
+        # held back as the start of a stop string, then given out when the sequence ends
+        output, summary = await generate(engine, "abcdefgh", stop="bz")
+        assert (output, summary["finish_reason"]) == ("hgfedcba", "stop")
+
+
+async def test_a_prompt_that_can_never_fit_is_refused_at_once():
+    engine = Engine(Config(generator="sim", devices="sim:1", sim_step_ms=(0, 0), sim_kv_budget=50))
+    async with engine:
+        with pytest.raises(InputTooLarge, match="do not fit"):
+            await generate(engine, "x" * 40, max_tokens=20)
+        with pytest.raises(InputTooLarge):
+            await generate(engine, "x" * 50)
+        # without max_tokens, the default shrinks to what fits
+        output, summary = await generate(engine, "y" * 45)
+        assert (output, summary["finish_reason"]) == ("y" * 5, "length")
+        for bad in (0, -1, 1.5, True, 10_000):
+            with pytest.raises(InvalidInput, match="max_tokens"):
+                await generate(engine, "a", max_tokens=bad)
+        for bad_stop in ("", ["a"] * 17, [1]):
+            with pytest.raises(InvalidInput, match="stop"):
+                await generate(engine, "a", stop=bad_stop)
+
+
+async def test_a_step_that_fails_fails_only_the_sequence_that_makes_it_fail(recorders):
+    engine = engine_with(recording(recorders))
+    async with engine:
+        prompts = [f"fine {i}" for i in range(7)] + [f"bad {FAIL_AT_3} here"]
+        outcomes = await asyncio.gather(
+            *(generate(engine, p, model="writer") for p in prompts), return_exceptions=True
+        )
+        assert [o[0] for o in outcomes[:7]] == [p[::-1] for p in prompts[:7]]  # type: ignore[index]
+        assert isinstance(outcomes[7], BackendError)
+        assert "fault at the fourth token" in str(outcomes[7])
+
+
+async def test_leaving_a_generation_releases_its_sequence_before_the_next_step(recorders):
+    engine = engine_with(recording(recorders))
+    async with engine:
+        async with engine.generate("a long prompt " * 20) as gen:
+            pieces = gen.pieces()
+            assert await anext(pieces) == " "
+            await pieces.aclose()
+        (recorder,) = recorders
+        assert await asyncio.to_thread(recorder.release_seen.wait, HANG_GUARD_S)
+        assert gen.request_id in recorder.released
+        steps_after = recorder.steps[recorder.steps.index([gen.request_id]) + 1 :]
+        assert len(steps_after) <= 1  # at most the step already under way when it left
+        assert engine.metrics is not None
+        await asyncio.to_thread(lambda: None)
+        (row,) = engine.metrics.snapshot()["generation"]
+        assert row["kv_used_tokens"] == 0
+
+
+async def test_the_deadline_bounds_the_wait_for_the_first_token(recorders):
+    clock = FakeClock()
+    engine = Engine(
+        Config(timeout_ms=1000),
+        models=[
+            ModelSpec(name="writer", version="1", generator=recording(recorders), devices="sim:1")
+        ],
+        clock=clock,
+    )
+    async with engine:
+        (recorder,) = recorders
+        recorder.gate.clear()
+        first = asyncio.ensure_future(generate(engine, "held"))
+        await asyncio.sleep(0)
+        late = asyncio.ensure_future(generate(engine, "late", timeout_ms=500))
+        await asyncio.sleep(0)
+        clock.advance(0.6)
+        with pytest.raises(DeadlineExceeded, match="before the request's deadline"):
+            await late
+        recorder.gate.set()
+        assert (await first)[0] == "dleh"
+
+
+async def test_static_mode_lets_nothing_join_a_running_batch(recorders):
+    engine = engine_with(recording(recorders), generate_mode="static")
+    async with engine:
+        (recorder,) = recorders
+        recorder.gate.clear()
+        first = [asyncio.ensure_future(generate(engine, "x" * n)) for n in (2, 9)]
+        await asyncio.sleep(0)
+        recorder.gate.set()
+        later = [asyncio.ensure_future(generate(engine, "y" * 3)) for _ in range(3)]
+        await asyncio.gather(*first, *later)
+        batches: list[set[str]] = []
+        for step in recorder.steps:
+            if not batches or not set(step) <= batches[-1]:
+                batches.append(set(step))
+        # each step's sequences are a subset of the batch that started before it
+        assert sum(len(b) for b in batches) == 5
+
+
+async def test_continuous_mode_lets_new_sequences_join_between_steps(recorders):
+    engine = engine_with(recording(recorders))
+    async with engine:
+        (recorder,) = recorders
+        recorder.gate.clear()
+        long = asyncio.ensure_future(generate(engine, "L" * 300))
+        assert await asyncio.to_thread(recorder.entered.wait, HANG_GUARD_S)
+        short = asyncio.ensure_future(generate(engine, "short"))
+        recorder.gate.set()
+        assert (await short)[0] == "trohs"
+        assert not long.done()  # it joined while the long one ran, and left before it
+        assert (await long)[0] == "L" * 256  # the default max_tokens
+        assert len(recorder.steps[0]) == 1
+        assert len(recorder.steps[1]) == 2
+
+
+async def test_requests_for_the_wrong_kind_of_model_say_where_to_go():
+    config = Config(sim_latency_ms=1, sim_step_ms=(0, 0))
+    specs = [
+        ModelSpec(name="reverse", version="1", devices="sim:1"),
+        ModelSpec(name="writer", version="1", generator="sim", devices="sim:1"),
+    ]
+    async with Engine(config, models=specs) as engine:
+        assert (await engine.infer("abc", model="reverse")).output == "cba"
+        assert (await generate(engine, "abc", model="writer"))[0] == "cba"
+        with pytest.raises(InvalidInput, match="generates text"):
+            await engine.infer("abc", model="writer")
+        with pytest.raises(InvalidInput, match="runs batches"):
+            await generate(engine, "abc", model="reverse")
+        with pytest.raises(ModelNotFound, match="no generation model"):
+            await generate(engine, "abc", model="nope")
+        kinds = {m["name"]: m["versions"][0]["kind"] for m in engine.models()}
+        assert kinds == {"reverse": "batch", "writer": "generation"}
+
+
+async def test_drain_lets_running_generations_finish(recorders):
+    engine = engine_with(recording(recorders))
+    async with engine:
+        (recorder,) = recorders
+        recorder.gate.clear()
+        running = asyncio.ensure_future(generate(engine, "drained"))
+        await asyncio.sleep(0)
+        drained = asyncio.ensure_future(engine.drain())
+        await asyncio.sleep(0)
+        with pytest.raises(Exception, match="draining"):
+            await generate(engine, "refused")
+        recorder.gate.set()
+        await drained
+        assert (await running)[0] == "deniard"
+
+
+# The HTTP doors
+
+
+async def test_api_generate_answers_whole_and_streams_events(aiohttp_client):
+    engine = Engine(Config(generator="sim", devices="sim:1", sim_step_ms=(0, 0)))
+    client = await aiohttp_client(create_app(engine))
+    response = await client.post("/api/generate", json={"prompt": "hello", "stop": "l"})
+    body = await response.json()
+    assert response.status == 200
+    assert (body["output"], body["finish_reason"], body["tokens"]) == ("o", "stop", 2)
+    assert body["ttft_ms"] >= 0
+    assert body["request_id"] == response.headers["X-Request-Id"]
+
+    response = await client.post("/api/generate", json={"prompt": "stream me", "stream": True})
+    assert response.headers["Content-Type"] == "text/event-stream"
+    events = (await response.text()).strip().split("\n\n")
+    assert events[-1] == "data: [DONE]"
+    tokens = [orjson.loads(e.removeprefix("data: "))["token"] for e in events[:-2]]
+    assert "".join(tokens) == "em maerts"
+    final = orjson.loads(events[-2].removeprefix("data: "))
+    assert (final["finish_reason"], final["tokens"]) == ("stop", 9)
+
+    for bad, status in [
+        ({"prompt": 1}, 400),
+        ({"prompt": "a", "stream": "yes"}, 400),
+        ({"prompt": "a", "bogus": 1}, 400),
+        ({"prompt": "a" * 20_000, "max_tokens": 4096}, 413),
+        ({"prompt": "a", "model": "nope"}, 404),
+    ]:
+        response = await client.post("/api/generate", json=bad)
+        assert response.status == status, (bad, await response.text())
+        assert "error" in await response.json()
+
+
+async def test_a_failure_after_the_stream_started_is_an_error_event(aiohttp_client, recorders):
+    engine = engine_with(recording(recorders))
+    client = await aiohttp_client(create_app(engine))
+    response = await client.post("/api/generate", json={"prompt": f"x{FAIL_AT_3}", "stream": True})
+    assert response.status == 200
+    events = (await response.text()).strip().split("\n\n")
+    assert [orjson.loads(e.removeprefix("data: "))["token"] for e in events[:3]] == ["!", "3", "@"]
+    kind, data = events[3].split("\n")
+    assert kind == "event: error"
+    assert orjson.loads(data.removeprefix("data: "))["error"]["code"] == "BACKEND_ERROR"
+    assert len(events) == 4  # and the stream ended
+
+
+async def test_a_client_that_disconnects_mid_stream_has_its_sequence_released(
+    aiohttp_client, recorders
+):
+    engine = engine_with(recording(recorders))
+    client = await aiohttp_client(create_app(engine), server_kwargs={"handler_cancellation": True})
+    response = await client.post("/api/generate", json={"prompt": "z" * 3000, "stream": True})
+    assert (await response.content.readuntil(b"\n\n")).startswith(b"data: ")
+    response.close()
+    (recorder,) = recorders
+    assert await asyncio.to_thread(recorder.release_seen.wait, HANG_GUARD_S)
+    assert len(recorder.released) == 1
+
+
+async def test_the_openai_client_completes_chats_and_streams_against_a_live_server():
+    async with (
+        real_server("--generator", "sim", "--devices", "sim:2", "--sim-step-ms", "1,0") as server,
+        openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0) as client,
+    ):
+        models = await client.models.list()
+        assert [m.id for m in models.data] == ["default"]
+
+        completion = await client.completions.create(
+            model="default", prompt="abcdef", max_tokens=4, stop=["zz"]
+        )
+        choice = completion.choices[0]
+        assert (choice.text, choice.finish_reason) == ("fedc", "length")
+        assert completion.usage is not None
+        assert (completion.usage.prompt_tokens, completion.usage.completion_tokens) == (6, 4)
+
+        chat = await client.chat.completions.create(
+            model="default",
+            messages=[{"role": "user", "content": "hi"}],
+            max_completion_tokens=200,
+        )
+        expected = "<|user|>\nhi\n<|assistant|>\n"[::-1]
+        assert chat.choices[0].message.content == expected
+        assert chat.choices[0].finish_reason == "stop"
+
+        async def streamed(prompt: str) -> str:
+            stream = await client.completions.create(
+                model="default", prompt=prompt, max_tokens=100, stream=True
+            )
+            return "".join([chunk.choices[0].text async for chunk in stream])
+
+        prompts = [f"prompt number {i} " * (1 + i % 3) for i in range(60)]
+        assert await asyncio.gather(*(streamed(p) for p in prompts)) == [
+            p[::-1][:100] for p in prompts
+        ]
+        chunks = await client.chat.completions.create(
+            model="default",
+            messages=[{"role": "user", "content": "yo"}],
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        pieces, usage = [], None
+        async for chunk in chunks:
+            if chunk.choices:
+                pieces.append(chunk.choices[0].delta.content or "")
+            usage = chunk.usage or usage
+        assert "".join(pieces) == "<|user|>\nyo\n<|assistant|>\n"[::-1]
+        assert usage is not None
+        assert usage.completion_tokens == len(pieces) - 1
+
+        with pytest.raises(openai.NotFoundError, match="no generation model"):
+            await client.completions.create(model="nope", prompt="a")
+        with pytest.raises(openai.BadRequestError, match="not supported"):
+            await client.completions.create(model="default", prompt="a", n=2)
+        with pytest.raises(openai.APIStatusError) as too_big:
+            await client.completions.create(model="default", prompt="a" * 20_000, max_tokens=4096)
+        assert too_big.value.status_code == 413
+
+        async with aiohttp.ClientSession() as http, http.get(f"{server.url}/metrics") as got:
+            scrape = await got.text()
+        for name in (
+            "batchserve_time_to_first_token_seconds_bucket",
+            "batchserve_time_per_output_token_seconds_bucket",
+            "batchserve_generated_tokens_total",
+            "batchserve_sequences_running",
+            "batchserve_kv_used_tokens",
+            "batchserve_preemptions_total",
+        ):
+            assert name in scrape, name
+        server.process.terminate()
+        assert await server.process.wait() == 0
+
+
+async def test_a_models_file_serves_batch_and_generation_models_side_by_side(tmp_path):
+    models = tmp_path / "models.toml"
+    models.write_text(
+        '[[model]]\nname = "reverse"\nversion = "1"\ndevices = "sim:1"\n'
+        '[[model]]\nname = "writer"\nversion = "1"\ngenerator = "sim"\ndevices = "sim:1"\n'
+    )
+    async with (
+        real_server("--models", str(models), "--sim-latency-ms", "1") as server,
+        aiohttp.ClientSession(base_url=server.url) as http,
+    ):
+        batch = await http.post("/api/inference", json={"input": "abc", "model": "reverse"})
+        made = await http.post("/api/generate", json={"prompt": "abc", "model": "writer"})
+        assert ((await batch.json())["output"], (await made.json())["output"]) == ("cba", "cba")
+        wrong = await http.post("/api/generate", json={"prompt": "abc", "model": "reverse"})
+        assert wrong.status == 400
+        listed = (await (await http.get("/api/models")).json())["models"]
+        assert [(m["name"], m["versions"][0]["kind"]) for m in listed] == [
+            ("reverse", "batch"),
+            ("writer", "generation"),
+        ]
+
+
+async def test_tiny_gpt_streams_the_same_tokens_alone_and_batched_on_cpu():
+    pytest.importorskip("torch")
+    from batchserve.models.tiny_gpt import load
+
+    prompts = [f"prompt {i} " * (1 + i % 4) for i in range(24)]
+    direct = load("cpu")
+    alone = []
+    for index, prompt in enumerate(prompts):
+        seq = Seq(f"direct-{index}", prompt)
+        while len(seq.tokens) < 20 and (token := direct.step([seq])[0]) is not None:
+            seq.tokens.append(token)
+        alone.append("".join(seq.tokens))
+    config = Config(generator="batchserve.models.tiny_gpt:load", devices="cpu", max_tokens=20)
+    async with Engine(config) as engine:
+        batched = await asyncio.gather(*(generate(engine, p) for p in prompts))
+    assert [output for output, _ in batched] == alone
+    assert all(summary["tokens"] == 20 for _, summary in batched)
