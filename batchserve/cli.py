@@ -80,7 +80,12 @@ _FLAGS: list[tuple[str, Callable[[str], object], str]] = [
         " device's KV budget decides who runs); static: a batch forms when the device is"
         " free and runs until its longest sequence ends (the baseline, for benchmarks)",
     ),
-    ("max-tokens", int, "what a generation may make when its request gives no max_tokens"),
+    (
+        "max-tokens",
+        int,
+        "what a generation may make when its request gives no max_tokens (at most the cap,"
+        " and what fits the device's KV budget beside its prompt)",
+    ),
     ("max-tokens-cap", int, "the most max_tokens a generation request may ask for"),
     (
         "policy",

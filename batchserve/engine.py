@@ -340,7 +340,7 @@ class Engine:
         room = generation_model.kv_budget - prompt_tokens
         limit = _max_tokens(max_tokens, self.config.max_tokens_cap)
         if limit is None:
-            limit = min(self.config.max_tokens, room)
+            limit = min(self.config.max_tokens, self.config.max_tokens_cap, room)
         if prompt_tokens + limit > generation_model.kv_budget or limit < 1:
             raise InputTooLarge(
                 f"the prompt's {prompt_tokens} tokens and max_tokens {limit} do not fit a"

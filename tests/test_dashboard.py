@@ -10,6 +10,9 @@ from pathlib import Path
 import pytest
 
 from batchserve.backends import simulated_factory
+from batchserve.config import Config
+from batchserve.engine import Engine
+from batchserve.server import create_app
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 pytestmark = pytest.mark.skipif(
@@ -69,3 +72,20 @@ async def test_the_page_loads_and_its_charts_follow_the_load(start_server, tmp_p
     assert "<td>sim:0</td>" in dom
     assert "<td>sim:1</td>" in dom
     assert screenshot.read_bytes().startswith(b"\x89PNG")
+
+
+async def test_a_generation_server_shows_its_models_row(aiohttp_client, tmp_path):
+    engine = Engine(Config(generator="sim", devices="sim:1", sim_step_ms=(1, 0)))
+    client = await aiohttp_client(create_app(engine))
+    answer = await client.post("/api/generate", json={"prompt": "shown"})
+    assert (await answer.json())["output"] == "nwohs"
+    dom = await chromium(
+        tmp_path / "a", "--dump-dom", "--virtual-time-budget=3000", str(client.make_url("/"))
+    )
+    body = re.search(r"<body([^>]*)>", dom)
+    assert body is not None
+    assert "data-error" not in body.group(1)
+    generation = re.search(r'<tbody id="generation">(.*?)</tbody>', dom, re.S)
+    assert generation is not None
+    assert 'data-model="default@1"' in generation.group(1)
+    assert "<td>sim:0</td>" in generation.group(1)

