@@ -460,3 +460,24 @@ async def test_smollm2_answers_a_chat_where_its_wheel_is_installed():
         output, summary = await generate(engine, prompt, max_tokens=12)
     assert "Paris" in output
     assert summary["tokens"] <= 12
+
+
+async def test_keys_and_tier_rates_apply_to_generation(aiohttp_client, tmp_path):
+    keys = tmp_path / "keys.toml"
+    keys.write_text(
+        '[keys."sk-free"]\ntenant = "hobby"\ntier = "free"\n[tiers.free]\nrate = 0.001\nburst = 1\n'
+    )
+    engine = Engine(
+        Config(generator="sim", devices="sim:1", sim_step_ms=(0, 0), keys_file=str(keys))
+    )
+    client = await aiohttp_client(create_app(engine))
+    body = {"prompt": "keyed"}
+    assert (await client.post("/api/generate", json=body)).status == 401
+    auth = {"Authorization": "Bearer sk-free"}
+    answer = await client.post("/api/generate", json=body, headers=auth)
+    assert (await answer.json())["output"] == "deyek"
+    limited = await client.post(
+        "/v1/completions", json={"model": "default", "prompt": "x"}, headers=auth
+    )
+    assert limited.status == 429
+    assert "Retry-After" in limited.headers
