@@ -69,6 +69,7 @@ class StepLoop:
         self._thread.stop()
 
     async def run(self, mode: GenerateMode) -> None:
+        """Steps back to back while anything runs; sleeps until work arrives otherwise."""
         while True:
             self._sweep()
             if mode == "continuous" or not self.running:
