@@ -298,7 +298,6 @@ class Engine:
             if not gen.done:
                 gen.cancel()
                 generation_model.discard(gen)
-                generation_model.wake()
             del self._generating[request_id]
             if not self._generating:
                 self._no_generations.set()
@@ -323,11 +322,14 @@ class Engine:
         self._admission.take_token(tenant, arrival, self._batcher.capacity_rps)
         if self.phase is not Phase.READY:
             raise NotReady(f"the server is {self.phase.value}")
-        if model is not None and model not in self._generators and model in self._registry:
-            raise InvalidInput(
-                f"model {model[:64]} runs batches, not generation: POST /api/inference"
-            )
-        generation_model = self._generators.route(model, version, request_id)
+        try:
+            generation_model = self._generators.route(model, version, request_id)
+        except ModelNotFound:
+            if model is not None and model in self._registry:
+                raise InvalidInput(
+                    f"model {model[:64]} runs batches, not generation: POST /api/inference"
+                ) from None
+            raise
         self._admission.check_input(prompt)
         if request_id in self._generating or request_id in self._pending:
             raise DuplicateRequestId(f"request id {request_id} is already in flight")
@@ -418,11 +420,14 @@ class Engine:
         self._admission.take_token(tenant, arrival, self._batcher.capacity_rps)
         if self.phase is not Phase.READY:
             raise NotReady(f"the server is {self.phase.value}")
-        if ask.model in self._generators:
-            raise InvalidInput(
-                f"model {ask.model} generates text: POST /api/generate or /v1/completions"
-            )
-        version = self._registry.route(ask.model, ask.version, request_id)
+        try:
+            version = self._registry.route(ask.model, ask.version, request_id)
+        except ModelNotFound:
+            if ask.model in self._generators:  # looked for only once routing has failed
+                raise InvalidInput(
+                    f"model {ask.model} generates text: POST /api/generate or /v1/completions"
+                ) from None
+            raise
         if not self._pool.healthy or (
             len(version.loaded_on) < len(self.device_names) and not self._pool.healthy_for(version)
         ):

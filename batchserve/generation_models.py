@@ -209,9 +209,6 @@ class Generators:
     def __contains__(self, name: object) -> bool:
         return name in self._by_name
 
-    def __bool__(self) -> bool:
-        return bool(self._by_name)
-
     @property
     def names(self) -> list[str]:
         return sorted(self._by_name)

@@ -404,33 +404,34 @@ class _GenerationCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         rows = self.summary(self._clock.time())
         labels = ["model", "version"]
+        gauge, counter = GaugeMetricFamily, CounterMetricFamily
         families: list[tuple[str, str, str, type[GaugeMetricFamily | CounterMetricFamily]]] = [
-            ("running", "batchserve_sequences_running", "Sequences in steps now.", Gauge),
-            ("waiting", "batchserve_sequences_waiting", "Sequences waiting to run.", Gauge),
+            ("running", "batchserve_sequences_running", "Sequences in steps now.", gauge),
+            ("waiting", "batchserve_sequences_waiting", "Sequences waiting to run.", gauge),
             (
                 "kv_used_tokens",
                 "batchserve_kv_used_tokens",
                 "KV-cache tokens the running sequences hold, over all devices.",
-                Gauge,
+                gauge,
             ),
             (
                 "kv_budget_tokens",
                 "batchserve_kv_budget_tokens",
                 "KV-cache tokens the devices can hold at once, summed.",
-                Gauge,
+                gauge,
             ),
-            ("steps", "batchserve_generation_steps", "Decoding steps run.", Count),
+            ("steps", "batchserve_generation_steps", "Decoding steps run.", counter),
             (
                 "preemptions",
                 "batchserve_preemptions",
                 "Sequences put back in line because the running ones outgrew the budget.",
-                Count,
+                counter,
             ),
             (
                 "step_failures",
                 "batchserve_step_failures",
                 "Steps that raised or answered badly (each is retried in halves).",
-                Count,
+                counter,
             ),
         ]
         for key, name, text, kind in families:
@@ -438,10 +439,6 @@ class _GenerationCollector(Collector):
             for row in rows:
                 family.add_metric([row["model"], row["version"]], row[key])
             yield family
-
-
-Gauge = GaugeMetricFamily
-Count = CounterMetricFamily
 
 
 def desired_replicas(arrival_rps: float, capacity_rps: float | None) -> int:

@@ -65,7 +65,6 @@ class TinyGPT:
         allowed[list(PRINTABLE)] = 0.0
         allowed[EOS] = 0.0
         self._allowed = allowed.to(device)
-        self._dtype = dtype
         self._caches: dict[str, list[tuple[Any, Any]]] = {}
         """Per sequence, per layer: keys and values, (heads, length, head width)."""
 
