@@ -20,6 +20,7 @@ from typing import Any
 
 from ..errors import StartupError
 from ..generators import Seq
+from .sampling import choose_token
 
 KV_BUDGET_TOKENS = 8192
 """Tokens of all sequences held at once: the model's context length, shared."""
@@ -75,14 +76,7 @@ class SmolLM2:
             use_cache=True,
         )
         self._caches[seq.id] = out.past_key_values
-        logits = out.logits[0, -1].float()
-        temperature = float(seq.params.get("temperature", 0) or 0)
-        if temperature > 0:
-            draw = torch.Generator().manual_seed(int(seq.params.get("seed", 0)) + len(seq.tokens))
-            probabilities = torch.softmax(logits / temperature, dim=-1).cpu()
-            token = int(torch.multinomial(probabilities, 1, generator=draw))
-        else:
-            token = int(logits.argmax())
+        token = choose_token(torch, out.logits[0, -1].float(), seq.params, len(seq.tokens))
         if token == self._eos:
             return None
         self._last[seq.id] = token

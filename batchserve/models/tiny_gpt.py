@@ -21,6 +21,7 @@ from typing import Any
 
 from ..errors import StartupError
 from ..generators import Seq
+from .sampling import choose_token
 
 VOCAB = 257
 EOS = 256
@@ -140,15 +141,8 @@ class TinyGPT:
 
     def _choose(self, seq: Seq, logits: Any) -> str | None:
         """Greedy, or sampled at the sequence's `temperature` (seeded: it repeats)."""
-        torch = self._torch
         logits = logits.float() + self._allowed
-        temperature = float(seq.params.get("temperature", 0) or 0)
-        if temperature > 0:
-            draw = torch.Generator().manual_seed(int(seq.params.get("seed", 0)) + len(seq.tokens))
-            probabilities = torch.softmax(logits / temperature, dim=-1).cpu()
-            token = int(torch.multinomial(probabilities, 1, generator=draw))
-        else:
-            token = int(logits.argmax())
+        token = choose_token(self._torch, logits, seq.params, len(seq.tokens))
         return None if token == EOS else chr(token)
 
 
