@@ -17,16 +17,14 @@ from aiohttp import web
 
 from .engine import Engine
 from .errors import BatchserveError, InvalidInput
+from .generation_http import Events, answer_generation, data_event
 from .http_io import (
-    error_response,
-    json_response,
     model_fields,
     read_call,
     read_json,
     refuse_unknown_fields,
     timeout_ms_of,
 )
-from .sse import data_event, stream_generation
 
 _FIELDS = frozenset(
     {"prompt", "max_tokens", "stop", "params", "stream", "timeout_ms", "model", "version"}
@@ -77,36 +75,35 @@ class GenerateApi:
         call = await read_call(request, engine, "generate", arrival, read_generate)
         if isinstance(call, web.Response):
             return call
-        request_id, body = call.request_id, call.body
-        headers = {"X-Request-Id": request_id}
-        try:
-            async with engine.generate(
-                body.prompt,
-                model=body.model,
-                version=body.version,
-                max_tokens=body.max_tokens,
-                stop=body.stop,
-                params=body.params,
-                timeout_ms=body.timeout_ms,
-                request_id=request_id,
-                tenant=call.tenant,
-                arrival=arrival,
-            ) as gen:
-                if body.stream:
-                    return await stream_generation(
-                        request,
-                        gen,
-                        headers,
-                        piece=lambda text: data_event({"token": text}),
-                        ending=lambda ended: data_event(ended.summary()),
-                        failure=_failure_event,
-                        refusal=lambda error: error_response(error, request_id),
-                    )
-                output = await gen.result()
-        except BatchserveError as error:
-            return error_response(error, request_id)
-        return json_response(200, {"output": output, **gen.summary()}, headers)
+        body = call.body
+        generating = engine.generate(
+            body.prompt,
+            model=body.model,
+            version=body.version,
+            max_tokens=body.max_tokens,
+            stop=body.stop,
+            params=body.params,
+            timeout_ms=body.timeout_ms,
+            request_id=call.request_id,
+            tenant=call.tenant,
+            arrival=arrival,
+        )
+        return await answer_generation(
+            request,
+            generating,
+            call.request_id,
+            stream=body.stream,
+            events=EVENTS,
+            whole=lambda gen, output: {"output": output, **gen.summary()},
+        )
 
 
 def _failure_event(error: BatchserveError) -> bytes:
     return data_event({"error": {"code": error.code, "message": str(error)}}, event="error")
+
+
+EVENTS = Events(
+    piece=lambda text: data_event({"token": text}),
+    ending=lambda gen: data_event(gen.summary()),
+    failure=_failure_event,
+)

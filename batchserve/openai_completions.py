@@ -23,15 +23,13 @@ from aiohttp import web
 from .engine import Engine
 from .errors import BatchserveError, InvalidInput
 from .generation import Generation
+from .generation_http import Events, answer_generation, data_event
 from .http_io import (
-    error_response,
-    json_response,
     read_call,
     read_json,
     refuse_unknown_fields,
     timeout_ms_of,
 )
-from .sse import data_event, stream_generation
 
 _COMMON = frozenset(
     {
@@ -48,8 +46,9 @@ class Completion(NamedTuple):
     """A completions or chat body, read: what the engine needs, and how to answer."""
 
     model: str
-    prompt: str | list[dict[str, str]]
-    """The prompt, or a chat's messages (role, content)."""
+    prompt: str
+    """The prompt; for a chat, its messages in the generator's template once read."""
+    messages: list[dict[str, str]] | None
     max_tokens: int | None
     stop: str | list[str] | None
     params: dict[str, Any]
@@ -74,45 +73,44 @@ class OpenAICompletionsApi:
         route = "chat_completions" if chat else "completions"
 
         async def read(request: web.Request, limit: int) -> Completion:
-            return _read_completion(await read_json(request, limit), request, chat=chat)
+            """The body, a chat's messages made one prompt here, so that a refusal of
+            either (an unknown model) is recorded like any other bad body."""
+            body = _read_completion(await read_json(request, limit), request, chat=chat)
+            if body.messages is None:
+                return body
+            return body._replace(prompt=engine.chat_prompt(body.model, body.messages))
 
         call = await read_call(request, engine, route, arrival, read, openai_shape=True)
         if isinstance(call, web.Response):
             return call
-        request_id, body = call.request_id, call.body
-        shape = _Shape(chat, f"{'chatcmpl' if chat else 'cmpl'}-{request_id}", body.model)
-        try:
-            prompt = (
-                engine.chat_prompt(body.model, body.prompt)
-                if isinstance(body.prompt, list)
-                else body.prompt
-            )
-            async with engine.generate(
-                prompt,
-                model=body.model,
-                max_tokens=body.max_tokens,
-                stop=body.stop,
-                params=body.params,
-                timeout_ms=body.timeout_ms,
-                request_id=request_id,
-                tenant=call.tenant,
-                arrival=arrival,
-                route=route,
-            ) as gen:
-                if body.stream:
-                    return await stream_generation(
-                        request,
-                        gen,
-                        {"X-Request-Id": request_id},
-                        piece=shape.piece,
-                        ending=lambda ended: shape.ending(ended, body.include_usage),
-                        failure=_failure_chunk,
-                        refusal=lambda e: error_response(e, request_id, openai_shape=True),
-                    )
-                output = await gen.result()
-        except BatchserveError as error:
-            return error_response(error, request_id, openai_shape=True)
-        return json_response(200, shape.whole(gen, output), {"X-Request-Id": request_id})
+        body = call.body
+        shape = _Shape(chat, f"{'chatcmpl' if chat else 'cmpl'}-{call.request_id}", body.model)
+        generating = engine.generate(
+            body.prompt,
+            model=body.model,
+            max_tokens=body.max_tokens,
+            stop=body.stop,
+            params=body.params,
+            timeout_ms=body.timeout_ms,
+            request_id=call.request_id,
+            tenant=call.tenant,
+            arrival=arrival,
+            route=route,
+        )
+        events = Events(
+            piece=shape.piece,
+            ending=lambda gen: shape.ending(gen, body.include_usage),
+            failure=_failure_chunk,
+        )
+        return await answer_generation(
+            request,
+            generating,
+            call.request_id,
+            stream=body.stream,
+            events=events,
+            whole=shape.whole,
+            openai_shape=True,
+        )
 
 
 class _Shape:
@@ -187,16 +185,8 @@ def _read_completion(payload: dict[str, Any], request: web.Request, *, chat: boo
         raise InvalidInput('"n" and "best_of" other than 1 are not supported')
     if payload.get("echo") or payload.get("logprobs") or payload.get("suffix"):
         raise InvalidInput('"echo", "logprobs" and "suffix" are not supported')
-    prompt: str | list[dict[str, str]]
-    if chat:
-        prompt = _messages(payload.get("messages"))
-    else:
-        given = payload.get("prompt")
-        if isinstance(given, list) and len(given) == 1:
-            given = given[0]
-        if not isinstance(given, str):
-            raise InvalidInput('"prompt" must be a string (or a list of one string)')
-        prompt = given
+    messages = _messages(payload.get("messages")) if chat else None
+    prompt = "" if chat else _prompt(payload.get("prompt"))
     max_tokens = payload.get("max_completion_tokens", payload.get("max_tokens"))
     stream = payload.get("stream") or False
     options = payload.get("stream_options") or {}
@@ -205,6 +195,7 @@ def _read_completion(payload: dict[str, Any], request: web.Request, *, chat: boo
     return Completion(
         model,
         prompt,
+        messages,
         max_tokens,
         payload.get("stop"),
         {name: payload[name] for name in _TO_PARAMS if payload.get(name) is not None},
@@ -212,6 +203,14 @@ def _read_completion(payload: dict[str, Any], request: web.Request, *, chat: boo
         options.get("include_usage") is True,
         timeout_ms_of(None, request),
     )
+
+
+def _prompt(given: object) -> str:
+    if isinstance(given, list) and len(given) == 1:
+        given = given[0]
+    if not isinstance(given, str):
+        raise InvalidInput('"prompt" must be a string (or a list of one string)')
+    return given
 
 
 def _messages(given: object) -> list[dict[str, str]]:

@@ -384,6 +384,10 @@ async def test_the_openai_client_completes_chats_and_streams_against_a_live_serv
 
         with pytest.raises(openai.NotFoundError, match="no generation model"):
             await client.completions.create(model="nope", prompt="a")
+        with pytest.raises(openai.NotFoundError, match="no generation model"):
+            await client.chat.completions.create(
+                model="nope", messages=[{"role": "user", "content": "a"}]
+            )
         with pytest.raises(openai.BadRequestError, match="not supported"):
             await client.completions.create(model="default", prompt="a", n=2)
         with pytest.raises(openai.APIStatusError) as too_big:
@@ -401,6 +405,14 @@ async def test_the_openai_client_completes_chats_and_streams_against_a_live_serv
             "batchserve_preemptions_total",
         ):
             assert name in scrape, name
+        refused_chats = [
+            line
+            for line in scrape.splitlines()
+            if line.startswith("batchserve_requests_total")
+            and 'route="chat_completions"' in line
+            and 'code="404"' in line
+        ]
+        assert [line.rsplit(" ", 1)[1] for line in refused_chats] == ["1.0"]
         server.process.terminate()
         assert await server.process.wait() == 0
 
