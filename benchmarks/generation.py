@@ -20,43 +20,22 @@ import argparse
 import asyncio
 import os
 import random
-import signal
 import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import aiohttp
+from servers import ROOT, start_server, stop_server
 
-ROOT = Path(__file__).resolve().parent.parent
 PORT = 8766
 SIM = ("--generator", "sim", "--devices", "sim:1", "--sim-step-ms", "10,0.05")
 
 
-def start_server(*args: str) -> subprocess.Popen[str]:
-    log = ROOT / "benchmarks/results/generation-server.log"
-    log.parent.mkdir(parents=True, exist_ok=True)
+def serve(*args: str) -> subprocess.Popen[str]:
     command = [sys.executable, "-m", "batchserve", "--port", str(PORT), "--log-level",
                "WARNING", "--max-queue", "100000", *args]  # fmt: skip
-    with log.open("a") as stderr:
-        server = subprocess.Popen(
-            ["taskset", "-c", "0", *command], cwd=ROOT, stdout=subprocess.PIPE, stderr=stderr,
-            text=True,
-        )  # fmt: skip
-    assert server.stdout is not None
-    if not server.stdout.readline():
-        raise RuntimeError(f"the server did not start: {' '.join(command)}")
-    return server
-
-
-def stop_server(server: subprocess.Popen[str]) -> None:
-    server.send_signal(signal.SIGTERM)
-    try:
-        server.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        server.kill()
-        server.wait()
+    return start_server(command, "generation-server.log")
 
 
 def prompt_for(rng: random.Random) -> str:
@@ -124,7 +103,7 @@ def modes(rates: list[float], seconds: float, repeats: int) -> None:
         for mode in ("continuous", "static"):
             runs = []
             for seed in range(repeats):
-                server = start_server(*SIM, "--generate-mode", mode)
+                server = serve(*SIM, "--generate-mode", mode)
                 try:
                     runs.append(asyncio.run(open_loop(rate, seconds, seconds / 4, seed)))
                 finally:
@@ -191,7 +170,7 @@ def tiny(seconds: float, repeats: int, batch: int, tokens: int) -> None:
             cwd=ROOT, capture_output=True, text=True, check=True,
         )  # fmt: skip
         direct.append(float(run.stdout))
-        server = start_server(
+        server = serve(
             "--generator", "batchserve.models.tiny_gpt:load", "--devices", "cpu",
             "--max-tokens-cap", str(tokens),
         )  # fmt: skip

@@ -13,7 +13,6 @@ import argparse
 import json
 import os
 import re
-import signal
 import statistics
 import subprocess
 import sys
@@ -23,8 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from plots import write_plots
+from servers import ROOT, start_server, stop_server
 
-ROOT = Path(__file__).resolve().parent.parent
 PORT = 8765
 
 
@@ -77,17 +76,8 @@ PLAN: list[tuple[Setup, list[int]]] = [
 def run_point(
     setup: Setup, rate: float, seconds: float, seed: int, load_args: tuple[str, ...] = ()
 ) -> dict[str, float]:
-    log = ROOT / "benchmarks/results/server.log"
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with log.open("a") as stderr:
-        server = subprocess.Popen(
-            ["taskset", "-c", "0", *setup.command()],
-            cwd=ROOT, stdout=subprocess.PIPE, stderr=stderr, text=True,
-        )  # fmt: skip
+    server = start_server(setup.command())
     try:
-        assert server.stdout is not None
-        if not server.stdout.readline():  # the start-up line says it is listening
-            raise RuntimeError(f"the server did not start: {' '.join(setup.command())}")
         load = subprocess.run(
             ["taskset", "-c", "1", sys.executable, "benchmarks/loadgen.py",
              "--url", f"http://127.0.0.1:{PORT}", "--rate", str(rate),
@@ -96,12 +86,7 @@ def run_point(
         )  # fmt: skip
         return {**json.loads(load.stdout), "server": server_counters()}
     finally:
-        server.send_signal(signal.SIGTERM)
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+        stop_server(server)
 
 
 COUNTERS = re.compile(r'^batchserve_(recoveries|faults)_total\{kind="([a-z_]+)"\} (\S+)$', re.M)

@@ -1,0 +1,35 @@
+"""Starting and stopping the server under test, for every benchmark: pinned to core 0, so the
+load (pinned to core 1) never shares its core. Nothing here needs matplotlib."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def start_server(command: list[str], log_name: str = "server.log") -> subprocess.Popen[str]:
+    """`command` on core 0, once it has printed its start-up line; stderr to results/."""
+    log = ROOT / "benchmarks/results" / log_name
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("a") as stderr:
+        server = subprocess.Popen(
+            ["taskset", "-c", "0", *command],
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=stderr, text=True,
+        )  # fmt: skip
+    assert server.stdout is not None
+    if not server.stdout.readline():  # the start-up line says it is listening
+        raise RuntimeError(f"the server did not start: {' '.join(command)}")
+    return server
+
+
+def stop_server(server: subprocess.Popen[str]) -> None:
+    """SIGTERM (a drain), then a kill if it has not exited within a minute."""
+    server.send_signal(signal.SIGTERM)
+    try:
+        server.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        server.kill()
+        server.wait()
