@@ -121,8 +121,10 @@ class StepLoop:
 
     def _preempt_over_budget(self) -> None:
         """Grown past the budget: the newest sequences go back to the head of the line."""
-        while len(self.running) > 1 and self.kv_used > self.kv_budget:
+        used = self.kv_used  # summed once, not once for each sequence put back
+        while len(self.running) > 1 and used > self.kv_budget:
             gen = self.running.pop()
+            used -= gen.held_tokens
             gen.state = GenState.WAITING
             gen.preemptions += 1
             self._model.preemptions += 1
