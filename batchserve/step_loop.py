@@ -147,13 +147,13 @@ class StepLoop:
                 type(exc).__name__,
                 exc,
             )
-            await self._release([gen.request_id for gen in gens])
-            if len(gens) == 1:
+            if len(gens) == 1:  # failed: the sweep releases it before the next step
                 gens[0].fail(
                     BackendError(f"the generator failed: {type(exc).__name__}: {exc}"),
                     self._clock.time(),
                 )
                 return []
+            await self._release([gen.request_id for gen in gens])  # the halves recompute
             half = len(gens) // 2
             return await self._step(gens[:half]) + await self._step(gens[half:])
         self._model.steps += 1
