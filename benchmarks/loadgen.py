@@ -45,6 +45,9 @@ class Summary:
     p90_ms: float
     p99_ms: float
     max_ms: float
+    good_share: float
+    """Timed requests (after warm-up, without the poison marker) answered 200 within
+    --good-ms, over all of them sent: shed, failed and lost requests count as misses."""
     achieved_rps: float
     """200 answers over the time from the first send to the last answer."""
     mean_batch: float
@@ -135,11 +138,13 @@ class Run:
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop, url: str, limit: int, timeout_s: float,
-                 warmup_s: float, workload: Workload) -> None:  # fmt: skip
+                 warmup_s: float, good_s: float, workload: Workload) -> None:  # fmt: skip
         parts = urlsplit(url)
         self.host, self.port = parts.hostname or "127.0.0.1", parts.port or 80
         self.loop, self.limit, self.timeout_s = loop, limit, timeout_s
-        self.warmup_s = warmup_s
+        self.warmup_s, self.good_s = warmup_s, good_s
+        self.good = 0
+        """Timed 200 answers within good_s of their scheduled time."""
         self.workload = workload
         host = self.host.encode()
         self.heads = {
@@ -267,6 +272,7 @@ class Run:
         if pending.scheduled - self.start >= self.warmup_s:
             latency = now - pending.scheduled
             self.latencies.append(latency)
+            self.good += latency <= self.good_s
             if name:
                 self.per_key[name][1].append(latency)
             self.batch_sizes.append(answer["batch_size"])
@@ -281,7 +287,7 @@ def _sized(text: str, length: int) -> str:
     return (text + "." * length)[: max(length, len(text))]
 
 
-async def run(url: str, rate: float, seconds: float, warmup_s: float, seed: int,
+async def run(url: str, rate: float, seconds: float, warmup_s: float, good_s: float, seed: int,
               connections: int, timeout_s: float, poison_rate: float = 0.0,
               hang_at_s: float | None = None,
               keys: list[tuple[str, str, float]] | None = None,
@@ -327,7 +333,7 @@ async def run(url: str, rate: float, seconds: float, warmup_s: float, seed: int,
                  for text, name in zip(texts, key_names, strict=True)]  # fmt: skip
         key_headers = {name: b"" for name, _, _ in LENGTHS}
     workload = Workload(texts, poisoned, key_names, key_headers, model_field=bool(models))
-    load = Run(loop, url, connections, timeout_s, warmup_s, workload)
+    load = Run(loop, url, connections, timeout_s, warmup_s, good_s, workload)
     await load.warm(min(connections, max(8, int(rate * 0.3))))
     load.start = start = loop.time() + 0.05
     # The cyclic GC stops this loop for milliseconds at a time, and every request due then
@@ -363,6 +369,7 @@ async def run(url: str, rate: float, seconds: float, warmup_s: float, seed: int,
     statuses = load.statuses
     ok = statuses["200"]
     clean = len(schedule) - len(poisoned)
+    timed = sum(1 for index, at in enumerate(schedule) if at >= warmup_s and index not in poisoned)
     computes = sorted(load.computes)
     batch_sizes = load.batch_sizes
     return Summary(
@@ -380,6 +387,7 @@ async def run(url: str, rate: float, seconds: float, warmup_s: float, seed: int,
         p90_ms=pct(0.90),
         p99_ms=pct(0.99),
         max_ms=1e3 * latencies[-1] if latencies else float("nan"),
+        good_share=load.good / timed if timed else 0.0,
         achieved_rps=ok / (load.last_answer - start) if load.last_answer > start else 0.0,
         mean_batch=sum(batch_sizes) / len(batch_sizes) if batch_sizes else 0.0,
         batch_sizes={str(size): n for size, n in sorted(Counter(batch_sizes).items())},
@@ -396,9 +404,14 @@ def main() -> None:
     parser.add_argument(
         "--warmup-s", type=float, default=1.0, help="arrivals this early are checked, not timed"
     )
-    parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--connections", type=int, default=4000)
-    parser.add_argument("--timeout-s", type=float, default=15.0)
+    parser.add_argument(
+        "--good-ms", type=float, default=200.0, help="an answer this fast counts in good_share"
+    )
+    parser.add_argument("--seed", type=int, default=1, help="seeds the arrivals and inputs")
+    parser.add_argument("--connections", type=int, default=4000, help="at most this many open")
+    parser.add_argument(
+        "--timeout-s", type=float, default=15.0, help="a request unanswered this long is lost"
+    )
     parser.add_argument(
         "--poison-rate", type=float, default=0.0, help="share of inputs with the poison marker"
     )
@@ -423,6 +436,10 @@ def main() -> None:
         help="API keys to mix, name=key:weight,...; each request draws one by weight",
     )
     args = parser.parse_args()
+    if args.seconds <= args.warmup_s:
+        parser.error(
+            f"--seconds must exceed --warmup-s ({args.warmup_s:g}): nothing would be timed"
+        )
     keys = [
         (name, key, float(weight))
         for name, rest in (part.split("=", 1) for part in args.keys.split(",") if part)
@@ -431,7 +448,8 @@ def main() -> None:
     models = [(name, float(weight)) for name, weight in
               (part.rsplit(":", 1) for part in args.models.split(",") if part)]  # fmt: skip
     summary = uvloop.run(
-        run(args.url, args.rate, args.seconds, args.warmup_s, args.seed, args.connections,
+        run(args.url, args.rate, args.seconds, args.warmup_s, args.good_ms / 1e3, args.seed,
+            args.connections,
             args.timeout_s, args.poison_rate, args.hang_at_s, keys or None, models or None,
             args.length_mix, args.repeat_poison)
     )  # fmt: skip

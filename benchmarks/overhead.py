@@ -8,7 +8,7 @@ as batchserve does. Each run is a fresh server on core 0 (D=4 simulated devices)
 load generator on core 1; CPU time is read from /proc/PID/stat before and after the load.
 The three alternate, so that drift hits each alike. Medians over repeats.
 
-    python benchmarks/overhead.py --repeats 3 --rate 3000 --seconds 8
+    python benchmarks/overhead.py            # 6 repeats x 3 servers, about 5 minutes
 """
 
 from __future__ import annotations
@@ -16,13 +16,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
 from pathlib import Path
 
-from sweep import PORT, ROOT
+from progress import Progress
+from servers import PORT, ROOT, start_server, stop_server
 
 TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -42,14 +42,8 @@ SERVERS = {
 
 def run(server_args: list[str], rate: float, seconds: float, seed: int) -> float:
     """Microseconds of server CPU per answered request."""
-    log = (ROOT / "benchmarks/results/server.log").open("a")
-    server = subprocess.Popen(
-        ["taskset", "-c", "0", sys.executable, *server_args, "--port", str(PORT)],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=log, text=True,
-    )  # fmt: skip
+    server = start_server([sys.executable, *server_args, "--port", str(PORT)])
     try:
-        assert server.stdout is not None
-        server.stdout.readline()
         before = cpu_seconds(server.pid)
         load = subprocess.run(
             ["taskset", "-c", "1", sys.executable, "benchmarks/loadgen.py",
@@ -61,22 +55,25 @@ def run(server_args: list[str], rate: float, seconds: float, seed: int) -> float
         answered = json.loads(load.stdout)["ok"]
         return 1e6 * used / answered
     finally:
-        server.send_signal(signal.SIGTERM)
-        server.wait(timeout=60)
-        log.close()
+        stop_server(server)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rate", type=float, default=3000.0)
-    parser.add_argument("--seconds", type=float, default=8.0)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--rate", type=float, default=3000.0, help="offered requests/s")
+    parser.add_argument("--seconds", type=float, default=8.0, help="each run's schedule")
+    parser.add_argument(
+        "--repeats", type=int, default=6, help="interleaved runs of each server (medians)"
+    )
     args = parser.parse_args()
+    if args.seconds <= 1 or args.repeats < 1:
+        parser.error("--seconds must exceed the 1 s warm-up and --repeats be at least 1")
     costs: dict[str, list[float]] = {name: [] for name in SERVERS}
+    progress = Progress(args.repeats * len(SERVERS))
     for seed in range(1, args.repeats + 1):
         for name, server_args in SERVERS.items():
             costs[name].append(run(server_args, args.rate, args.seconds, seed))
-            print(f"{name}: {costs[name][-1]:.1f} us/request", flush=True)
+            progress.step(f"{name}: {costs[name][-1]:.1f} us/request")
     on, off, bare = (statistics.median(costs[name]) for name in SERVERS)
     print(
         f"median us/request: metrics on {on:.1f}, off {off:.1f}, bare aiohttp {bare:.1f};"

@@ -96,7 +96,12 @@ def _save(figure: Any, path: Path) -> Path:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("sweep_json", type=Path)
-    parser.add_argument("--plots", type=Path, default=Path(__file__).parent / "plots")
+    parser.add_argument(
+        "--plots",
+        type=Path,
+        default=Path(__file__).parent / "results/plots",
+        help="where the PNGs go (benchmarks/plots holds the committed ones)",
+    )
     args = parser.parse_args()
     for path in write_plots(json.loads(args.sweep_json.read_text()), args.plots):
         print(f"wrote {path}")

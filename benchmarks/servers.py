@@ -3,11 +3,15 @@ load (pinned to core 1) never shares its core. Nothing here needs matplotlib."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
 import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+PORT = 8765
+"""Where every benchmark's server under test listens."""
 
 
 def start_server(command: list[str], log_name: str = "server.log") -> subprocess.Popen[str]:
@@ -17,7 +21,7 @@ def start_server(command: list[str], log_name: str = "server.log") -> subprocess
     with log.open("a") as stderr:
         server = subprocess.Popen(
             ["taskset", "-c", "0", *command],
-            cwd=ROOT, stdout=subprocess.PIPE, stderr=stderr, text=True,
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=stderr, text=True, start_new_session=True,
         )  # fmt: skip
     assert server.stdout is not None
     if not server.stdout.readline():  # the start-up line says it is listening
@@ -26,10 +30,13 @@ def start_server(command: list[str], log_name: str = "server.log") -> subprocess
 
 
 def stop_server(server: subprocess.Popen[str]) -> None:
-    """SIGTERM (a drain), then a kill if it has not exited within a minute."""
-    server.send_signal(signal.SIGTERM)
+    """SIGTERM (a drain), a kill if it has not exited within a minute; then a kill for any
+    process it left behind in its group (LitServe's workers outlive their parent)."""
+    os.killpg(server.pid, signal.SIGTERM)
     try:
         server.wait(timeout=60)
     except subprocess.TimeoutExpired:
         server.kill()
         server.wait()
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(server.pid, signal.SIGKILL)
