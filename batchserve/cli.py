@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import logging
 import os
@@ -32,6 +33,17 @@ def _on_off(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected on or off, not {text!r}")
 
 
+def _octal(text: str) -> int:
+    """argparse type for --uds-mode: permission bits like 600 or 0660."""
+    try:
+        mode = int(text, 8)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected octal like 600, not {text!r}") from None
+    if not 0 <= mode <= 0o777:
+        raise argparse.ArgumentTypeError(f"expected permissions up to 777, not {text!r}")
+    return mode
+
+
 def _cost_pair(text: str) -> tuple[float, float]:
     """argparse type for --sim-cost: two numbers, "a,b"."""
     try:
@@ -44,6 +56,13 @@ def _cost_pair(text: str) -> tuple[float, float]:
 _FLAGS: list[tuple[str, Callable[[str], object], str]] = [
     ("host", str, "address to listen on; 0.0.0.0 for every interface"),
     ("port", int, "TCP port; 0 picks a free one"),
+    ("tcp", _on_off, "listen on --host and --port; off serves only on --uds"),
+    (
+        "uds",
+        str,
+        "also serve on this Unix domain socket path (a sidecar's local door; see --uds-mode)",
+    ),
+    ("uds-mode", _octal, "the socket file's permissions, in octal; 600 lets only this user"),
     (
         "devices",
         str,
@@ -242,6 +261,8 @@ def build_parser(prog: str = "batchserve") -> argparse.ArgumentParser:
         default = getattr(defaults, dest)
         env = f"BATCHSERVE_{dest.upper()}"
         shown = ("on" if default else "off") if isinstance(default, bool) else default
+        if kind is _octal:
+            shown = f"{default:o}"
         values = "on or off; " if kind is _on_off else ""
         parser.add_argument(
             f"--{flag}",
@@ -269,21 +290,20 @@ def config_from_args(
 
 
 async def serve(engine: Engine) -> int:
-    """Serves until SIGTERM or SIGINT, then drains (readiness fails, accepted work finishes)
-    and returns 0; returns 1 at once if the engine fails, rather than serve into it."""
+    """Serves until SIGTERM or SIGINT, then drains and returns 0; returns 1 at once if the
+    engine fails, rather than serve into it.
+
+    A drain first stops taking connections: the listening sockets close and so does every
+    keep-alive connection once its request in hand (if any) is answered, so that a load
+    balancer in front (nginx) finds this replica gone and sends new requests to another,
+    while every request already accepted here finishes."""
     config = engine.config
     app = create_app(engine)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5)
     await runner.setup()
     loop = asyncio.get_running_loop()
     try:
-        site = web.TCPSite(runner, config.host, config.port, backlog=4096)
-        try:
-            await site.start()
-        except OSError as exc:
-            cause = os.strerror(exc.errno).lower() if exc.errno else str(exc)
-            raise StartupError(f"cannot listen on {config.host}:{config.port}: {cause}") from None
-        host, port = runner.addresses[0][:2]
+        sites, where = await _listen(runner, config)
         # Everything loaded so far lives for the whole run: keep it out of the collector's
         # scans, and collect young objects less often (each request makes a few).
         gc.freeze()
@@ -297,7 +317,7 @@ async def serve(engine: Engine) -> int:
             for version in model["versions"]
         )
         print(
-            f"batchserve listening on http://{host}:{port} devices={','.join(engine.device_names)}"
+            f"batchserve listening on {where} devices={','.join(engine.device_names)}"
             f" models={models} policy={config.policy} max_batch_size={config.max_batch_size}"
             f" max_linger_ms={config.max_linger_ms:g}",
             flush=True,
@@ -314,12 +334,52 @@ async def serve(engine: Engine) -> int:
             log.critical("exiting 1: %s", engine.failure)
             return 1
         log.info("stopping: draining %d accepted requests", engine.stats().pending)
+        for site in sites:
+            await site.stop()
+        assert runner.server is not None
+        runner.server.pre_shutdown()  # each connection closes once its request is answered
         await engine.drain()
         return 0
     finally:
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(signum)
         await runner.cleanup()
+        if config.uds:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(config.uds)
+
+
+async def _listen(runner: web.AppRunner, config: Config) -> tuple[list[web.BaseSite], str]:
+    """The TCP site (unless --tcp off) and the Unix socket's (--uds), started; and where
+    they listen, in words."""
+    sites: list[web.BaseSite] = []
+    where: list[str] = []
+    if config.tcp:
+        tcp = web.TCPSite(runner, config.host, config.port, backlog=4096)
+        await _start(tcp, f"{config.host}:{config.port}")
+        sites.append(tcp)
+        host, port = runner.addresses[0][:2]
+        where.append(f"http://{host}:{port}")
+    if config.uds:
+        unix = web.UnixSite(runner, config.uds, backlog=4096)
+        # The socket is created with the mode asked for, never briefly wider.
+        umask = os.umask(0o777 & ~config.uds_mode)
+        try:
+            await _start(unix, config.uds)
+        finally:
+            os.umask(umask)
+        os.chmod(config.uds, config.uds_mode)
+        sites.append(unix)
+        where.append(f"unix:{config.uds}")
+    return sites, " and ".join(where)
+
+
+async def _start(site: web.BaseSite, where: str) -> None:
+    try:
+        await site.start()
+    except OSError as exc:
+        cause = os.strerror(exc.errno).lower() if exc.errno else str(exc)
+        raise StartupError(f"cannot listen on {where}: {cause}") from None
 
 
 def _route_access_log_to_stdout() -> None:

@@ -20,6 +20,9 @@ POLICIES: tuple[PolicyName, ...] = ("adaptive", "fixed")
 class Config:
     host: str = "127.0.0.1"
     port: int = 8000
+    tcp: bool = True
+    uds: str | None = None
+    uds_mode: int = 0o600
     devices: str = "sim:4"
     fn: str | None = None
     fn_per_device: str | None = None
@@ -64,6 +67,8 @@ class Config:
     def __post_init__(self) -> None:
         rules: list[tuple[bool, str]] = [
             (0 <= self.port <= 65535, "port must be between 0 and 65535"),
+            (self.tcp or self.uds is not None, "--tcp off needs --uds: nowhere to listen"),
+            (0 <= self.uds_mode <= 0o777, "uds_mode must be permission bits, 0 to 777 octal"),
             (
                 1 <= self.max_batch_size <= BACKEND_BATCH_LIMIT,
                 f"max_batch_size must be between 1 and {BACKEND_BATCH_LIMIT}",
