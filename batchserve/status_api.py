@@ -101,6 +101,6 @@ class StatusApi:
             answer = {
                 "request_id": request_id,
                 "status": "failed",
-                "error": error_body(outcome, request_id),
+                "error": {**error_body(outcome, request_id), "status": outcome.status},
             }
         self.store.finish(request_id, answer, now)

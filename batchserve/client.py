@@ -1,0 +1,554 @@
+"""Calling a batchserve server from Python: `Client` (blocking) and `AsyncClient`.
+
+Both send each call with a stable `X-Request-Id` and the time left before the caller's
+deadline as `X-Request-Timeout-Ms`, so the server never works past it. An answer 503 or 429
+(and a replica that refuses the connection) is retried after the server's Retry-After with
+jitter, but never past the deadline: when the wait would cross it, the call raises
+`DeadlineExceeded` at once. Every error answer raises a `ServerError` subclass carrying the
+server's status, code, message and request id.
+
+    from batchserve.client import Client
+    with Client("http://127.0.0.1:8000") as client:     # or Client(uds="/run/batchserve.sock")
+        print(client.infer("hello").output)              # olleh
+
+The retry rules live in `_Attempts`, which does no I/O; the two clients only send.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import quote
+
+import httpx
+import orjson
+
+RETRIED = frozenset({429, 503})
+FIRST_BACKOFF_S = 0.05
+"""The wait before a retry when the server named none (a refused connection), doubling."""
+JITTER = 0.5
+"""A retry waits the asked time x uniform(1, 1 + JITTER), so that retries do not arrive
+together."""
+
+
+class ServerError(Exception):
+    """An error answer: its HTTP status, the server's code and message, the request's id."""
+
+    def __init__(
+        self,
+        status: int,
+        code: str,
+        message: str,
+        request_id: str,
+        retry_after_s: float | None = None,
+    ) -> None:
+        super().__init__(f"{status} {code}: {message}")
+        self.status, self.code, self.message = status, code, message
+        self.request_id, self.retry_after_s = request_id, retry_after_s
+
+
+class InvalidRequest(ServerError):
+    """400, 404, 405, 409 or 413: the call as sent can never succeed."""
+
+
+class Unauthenticated(ServerError):
+    """401: no API key, or one the server does not know."""
+
+
+class RateLimited(ServerError):
+    """429: the key's rate; retried while the deadline allows."""
+
+
+class BackendError(ServerError):
+    """500: the model failed on this input."""
+
+
+class Unavailable(ServerError):
+    """503 (OVERLOADED, NOT_READY) or no replica reachable; retried while the deadline
+    allows."""
+
+
+class DeadlineExceeded(ServerError):
+    """504 from the server, or the caller's deadline passed (or would, before the retry the
+    server asked for) on this side; `last_error` is the answer that was being retried."""
+
+    last_error: ServerError | None = None
+
+
+_BY_STATUS: dict[int, type[ServerError]] = {
+    401: Unauthenticated,
+    429: RateLimited,
+    500: BackendError,
+    503: Unavailable,
+    504: DeadlineExceeded,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Inference:
+    output: Any
+    request_id: str
+    model: str
+    version: str
+    latency_ms: float
+    batch_size: int
+
+
+@dataclass(frozen=True, slots=True)
+class Status:
+    """A submitted request as the server last saw it: queued, running, completed or failed."""
+
+    request_id: str
+    status: str
+    result: Inference | None = None
+    error: ServerError | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Generated:
+    output: str
+    tokens: int
+    finish_reason: str
+    request_id: str
+
+
+def _inference(body: Mapping[str, Any]) -> Inference:
+    return Inference(
+        body["output"],
+        body["request_id"],
+        body["model"],
+        body["version"],
+        body["latency_ms"],
+        body["batch_size"],
+    )
+
+
+def _error(status: int, body: Mapping[str, Any], request_id: str) -> ServerError:
+    """Our error body ({"error": code, "message"}) or the OpenAI-shaped one
+    ({"error": {"code", "message"}}) of the /v1 routes."""
+    error = body.get("error")
+    code, message = (
+        (error.get("code", ""), error.get("message", ""))
+        if isinstance(error, dict)
+        else (str(error or f"HTTP_{status}"), str(body.get("message", "")))
+    )
+    retry_ms = body.get("retry_after_ms")
+    return _BY_STATUS.get(status, InvalidRequest)(
+        status,
+        code,
+        message,
+        str(body.get("request_id", request_id)),
+        retry_ms / 1e3 if isinstance(retry_ms, int | float) else None,
+    )
+
+
+def _body(content: bytes) -> dict[str, Any]:
+    try:
+        body = orjson.loads(content)
+    except orjson.JSONDecodeError:
+        return {"message": content[:200].decode(errors="replace")}
+    return body if isinstance(body, dict) else {"message": str(body)[:200]}
+
+
+class _Attempts:
+    """One call's id, deadline and retry decisions; no I/O, so both clients share it."""
+
+    def __init__(
+        self,
+        timeout_s: float,
+        clock: Callable[[], float],
+        rng: random.Random,
+        request_id: str | None = None,
+    ) -> None:
+        self.request_id = request_id or uuid.uuid4().hex
+        self._clock, self._rng = clock, rng
+        self._deadline = clock() + timeout_s
+        self._backoff_s = FIRST_BACKOFF_S
+
+    def time_left(self) -> float:
+        """Seconds before the deadline; raises DeadlineExceeded once there are none."""
+        left = self._deadline - self._clock()
+        if left <= 0:
+            raise DeadlineExceeded(504, "DEADLINE_EXCEEDED", "the deadline passed", self.request_id)
+        return left
+
+    def headers(self) -> dict[str, str]:
+        return {
+            "X-Request-Id": self.request_id,
+            "X-Request-Timeout-Ms": f"{self.time_left() * 1e3:.0f}",
+        }
+
+    def check(self, status: int, content: bytes) -> float | None:
+        """None for a 2xx answer; the wait before retrying a 503 or 429; raises the error
+        of any other answer, or DeadlineExceeded when the wait would cross the deadline."""
+        if status < 300:
+            return None
+        error = _error(status, _body(content), self.request_id)
+        if status not in RETRIED:
+            raise error
+        return self._wait(error, error.retry_after_s)
+
+    def refused(self, cause: httpx.TransportError) -> float:
+        """The wait before retrying a connection that could not be made (a replica gone)."""
+        error = Unavailable(503, "UNREACHABLE", str(cause) or type(cause).__name__, self.request_id)
+        return self._wait(error, None)
+
+    def _wait(self, error: ServerError, asked_s: float | None) -> float:
+        base = asked_s if asked_s is not None else self._backoff_s
+        self._backoff_s *= 2
+        wait = base * self._rng.uniform(1.0, 1.0 + JITTER)
+        if wait >= self._deadline - self._clock():
+            late = DeadlineExceeded(
+                504,
+                "DEADLINE_EXCEEDED",
+                f"the deadline would pass before the retry the answer asked for ({error})",
+                self.request_id,
+            )
+            late.last_error = error
+            raise late from error
+        return wait
+
+
+class _SseReader:
+    """Server-sent events of POST /api/generate, line by line: token texts, then the end;
+    an `event: error` raises its error."""
+
+    def __init__(self, request_id: str) -> None:
+        self._request_id = request_id
+        self._event: str | None = None
+
+    def line(self, line: str) -> str | None:
+        """The token text this line carries, if any."""
+        if line.startswith("event:"):
+            self._event = line[6:].strip()
+            return None
+        if not line.startswith("data:"):
+            self._event = None if not line else self._event
+            return None
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return None
+        payload = orjson.loads(data)
+        if self._event == "error":
+            raise _error(500, payload, self._request_id)
+        token = payload.get("token")
+        return token if isinstance(token, str) else None
+
+
+def _base(url: str | None, uds: str | None) -> str:
+    if url is None and uds is None:
+        raise ValueError("give the server's url, or uds= for its Unix socket")
+    return url or "http://batchserve"
+
+
+def _generate_body(
+    prompt: str, max_tokens: int | None, stream: bool, fields: Mapping[str, Any]
+) -> dict[str, Any]:
+    body = {"prompt": prompt, "stream": stream, **fields}
+    if max_tokens is not None:
+        body["max_tokens"] = max_tokens
+    return body
+
+
+def _generated(body: Mapping[str, Any]) -> Generated:
+    return Generated(body["output"], body["tokens"], body["finish_reason"], body["request_id"])
+
+
+def _status(body: Mapping[str, Any], request_id: str) -> Status:
+    status = body["status"]
+    if status == "completed":
+        return Status(request_id, status, result=_inference(body))
+    if status == "failed":
+        failure = body["error"]
+        error = _error(failure.get("status", 500), failure, request_id)
+        return Status(request_id, status, error=error)
+    return Status(request_id, status)
+
+
+class Client:
+    """Blocking client. `url` like "http://127.0.0.1:8000", or `uds` a Unix socket path;
+    `timeout` is each call's default deadline in seconds; `api_key` is sent as a Bearer
+    token."""
+
+    def __init__(
+        self,
+        url: str | None = None,
+        *,
+        uds: str | None = None,
+        api_key: str | None = None,
+        timeout: float = 30.0,
+        seed: int | None = None,
+    ) -> None:
+        headers = {} if api_key is None else {"Authorization": f"Bearer {api_key}"}
+        transport = httpx.HTTPTransport(uds=uds) if uds else None
+        self._http = httpx.Client(
+            base_url=_base(url, uds), headers=headers, transport=transport, timeout=None
+        )
+        self._timeout_s = timeout
+        self._rng = random.Random(seed)
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._http.close()
+
+    def infer(
+        self,
+        input: str,
+        *,
+        model: str | None = None,
+        version: str | None = None,
+        timeout: float | None = None,
+        request_id: str | None = None,
+    ) -> Inference:
+        body = {"input": input, "model": model, "version": version}
+        answer = self._send("POST", "/api/inference", body, timeout, request_id)
+        return _inference(answer)
+
+    def submit(
+        self,
+        input: str,
+        *,
+        model: str | None = None,
+        timeout: float | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        """Queues the input and returns its request id at once; `poll` it."""
+        answer = self._send("POST", "/api/requests", {"input": input, "model": model}, timeout,
+                            request_id)  # fmt: skip
+        return str(answer["request_id"])
+
+    def poll(self, request_id: str, *, timeout: float | None = None) -> Status:
+        path = f"/api/requests/{quote(request_id, safe='')}"
+        return _status(self._send("GET", path, None, timeout, None), request_id)
+
+    def embed(
+        self, inputs: list[str], *, model: str | None = None, timeout: float | None = None
+    ) -> list[list[float]]:
+        body = {"input": inputs, "model": model}
+        answer = self._send("POST", "/v1/embeddings", body, timeout, None)
+        return [row["embedding"] for row in answer["data"]]
+
+    def generate(
+        self,
+        prompt: str,
+        *,
+        max_tokens: int | None = None,
+        timeout: float | None = None,
+        **fields: Any,
+    ) -> Generated:
+        """The whole text; `fields` are the body's others (model, stop, params, ...)."""
+        body = _generate_body(prompt, max_tokens, False, fields)
+        return _generated(self._send("POST", "/api/generate", body, timeout, None))
+
+    def stream(
+        self,
+        prompt: str,
+        *,
+        max_tokens: int | None = None,
+        timeout: float | None = None,
+        **fields: Any,
+    ) -> Iterator[str]:
+        """Each token's text as it is generated; retried only before the stream opens."""
+        attempts = self._attempts(timeout, None)
+        body = _generate_body(prompt, max_tokens, True, fields)
+        while True:
+            try:
+                with self._http.stream(
+                    "POST", "/api/generate", json=body, headers=attempts.headers(),
+                    timeout=attempts.time_left(),
+                ) as response:  # fmt: skip
+                    wait = attempts.check(response.status_code, response.read()
+                                          if response.status_code >= 300 else b"")  # fmt: skip
+                    if wait is None:
+                        reader = _SseReader(attempts.request_id)
+                        for line in response.iter_lines():
+                            if (token := reader.line(line)) is not None:
+                                yield token
+                        return
+            except httpx.ConnectError as cause:
+                wait = attempts.refused(cause)
+            except httpx.TimeoutException:
+                attempts.time_left()
+                raise
+            time.sleep(wait)
+
+    def _attempts(self, timeout: float | None, request_id: str | None) -> _Attempts:
+        timeout_s = self._timeout_s if timeout is None else timeout
+        return _Attempts(timeout_s, time.monotonic, self._rng, request_id)
+
+    def _send(
+        self,
+        method: str,
+        path: str,
+        body: dict[str, Any] | None,
+        timeout: float | None,
+        request_id: str | None,
+    ) -> dict[str, Any]:
+        attempts = self._attempts(timeout, request_id)
+        content = None if body is None else orjson.dumps(_without_none(body))
+        while True:
+            try:
+                response = self._http.request(
+                    method, path, content=content, headers=attempts.headers(),
+                    timeout=attempts.time_left(),
+                )  # fmt: skip
+                wait = attempts.check(response.status_code, response.content)
+                if wait is None:
+                    return _body(response.content)
+            except httpx.ConnectError as cause:
+                wait = attempts.refused(cause)
+            except httpx.TimeoutException:
+                attempts.time_left()  # raises DeadlineExceeded
+                raise
+            time.sleep(wait)
+
+
+class AsyncClient:
+    """The same calls as `Client`, awaited; `stream` is an async iterator."""
+
+    def __init__(
+        self,
+        url: str | None = None,
+        *,
+        uds: str | None = None,
+        api_key: str | None = None,
+        timeout: float = 30.0,
+        seed: int | None = None,
+    ) -> None:
+        headers = {} if api_key is None else {"Authorization": f"Bearer {api_key}"}
+        transport = httpx.AsyncHTTPTransport(uds=uds) if uds else None
+        self._http = httpx.AsyncClient(
+            base_url=_base(url, uds), headers=headers, transport=transport, timeout=None
+        )
+        self._timeout_s = timeout
+        self._rng = random.Random(seed)
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def infer(
+        self,
+        input: str,
+        *,
+        model: str | None = None,
+        version: str | None = None,
+        timeout: float | None = None,
+        request_id: str | None = None,
+    ) -> Inference:
+        body = {"input": input, "model": model, "version": version}
+        return _inference(await self._send("POST", "/api/inference", body, timeout, request_id))
+
+    async def submit(
+        self,
+        input: str,
+        *,
+        model: str | None = None,
+        timeout: float | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        answer = await self._send("POST", "/api/requests", {"input": input, "model": model},
+                                  timeout, request_id)  # fmt: skip
+        return str(answer["request_id"])
+
+    async def poll(self, request_id: str, *, timeout: float | None = None) -> Status:
+        path = f"/api/requests/{quote(request_id, safe='')}"
+        return _status(await self._send("GET", path, None, timeout, None), request_id)
+
+    async def embed(
+        self, inputs: list[str], *, model: str | None = None, timeout: float | None = None
+    ) -> list[list[float]]:
+        answer = await self._send("POST", "/v1/embeddings", {"input": inputs, "model": model},
+                                  timeout, None)  # fmt: skip
+        return [row["embedding"] for row in answer["data"]]
+
+    async def generate(
+        self,
+        prompt: str,
+        *,
+        max_tokens: int | None = None,
+        timeout: float | None = None,
+        **fields: Any,
+    ) -> Generated:
+        body = _generate_body(prompt, max_tokens, False, fields)
+        return _generated(await self._send("POST", "/api/generate", body, timeout, None))
+
+    async def stream(
+        self,
+        prompt: str,
+        *,
+        max_tokens: int | None = None,
+        timeout: float | None = None,
+        **fields: Any,
+    ) -> AsyncIterator[str]:
+        attempts = self._attempts(timeout, None)
+        body = _generate_body(prompt, max_tokens, True, fields)
+        while True:
+            try:
+                async with self._http.stream(
+                    "POST", "/api/generate", json=body, headers=attempts.headers(),
+                    timeout=attempts.time_left(),
+                ) as response:  # fmt: skip
+                    error_body = await response.aread() if response.status_code >= 300 else b""
+                    wait = attempts.check(response.status_code, error_body)
+                    if wait is None:
+                        reader = _SseReader(attempts.request_id)
+                        async for line in response.aiter_lines():
+                            if (token := reader.line(line)) is not None:
+                                yield token
+                        return
+            except httpx.ConnectError as cause:
+                wait = attempts.refused(cause)
+            except httpx.TimeoutException:
+                attempts.time_left()
+                raise
+            await asyncio.sleep(wait)
+
+    def _attempts(self, timeout: float | None, request_id: str | None) -> _Attempts:
+        timeout_s = self._timeout_s if timeout is None else timeout
+        return _Attempts(timeout_s, time.monotonic, self._rng, request_id)
+
+    async def _send(
+        self,
+        method: str,
+        path: str,
+        body: dict[str, Any] | None,
+        timeout: float | None,
+        request_id: str | None,
+    ) -> dict[str, Any]:
+        attempts = self._attempts(timeout, request_id)
+        content = None if body is None else orjson.dumps(_without_none(body))
+        while True:
+            try:
+                response = await self._http.request(
+                    method, path, content=content, headers=attempts.headers(),
+                    timeout=attempts.time_left(),
+                )  # fmt: skip
+                wait = attempts.check(response.status_code, response.content)
+                if wait is None:
+                    return _body(response.content)
+            except httpx.ConnectError as cause:
+                wait = attempts.refused(cause)
+            except httpx.TimeoutException:
+                attempts.time_left()
+                raise
+            await asyncio.sleep(wait)
+
+
+def _without_none(body: dict[str, Any]) -> dict[str, Any]:
+    return {name: value for name, value in body.items() if value is not None}

@@ -1,0 +1,146 @@
+"""batchserve.client against live servers: every endpoint, a Unix socket, a 503 retried
+after Retry-After with the same request id, and a deadline that runs out while retrying."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import stat
+
+import aiohttp
+import httpx
+import pytest
+
+from batchserve.client import (
+    AsyncClient,
+    Client,
+    DeadlineExceeded,
+    Inference,
+    InvalidRequest,
+    Unavailable,
+    _Attempts,
+)
+
+from .conftest import real_server
+
+MODELS = (
+    '[[model]]\nname = "tiny"\nversion = "1"\n'
+    'fn_per_device = "tests.sample_models:tiny_embedder"\ndevices = "sim:1"\n'
+    '[[model]]\nname = "words"\nversion = "1"\nfn = "tests.sample_models:shout"\n'
+    '[[model]]\nname = "writer"\nversion = "1"\ngenerator = "sim"\n'
+)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_attempts_send_the_time_left_and_never_wait_past_the_deadline() -> None:
+    clock = FakeClock()
+    attempts = _Attempts(2.0, clock, random.Random(1), "fixed-id")
+    clock.now += 0.5
+    assert attempts.headers() == {"X-Request-Id": "fixed-id", "X-Request-Timeout-Ms": "1500"}
+    assert attempts.check(200, b"{}") is None
+    overloaded = b'{"error": "OVERLOADED", "message": "full", "retry_after_ms": 400}'
+    wait = attempts.check(503, overloaded)
+    assert wait is not None
+    assert 0.4 <= wait <= 0.6  # the server's 400 ms, with up to 50 % jitter
+    clock.now += 1.2  # 0.3 s left: the next 400 ms wait would cross the deadline
+    with pytest.raises(DeadlineExceeded) as raised:
+        attempts.check(503, overloaded)
+    assert isinstance(raised.value.last_error, Unavailable)
+    assert raised.value.last_error.code == "OVERLOADED"
+    with pytest.raises(InvalidRequest) as refused:
+        attempts.check(400, b'{"error": "INVALID_INPUT", "message": "no", "request_id": "r"}')
+    assert (refused.value.status, refused.value.code, refused.value.request_id) == (
+        400, "INVALID_INPUT", "r",
+    )  # fmt: skip
+    clock.now += 1.0
+    with pytest.raises(DeadlineExceeded):
+        attempts.headers()
+
+
+async def test_the_blocking_client_covers_every_endpoint(tmp_path) -> None:
+    models = tmp_path / "models.toml"
+    models.write_text(MODELS)
+    async with real_server("--models", str(models), "--sim-step-ms", "1,0") as server:
+
+        def calls() -> None:
+            with Client(server.url, timeout=20) as client:
+                answer = client.infer("hello", model="words", request_id="mine-1")
+                assert (answer.output, answer.request_id, answer.model) == (
+                    "HELLO", "mine-1", "words",
+                )  # fmt: skip
+                request_id = client.submit("later", model="words")
+                status = client.poll(request_id)
+                while status.status in {"queued", "running"}:
+                    status = client.poll(request_id)
+                assert status.result is not None
+                assert status.result.output == "LATER"
+                assert client.embed(["a banana", "cat"], model="tiny") == [
+                    [8.0, 4.0, 0.5],
+                    [3.0, 1.0, 0.5],
+                ]
+                whole = client.generate("abcdef", model="writer", max_tokens=4)
+                assert (whole.output, whole.tokens, whole.finish_reason) == ("fedc", 4, "length")
+                assert "".join(client.stream("abcdef", model="writer", max_tokens=4)) == "fedc"
+                with pytest.raises(InvalidRequest) as unknown:
+                    client.infer("x", model="nope")
+                assert (unknown.value.status, unknown.value.code) == (404, "MODEL_NOT_FOUND")
+
+        await asyncio.to_thread(calls)
+
+
+async def test_the_async_client_serves_a_sidecar_over_a_unix_socket(tmp_path) -> None:
+    path = str(tmp_path / "batchserve.sock")
+    async with real_server("--uds", path, "--tcp", "off", "--devices", "sim:1") as server:
+        assert server.banner.startswith(f"batchserve listening on unix:{path} ")
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+        async with AsyncClient(uds=path) as client:
+            answers = await asyncio.gather(*(client.infer(f"in-{n}") for n in range(20)))
+            assert [a.output for a in answers] == [f"in-{n}"[::-1] for n in range(20)]
+        server.process.terminate()
+        assert await server.process.wait() == 0
+    assert not await asyncio.to_thread(os.path.exists, path)
+
+
+async def queued_behind_one(client: AsyncClient, url: str) -> list[asyncio.Task[Inference]]:
+    """Two requests sent: one in the device's only batch, one filling the queue of one."""
+    held = [asyncio.create_task(client.infer(f"held-{n}")) for n in range(2)]
+    async with aiohttp.ClientSession() as session:
+        while True:
+            async with session.get(f"{url}/metrics") as answer:
+                text = await answer.text()
+            if "batchserve_queue_depth 1.0" in text and "batchserve_in_flight_requests 1.0" in text:
+                return held
+            await asyncio.sleep(0.01)
+
+
+OVERLOADABLE = ("--devices", "sim:1", "--max-batch-size", "1", "--max-queue", "1",
+                "--sim-latency-ms", "1500")  # fmt: skip
+
+
+async def test_a_503_is_retried_after_its_retry_after_under_the_same_request_id() -> None:
+    async with real_server(*OVERLOADABLE) as server, AsyncClient(server.url) as client:
+        held = await queued_behind_one(client, server.url)
+        answer = await client.infer("third", request_id="retried")
+        assert (answer.output, answer.request_id) == ("driht", "retried")
+        assert [a.output for a in await asyncio.gather(*held)] == ["0-dleh", "1-dleh"]
+        async with httpx.AsyncClient() as http:
+            metrics = (await http.get(f"{server.url}/metrics")).text
+        assert 'code="503",error="OVERLOADED"' in metrics
+
+
+async def test_a_deadline_that_runs_out_while_retrying_raises_deadline_exceeded() -> None:
+    async with real_server(*OVERLOADABLE) as server, AsyncClient(server.url) as client:
+        held = await queued_behind_one(client, server.url)
+        with pytest.raises(DeadlineExceeded) as raised:
+            await client.infer("third", timeout=0.5)
+        assert isinstance(raised.value.last_error, Unavailable)
+        assert raised.value.last_error.code == "OVERLOADED"
+        assert [a.output for a in await asyncio.gather(*held)] == ["0-dleh", "1-dleh"]
