@@ -99,7 +99,8 @@ class Batcher:
     ):
         self._pool = pool
         self._clock = clock
-        self._max_queue = max_queue
+        self.max_queue = max_queue
+        """Queued requests beyond which it refuses more (503); the engine may change it."""
         self._bisect = bisect_failures
         self._retry_budget = retry_budget
         self._lanes: dict[Key, Lane] = {}
@@ -159,9 +160,9 @@ class Batcher:
         await self._tasks.aclose()
 
     def submit(self, request: QueuedRequest) -> None:
-        if self._queued >= self._max_queue:
+        if self._queued >= self.max_queue:
             raise Overloaded(
-                f"the queue holds its limit of {self._max_queue} requests",
+                f"the queue holds its limit of {self.max_queue} requests",
                 retry_after_s=self._drain_time_s(),
             )
         poison = self._poison.recall(request.key, request.input, request.arrival)

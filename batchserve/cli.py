@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
+import functools
 import gc
 import logging
 import os
@@ -18,6 +20,7 @@ from .backends import HANG_MARKER, POISON_MARKER
 from .config import BACKEND_BATCH_LIMIT, GENERATE_MODES, POLICIES, Config
 from .engine import Engine
 from .errors import StartupError
+from .live_config import read_config_file
 from .server import create_app
 
 log = logging.getLogger("batchserve")
@@ -165,6 +168,13 @@ _FLAGS: list[tuple[str, Callable[[str], object], str]] = [
     ),
     ("result-ttl-s", float, "how long the status API keeps a finished request's answer"),
     (
+        "result-store",
+        str,
+        "where submit-then-poll records live: memory; redis://host:port/db (replicas share"
+        " it, so a poll may reach any of them); sqlite:///path/file.db (survives a restart,"
+        " and what was queued runs again)",
+    ),
+    (
         "result-store-size",
         int,
         "most requests the status API holds; the oldest finished go first",
@@ -275,23 +285,60 @@ def build_parser(prog: str = "batchserve") -> argparse.ArgumentParser:
     parser.add_argument(
         "--log-level",
         default=os.environ.get("BATCHSERVE_LOG_LEVEL", "INFO"),
-        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        choices=LOG_LEVELS,
         help="logging verbosity (default: INFO; env BATCHSERVE_LOG_LEVEL)",
     )
+    parser.add_argument(
+        "--config",
+        default=os.environ.get("BATCHSERVE_CONFIG"),
+        help="a TOML file of settings named as these flags (max-batch-size = 32); the"
+        " environment and the command line override it. SIGHUP reads it again and applies"
+        " what a running server can change: batch limits, linger, timeouts, queue bound, keys"
+        " and tiers, log level, the models file (env BATCHSERVE_CONFIG)",
+    )
     return parser
+
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
 def config_from_args(
     argv: Sequence[str] | None = None, prog: str = "batchserve"
 ) -> tuple[Config, str]:
-    args = vars(build_parser(prog).parse_args(argv))
+    """The settings: command line, then environment, then --config's file, then defaults.
+    A bad file or value raises StartupError (argparse's own usage errors exit, as ever)."""
+    parser = build_parser(prog)
+    args = vars(parser.parse_args(argv))
+    if args["config"] is not None:
+        known = {field.name for field in dataclasses.fields(Config)} | {"log_level"}
+        from_file = read_config_file(args["config"], known)
+        # Defaults from the file where the environment sets none; argparse converts a string
+        # default with the flag's type, so each value is checked as a flag's would be.
+        parser.set_defaults(
+            **{
+                name: str(value)
+                for name, value in from_file.items()
+                if f"BATCHSERVE_{name.upper()}" not in os.environ
+            }
+        )
+        parser.exit_on_error = False
+        try:
+            args = vars(parser.parse_args(argv))
+        except argparse.ArgumentError as exc:
+            raise StartupError(f"--config {args['config']}: {exc}") from None
+    args.pop("config")
     log_level = args.pop("log_level")
-    return Config(**args), log_level
+    if log_level not in LOG_LEVELS:
+        raise StartupError(f"log_level must be one of {', '.join(LOG_LEVELS)}")
+    try:
+        return Config(**args), log_level
+    except TypeError as exc:
+        raise StartupError(f"a setting has the wrong type: {exc}") from None
 
 
-async def serve(engine: Engine) -> int:
+async def serve(engine: Engine, settings: Callable[[], tuple[Config, str]] | None = None) -> int:
     """Serves until SIGTERM or SIGINT, then drains and returns 0; returns 1 at once if the
-    engine fails, rather than serve into it.
+    engine fails, rather than serve into it. SIGHUP reloads `settings()` (see `_reload`).
 
     A drain first stops taking connections: the listening sockets close and so does every
     keep-alive connection once its request in hand (if any) is answered, so that a load
@@ -325,6 +372,8 @@ async def serve(engine: Engine) -> int:
         stop = asyncio.Event()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, stop.set)
+        if settings is not None:
+            loop.add_signal_handler(signal.SIGHUP, _reload, engine, settings)
         waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(engine.failed.wait())]
         await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         for wait in waits:
@@ -341,12 +390,28 @@ async def serve(engine: Engine) -> int:
         await engine.drain()
         return 0
     finally:
-        for signum in (signal.SIGTERM, signal.SIGINT):
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             loop.remove_signal_handler(signum)
         await runner.cleanup()
         if config.uds:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(config.uds)
+
+
+def _reload(engine: Engine, settings: Callable[[], tuple[Config, str]]) -> None:
+    """SIGHUP: the settings read again and applied whole, or (a bad file or value) not at
+    all, with one line naming the fault; what needs a restart is named and kept."""
+    try:
+        wanted, log_level = settings()
+        changes = engine.reconfigure(wanted)
+    except StartupError as error:
+        log.error("reload refused, the running settings stay: %s", error)
+        return
+    logging.getLogger().setLevel(log_level)
+    log.info("reloaded: %s", ", ".join(changes.changed) or "nothing changed")
+    if changes.kept:
+        log.warning("reload: these apply only after a restart and keep their running values: %s",
+                    ", ".join(changes.kept))  # fmt: skip
 
 
 async def _listen(runner: web.AppRunner, config: Config) -> tuple[list[web.BaseSite], str]:
@@ -405,7 +470,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "batchserve") -> int:
         _route_access_log_to_stdout()
         engine = Engine(config)
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-            return runner.run(serve(engine))
+            return runner.run(serve(engine, functools.partial(config_from_args, argv, prog)))
     except StartupError as error:
         print(f"{prog}: error: {error}", file=sys.stderr)
         return 1

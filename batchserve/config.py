@@ -46,6 +46,8 @@ class Config:
     metrics: bool = True
     access_log: bool = False
     result_ttl_s: float = 300.0
+    result_store: str = "memory"
+    """memory, sqlite:///path/file.db or redis://host:port/db: see shared_records.py."""
     result_store_size: int = 100_000
     batch_timeout_ms: float = 0.0
     bisect_failures: bool = True

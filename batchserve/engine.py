@@ -51,8 +51,9 @@ from .generation_models import GenerationModel, Generators, build_generation_mod
 from .generators import Seq
 from .gpu_pool import GpuPool
 from .item import Key, QueuedRequest, Result, Ticket, new_request_id
+from .live_config import LiveChanges, live_changes, model_changes
 from .metrics import Metrics
-from .policy import Policy
+from .policy import Policy, make_policy
 from .recorder import Recorder
 from .registry import ModelVersion, Registry, VersionState, build_version
 from .specs import BatchFn, DeviceFactory, ModelSpec, default_spec, load_models_file
@@ -541,6 +542,58 @@ class Engine:
         self._registry.remove(version)
         await asyncio.to_thread(_free_device_memory)
         log.info("%s is unloaded", version.spec.label)
+
+    def reconfigure(self, wanted: Config) -> LiveChanges:
+        """Applies what a running server can change of `wanted` (see live_config.py), or
+        nothing: a keys or models file that does not load raises StartupError first.
+
+        Limits, timeouts, the queue bound, keys and tiers apply to requests admitted from
+        now on (rate buckets start full); batch limits to batches formed from now on; the
+        models file's versions are added, drained, reweighted and retuned as by the admin
+        API. The settings that need a restart keep their running values (`kept`)."""
+        changes = live_changes(self.config, wanted)
+        config = changes.config
+        admission = Admission(config)
+        if config.models is not None:
+            specs = [s for s in load_models_file(config.models, config) if s.generator is None]
+        else:
+            specs = [
+                dataclasses.replace(
+                    version.spec,
+                    max_batch_size=config.max_batch_size,
+                    max_linger_ms=config.max_linger_ms,
+                )
+                for version in self._registry
+            ]
+        models = model_changes([version.spec for version in self._registry], specs)
+        self.config = config
+        self._admission = admission
+        self._batcher.max_queue = config.max_queue
+        self._recorder = Recorder(self.metrics, config.access_log)
+        for spec in models.retune:
+            version = self._existing(spec.name, spec.version)
+            version.spec = dataclasses.replace(
+                version.spec, max_batch_size=spec.max_batch_size, max_linger_ms=spec.max_linger_ms
+            )
+            version.policy = make_policy(
+                config.policy, version.spec, config.max_linger_ms, version.estimate
+            )
+        for spec in models.reweigh:
+            version = self._existing(spec.name, spec.version)
+            version.spec = dataclasses.replace(version.spec, weight=spec.weight)
+        for name, version_name in models.remove:
+            self._change(self.remove_version, name, version_name)
+        for spec in models.add:
+            self._change(self.add_version, spec)
+        return LiveChanges(config, changes.changed, [*changes.kept, *models.kept])
+
+    def _change(self, change: Callable[..., object], *args: Any) -> None:
+        """One version added or removed by a reload; one that cannot be (still loading, a
+        device this server lacks) is logged and the rest go on."""
+        try:
+            change(*args)
+        except BatchserveError as error:
+            log.error("the reload could not apply %s: %s", args[0], error)
 
     def _existing(self, name: str, version_name: str) -> ModelVersion:
         version = self._registry.get(name, version_name)

@@ -117,6 +117,7 @@ def create_app(engine: Engine) -> web.Application:
         app.router.add_patch(ADMIN_ROUTE, admin.patch)
         app.router.add_delete(ADMIN_ROUTE, admin.delete)
     status_api = StatusApi(engine)
+    app.cleanup_ctx.append(status_api.lifespan)  # after the engine's: it submits at start
     app.router.add_post("/api/requests", status_api.submit)
     app.router.add_get("/api/requests/{request_id}", status_api.poll)
     if engine.metrics is not None:

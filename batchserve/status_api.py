@@ -4,10 +4,18 @@
 answers 202 at once; `GET /api/requests/{id}` says queued, running, completed (with the
 answer) or failed (with the error), until the result expires. The request runs exactly like
 a synchronous one: the engine's queue, deadline, batching and fault handling.
+
+With `--result-store` redis or sqlite, each record is also written there (`shared_records.py`)
+so that a poll reaching another replica, or this one after a restart, finds it; requests a
+stopped replica left queued in an SQLite store run again when it starts.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
 from urllib.parse import quote
 
 from aiohttp import web
@@ -26,14 +34,38 @@ from .http_io import (
 )
 from .item import Result, Ticket
 from .results import ResultStore
+from .shared_records import Record, SharedRecords, open_records
+from .tasks import TaskSet
+from .tenants import Tenant
+
+log = logging.getLogger(__name__)
 
 
 class StatusApi:
     def __init__(self, engine: Engine) -> None:
         self._engine = engine
-        self.store = ResultStore(
-            capacity=engine.config.result_store_size, ttl_s=engine.config.result_ttl_s
+        config = engine.config
+        self.store = ResultStore(capacity=config.result_store_size, ttl_s=config.result_ttl_s)
+        self._shared: SharedRecords | None = open_records(
+            config.result_store, config.timeout_ms / 1e3 + config.result_ttl_s
         )
+        self._writes = TaskSet(self._write_failed)
+        """Records written to the shared store; awaited, not cancelled, at shutdown."""
+
+    async def lifespan(self, app: web.Application) -> AsyncIterator[None]:
+        """aiohttp cleanup_ctx, after the engine's: opens the shared store and runs again what
+        a stopped replica left queued in it; at the end every record is written."""
+        if self._shared is None:
+            yield
+            return
+        await self._shared.start()
+        try:
+            for request_id, record in await self._shared.unfinished():
+                self._run_again(request_id, record)
+            yield
+        finally:
+            await self._writes.join()
+            await self._shared.close()
 
     async def submit(self, request: web.Request) -> web.Response:
         engine = self._engine
@@ -49,6 +81,13 @@ class StatusApi:
                 )
             if not self.store.make_room(arrival):
                 raise Overloaded("the status store is full of unfinished requests", 1.0)
+            if self._shared is not None:
+                queued = {"request_id": request_id, "status": "queued",
+                          "submitted": call.body._asdict()}  # fmt: skip
+                if not await self._shared.add(request_id, Record(_owner(call.tenant), queued)):
+                    raise DuplicateRequestId(
+                        f"request id {request_id} is in use until its result expires"
+                    )
         except BatchserveError as error:
             engine.record("requests", request_id, arrival, error, call.tenant)
             return error_response(error, request_id)
@@ -66,7 +105,7 @@ class StatusApi:
         except BatchserveError as error:
             return error_response(error, request_id)
         self.store.add(ticket, call.tenant)
-        ticket.add_done_callback(self._finished)
+        ticket.add_done_callback(functools.partial(self._finished, call.tenant))
         return json_response(
             202,
             {"request_id": request_id, "status": "queued"},
@@ -83,12 +122,21 @@ class StatusApi:
         except BatchserveError as refused:
             return error_response(refused, request_id)
         answer = self.store.get(request_id, self._engine.clock.time(), tenant)
+        if answer is None and self._shared is not None:
+            record = await self._shared.get(request_id)
+            if record is not None and record.owner == _owner(tenant):
+                answer = record.body
         if answer is None:
             missing = NotFound(f"no request {request_id}: never submitted, or its result expired")
             return error_response(missing, request_id)
         return json_response(200, answer)
 
-    def _finished(self, ticket: Ticket) -> None:
+    def _finished(self, tenant: Tenant | None, ticket: Ticket) -> None:
+        answer = self._answer(ticket)
+        self.store.finish(ticket.request_id, answer, self._engine.clock.time())
+        self._write_shared(ticket.request_id, answer, _owner(tenant))
+
+    def _answer(self, ticket: Ticket) -> dict[str, Any]:
         now = self._engine.clock.time()
         outcome = ticket.outcome()
         request_id = ticket.request_id
@@ -103,4 +151,34 @@ class StatusApi:
                 "status": "failed",
                 "error": {**error_body(outcome, request_id), "status": outcome.status},
             }
-        self.store.finish(request_id, answer, now)
+        return answer
+
+    def _write_shared(self, request_id: str, answer: dict[str, Any], owner: str | None) -> None:
+        if self._shared is not None:
+            ttl_s = self._engine.config.result_ttl_s
+            write = self._shared.finish(request_id, Record(owner, answer), ttl_s)
+            self._writes.start(write, name=f"batchserve-record-{request_id}")
+
+    def _run_again(self, request_id: str, record: Record) -> None:
+        """A request a stopped replica accepted and never answered: submitted again under
+        its id; its owner may poll it from the shared record."""
+        fields = record.body["submitted"]
+        try:
+            ticket = self._engine.submit(
+                fields["text"], model=fields["model"], version=fields["version"],
+                params=fields["params"], timeout_ms=fields["timeout_ms"], request_id=request_id,
+            )  # fmt: skip
+        except BatchserveError as error:
+            log.error("could not run %s again: %s", request_id, error)
+            return
+        log.info("running %s again: it was queued when this server last stopped", request_id)
+        ticket.add_done_callback(
+            lambda done: self._write_shared(request_id, self._answer(done), record.owner)
+        )
+
+    def _write_failed(self, task_name: str, error: BaseException) -> None:
+        log.error("%s was not written to the result store: %s", task_name, error)
+
+
+def _owner(tenant: Tenant | None) -> str | None:
+    return None if tenant is None else tenant.name

@@ -1,0 +1,188 @@
+"""Submit-then-poll records that outlive one process: in Redis (shared by replicas behind a
+load balancer) or in SQLite (one replica that must survive a restart).
+
+`--result-store redis://host:port/db` or `sqlite:///path/to/file.db`; the default, memory,
+needs none of this (`results.py` alone). The status API writes a record when it accepts a
+request (its input and the tenant that owns it, state queued) and again when it ends (the
+answer, kept `ttl_s`); a poll that this replica cannot answer from memory reads it here, so
+it may reach any replica. A queued record whose replica stopped before answering it is run
+again by the next replica to start on the same SQLite file (inference has no side effects).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, NamedTuple, Protocol, TypeVar
+from urllib.parse import urlsplit
+
+import orjson
+
+from .errors import StartupError
+
+Result = TypeVar("Result")
+
+
+class Record(NamedTuple):
+    owner: str | None
+    """The tenant's name; None on a server without keys. Only the owner may read it."""
+    body: dict[str, Any]
+    """queued: {"status", "request_id", "submitted": the request's fields}; ended: the answer."""
+
+
+class SharedRecords(Protocol):
+    async def start(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+    async def add(self, request_id: str, record: Record) -> bool:
+        """Stores a new request's record; False (and nothing stored) if the id is taken."""
+
+    async def finish(self, request_id: str, record: Record, ttl_s: float) -> None: ...
+
+    async def get(self, request_id: str) -> Record | None: ...
+
+    async def unfinished(self) -> list[tuple[str, Record]]:
+        """Records accepted and never finished: what a restart runs again."""
+
+
+def open_records(url: str, unfinished_ttl_s: float) -> SharedRecords | None:
+    """The store `--result-store` names; None for memory. `unfinished_ttl_s` bounds how long
+    a queued record may outlive a replica that never finished it."""
+    if url == "memory":
+        return None
+    parts = urlsplit(url)
+    if parts.scheme == "sqlite" and parts.path:
+        return SqliteRecords(parts.path)
+    if parts.scheme == "redis":
+        return RedisRecords(url, unfinished_ttl_s)
+    raise StartupError(
+        f"--result-store {url}: expected memory, sqlite:///path/file.db or redis://host:port/db"
+    )
+
+
+def _dump(record: Record) -> bytes:
+    return orjson.dumps({"owner": record.owner, "body": record.body})
+
+
+def _load(data: bytes | str) -> Record:
+    value = orjson.loads(data)
+    return Record(value["owner"], value["body"])
+
+
+class SqliteRecords:
+    """One file; every statement runs on the store's own thread (sqlite3 blocks)."""
+
+    def __init__(self, path: str) -> None:
+        self._path = path
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="batchserve-sqlite")
+        self._db: sqlite3.Connection | None = None
+
+    async def _run(self, work: Callable[[sqlite3.Connection], Result]) -> Result:
+        def call() -> Result:
+            assert self._db is not None
+            with self._db:  # one transaction
+                return work(self._db)
+
+        return await asyncio.get_running_loop().run_in_executor(self._thread, call)
+
+    async def start(self) -> None:
+        def connect() -> None:
+            self._db = sqlite3.connect(self._path, check_same_thread=False)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute(
+                "CREATE TABLE IF NOT EXISTS records (id TEXT PRIMARY KEY, record BLOB NOT NULL,"
+                " finished INTEGER NOT NULL, expires REAL)"
+            )
+
+        try:
+            await asyncio.get_running_loop().run_in_executor(self._thread, connect)
+        except sqlite3.Error as exc:
+            raise StartupError(f"--result-store sqlite://{self._path}: {exc}") from None
+
+    async def close(self) -> None:
+        if self._db is not None:
+            await asyncio.get_running_loop().run_in_executor(self._thread, self._db.close)
+        self._thread.shutdown()
+
+    async def add(self, request_id: str, record: Record) -> bool:
+        def insert(db: sqlite3.Connection) -> bool:
+            db.execute("DELETE FROM records WHERE expires < ?", (time.time(),))
+            cursor = db.execute(
+                "INSERT OR IGNORE INTO records VALUES (?, ?, 0, NULL)", (request_id, _dump(record))
+            )
+            return cursor.rowcount == 1
+
+        return await self._run(insert)
+
+    async def finish(self, request_id: str, record: Record, ttl_s: float) -> None:
+        await self._run(
+            lambda db: db.execute(
+                "REPLACE INTO records VALUES (?, ?, 1, ?)",
+                (request_id, _dump(record), time.time() + ttl_s),
+            )
+        )
+
+    async def get(self, request_id: str) -> Record | None:
+        def select(db: sqlite3.Connection) -> Record | None:
+            row = db.execute(
+                "SELECT record FROM records WHERE id = ? AND (expires IS NULL OR expires >= ?)",
+                (request_id, time.time()),
+            ).fetchone()
+            return None if row is None else _load(row[0])
+
+        return await self._run(select)
+
+    async def unfinished(self) -> list[tuple[str, Record]]:
+        rows = await self._run(
+            lambda db: db.execute("SELECT id, record FROM records WHERE finished = 0").fetchall()
+        )
+        return [(request_id, _load(data)) for request_id, data in rows]
+
+
+class RedisRecords:
+    """One key per request (batchserve:request:<id>), each with its own expiry."""
+
+    PREFIX = "batchserve:request:"
+
+    def __init__(self, url: str, unfinished_ttl_s: float) -> None:
+        try:
+            import redis.asyncio
+        except ImportError:
+            raise StartupError(
+                f"--result-store {url}: needs the redis package: pip install 'batchserve[redis]'"
+            ) from None
+        self._url = url
+        self._redis = redis.asyncio.Redis.from_url(url)
+        self._unfinished_ttl_ms = max(1, round(unfinished_ttl_s * 1e3))
+
+    async def start(self) -> None:
+        import redis
+
+        try:
+            await self._redis.ping()
+        except redis.RedisError as exc:
+            raise StartupError(f"--result-store {self._url}: {exc}") from None
+
+    async def close(self) -> None:
+        await self._redis.aclose()
+
+    async def add(self, request_id: str, record: Record) -> bool:
+        key = self.PREFIX + request_id
+        return bool(await self._redis.set(key, _dump(record), nx=True, px=self._unfinished_ttl_ms))
+
+    async def finish(self, request_id: str, record: Record, ttl_s: float) -> None:
+        key = self.PREFIX + request_id
+        await self._redis.set(key, _dump(record), px=max(1, round(ttl_s * 1e3)))
+
+    async def get(self, request_id: str) -> Record | None:
+        data = await self._redis.get(self.PREFIX + request_id)
+        return None if data is None else _load(data)
+
+    async def unfinished(self) -> list[tuple[str, Record]]:
+        """Replicas share Redis, so a record queued elsewhere is that replica's to run: none
+        is run again here."""
+        return []

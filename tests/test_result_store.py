@@ -1,0 +1,148 @@
+"""--result-store: SQLite that survives kill -9 (queued requests run again, each tenant sees
+only its own), and a real Redis shared by three replicas behind real nginx (every poll finds
+its request, whichever replica it reaches). Each is skipped where its server is missing."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import shutil
+import signal
+import subprocess
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+import redis.asyncio
+
+from batchserve.replicas import Replicas
+
+from .conftest import real_server
+from .test_nginx import free_ports
+
+KEYS = """
+[keys."sk-alice"]
+tenant = "alice"
+tier = "paid"
+
+[keys."sk-bob"]
+tenant = "bob"
+tier = "paid"
+"""
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+async def poll_until_done(
+    session: aiohttp.ClientSession, url: str, request_id: str, key: str | None = None
+) -> dict[str, object]:
+    headers = bearer(key) if key else {}
+    for _ in range(100_000):
+        async with session.get(f"{url}/api/requests/{request_id}", headers=headers) as answer:
+            assert answer.status == 200, await answer.text()
+            body = await answer.json()
+        if body["status"] in {"completed", "failed"}:
+            return dict(body)
+        await asyncio.sleep(0.005)
+    raise AssertionError(f"{request_id} never finished")
+
+
+async def test_sqlite_requests_queued_at_kill_9_run_after_restart(tmp_path: Path) -> None:
+    keys = tmp_path / "keys.toml"
+    keys.write_text(KEYS)
+    store = f"sqlite:///{tmp_path / 'records.db'}"
+    common = ("--devices", "sim:1", "--max-batch-size", "1", "--result-store", store,
+              "--keys-file", str(keys))  # fmt: skip
+    texts = [f"queued-{n}" for n in range(4)]
+    async with (
+        real_server(*common, "--sim-latency-ms", "60000") as server,
+        aiohttp.ClientSession() as session,
+    ):
+        for text in texts:
+            async with session.post(
+                f"{server.url}/api/requests", json={"input": text},
+                headers={**bearer("sk-alice"), "X-Request-Id": text},
+            ) as answer:  # fmt: skip
+                assert answer.status == 202
+        server.process.send_signal(signal.SIGKILL)
+        await server.process.wait()
+    async with (
+        real_server(*common, "--sim-latency-ms", "1") as server,
+        aiohttp.ClientSession() as session,
+    ):
+        for text in texts:
+            answer = await poll_until_done(session, server.url, text, "sk-alice")
+            assert (answer["status"], answer["output"]) == ("completed", text[::-1])
+            async with session.get(
+                f"{server.url}/api/requests/{text}", headers=bearer("sk-bob")
+            ) as other:
+                assert other.status == 404  # another tenant's request looks unknown
+            async with session.post(
+                f"{server.url}/api/requests", json={"input": "again"},
+                headers={**bearer("sk-alice"), "X-Request-Id": text},
+            ) as again:  # fmt: skip
+                assert again.status == 409  # its id stays taken until the record expires
+
+
+@contextlib.contextmanager
+def redis_server(port: int, folder: Path) -> Iterator[None]:
+    process = subprocess.Popen(
+        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+         "--appendonly", "no", "--dir", str(folder)],
+        stdout=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        yield
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+@contextlib.asynccontextmanager
+async def redis_client(port: int) -> AsyncIterator[redis.asyncio.Redis]:
+    client = redis.asyncio.Redis(port=port)
+    try:
+        for _ in range(1000):
+            with contextlib.suppress(redis.ConnectionError):
+                await client.ping()
+                break
+            await asyncio.sleep(0.01)
+        yield client
+    finally:
+        await client.aclose()
+
+
+@pytest.mark.skipif(
+    shutil.which("nginx") is None or shutil.which("redis-server") is None,
+    reason="nginx or redis-server is not installed",
+)
+async def test_replicas_sharing_redis_find_every_poll_through_nginx(tmp_path: Path) -> None:
+    nginx_port, redis_port, *replica_ports = free_ports(5)
+    with redis_server(redis_port, tmp_path):
+        async with redis_client(redis_port) as client:
+            replicas = Replicas(
+                nginx_port, replica_ports,
+                ["--devices", "sim:1", "--sim-latency-ms", "5", "--result-ttl-s", "120",
+                 "--result-store", f"redis://127.0.0.1:{redis_port}/0"],
+            )  # fmt: skip
+            await asyncio.to_thread(replicas.start)
+            try:
+                url = f"http://127.0.0.1:{nginx_port}"
+                texts = [f"shared-{n}" for n in range(60)]
+                async with aiohttp.ClientSession() as session:
+                    for text in texts:
+                        async with session.post(
+                            f"{url}/api/requests", json={"input": text},
+                            headers={"X-Request-Id": text},
+                        ) as answer:  # fmt: skip
+                            assert answer.status == 202
+                    for text in texts:  # each poll may reach any replica
+                        answer = await poll_until_done(session, url, text)
+                        assert (answer["status"], answer["output"]) == ("completed", text[::-1])
+                ttl_ms = await client.pttl(f"batchserve:request:{texts[0]}")
+                assert 0 < ttl_ms <= 120_000
+            finally:
+                await asyncio.to_thread(replicas.close)
