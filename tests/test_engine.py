@@ -43,6 +43,16 @@ async def test_the_readme_example_runs():
     assert outputs == [f"ITEM {n}" for n in range(100)]
 
 
+async def test_the_readme_web_app_example_answers_each_request_its_own(aiohttp_client):
+    namespace: dict[str, object] = {"__name__": "webapp"}
+    exec(compile((ROOT / "examples" / "webapp.py").read_text(), "webapp.py", "exec"), namespace)
+    client = await aiohttp_client(namespace["make_app"]())  # type: ignore[operator]
+    answers = await asyncio.gather(
+        *(client.get("/shout", params={"text": f"item {n}"}) for n in range(50))
+    )
+    assert [(await a.json())["shouted"] for a in answers] == [f"ITEM {n}" for n in range(50)]
+
+
 async def test_concurrent_calls_are_batched_and_each_gets_its_own_output(gated):
     gated.gate.set()
     async with running(gated, FakeClock(), devices=3) as engine:
