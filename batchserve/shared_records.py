@@ -43,6 +43,9 @@ class SharedRecords(Protocol):
 
     async def finish(self, request_id: str, record: Record, ttl_s: float) -> None: ...
 
+    async def remove(self, request_id: str) -> None:
+        """Forgets a request the engine refused after its record was added."""
+
     async def get(self, request_id: str) -> Record | None: ...
 
     async def unfinished(self) -> list[tuple[str, Record]]:
@@ -126,6 +129,9 @@ class SqliteRecords:
             )
         )
 
+    async def remove(self, request_id: str) -> None:
+        await self._run(lambda db: db.execute("DELETE FROM records WHERE id = ?", (request_id,)))
+
     async def get(self, request_id: str) -> Record | None:
         def select(db: sqlite3.Connection) -> Record | None:
             row = db.execute(
@@ -177,6 +183,9 @@ class RedisRecords:
     async def finish(self, request_id: str, record: Record, ttl_s: float) -> None:
         key = self.PREFIX + request_id
         await self._redis.set(key, _dump(record), px=max(1, round(ttl_s * 1e3)))
+
+    async def remove(self, request_id: str) -> None:
+        await self._redis.delete(self.PREFIX + request_id)
 
     async def get(self, request_id: str) -> Record | None:
         data = await self._redis.get(self.PREFIX + request_id)

@@ -103,6 +103,8 @@ class StatusApi:
                 arrival=arrival,
             )
         except BatchserveError as error:
+            if self._shared is not None:  # refused: its id is free again, as in memory
+                await self._shared.remove(request_id)
             return error_response(error, request_id)
         self.store.add(ticket, call.tenant)
         ticket.add_done_callback(functools.partial(self._finished, call.tenant))

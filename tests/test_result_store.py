@@ -85,6 +85,13 @@ async def test_sqlite_requests_queued_at_kill_9_run_after_restart(tmp_path: Path
                 headers={**bearer("sk-alice"), "X-Request-Id": text},
             ) as again:  # fmt: skip
                 assert again.status == 409  # its id stays taken until the record expires
+        refused = {"input": "x", "model": "no-such-model"}
+        for status in (404, 404):  # a refused submit leaves its id free for the next try
+            async with session.post(
+                f"{server.url}/api/requests", json=refused,
+                headers={**bearer("sk-alice"), "X-Request-Id": "refused"},
+            ) as answer:  # fmt: skip
+                assert answer.status == status
 
 
 @contextlib.contextmanager
