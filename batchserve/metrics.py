@@ -1,7 +1,8 @@
 """What operators watch: Prometheus metrics for /metrics and live numbers for the dashboard.
 
 Per answered request the handler pays one counter increment, three histogram observations
-(children bound once) and one append to a short window. Everything else (queue depth,
+(children bound once; `histograms.py`, lock-free on the loop) and one append to a short
+window. Everything else (queue depth,
 devices' busy ratio and health, capacity, the autoscaling signal) is read from the batcher
 and the pool when scraped, so it costs the hot path nothing.
 """
@@ -28,6 +29,7 @@ from .clock import Clock
 from .generation import Generation
 from .generation_models import Generators
 from .gpu_pool import HEALTHY, DeviceState, GpuPool
+from .histograms import LoopHistogram, LoopHistograms
 from .item import Result
 from .registry import Registry
 
@@ -74,25 +76,28 @@ class Metrics:
             ["reason"],
             registry=self.registry,
         )
-        self._latency = Histogram(
+        self._latency = LoopHistograms(
             "batchserve_request_latency_seconds",
             "Arrival to answer, for requests answered 200, by model and version.",
             ["model", "version"],
-            buckets=LATENCY_BUCKETS,
-            registry=self.registry,
+            LATENCY_BUCKETS,
         )
-        self._queue_wait = Histogram(
+        queue_wait = LoopHistograms(
             "batchserve_queue_wait_seconds",
             "Arrival to the start of the batch call that answered the request (200s).",
-            buckets=LATENCY_BUCKETS,
-            registry=self.registry,
+            [],
+            LATENCY_BUCKETS,
         )
-        self._compute = Histogram(
+        compute = LoopHistograms(
             "batchserve_compute_seconds",
             "Duration of the batch call that answered the request (200s).",
-            buckets=LATENCY_BUCKETS,
-            registry=self.registry,
+            [],
+            LATENCY_BUCKETS,
         )
+        for family in (self._latency, queue_wait, compute):
+            self.registry.register(family)
+        self._queue_wait, self._compute = queue_wait, compute
+        self._queue_wait_all, self._compute_all = queue_wait.child(), compute.child()
         self._ttft = Histogram(
             "batchserve_time_to_first_token_seconds",
             "Arrival to the first token, for generations that made one, by model and version.",
@@ -113,7 +118,7 @@ class Metrics:
             ["model", "version"],
             registry=self.registry,
         )
-        self._answered: dict[tuple[str, str, str, str], tuple[Any, Any]] = {}
+        self._answered: dict[tuple[str, str, str, str], tuple[Any, LoopHistogram]] = {}
         """Per route, tier, model and version, its counter and latency children: bound once,
         since labels() costs more than the increment. Every key is the server's own (routes,
         tiers, registered models), so this stays small."""
@@ -131,18 +136,18 @@ class Metrics:
         if children is None:
             children = self._answered[key] = (
                 self._requests.labels(route, "200", tier, "", result.model, result.version),
-                self._latency.labels(result.model, result.version),
+                self._latency.child(result.model, result.version),
             )
         children[0].inc()
-        children[1].observe(latency_s)
-        self._queue_wait.observe(result.queue_s)
-        self._compute.observe(result.compute_s)
+        self._latency.observe(children[1], latency_s)
+        self._queue_wait.observe(self._queue_wait_all, result.queue_s)
+        self._compute.observe(self._compute_all, result.compute_s)
         self.recent.add(now, latency_s, result)
 
     def generated(self, route: str, tier: str, now: float, gen: Generation) -> None:
         """A generation that ended by itself (stop or length); per generation, not per token."""
         self._requests.labels(route, "200", tier, "", gen.model, gen.version).inc()
-        self._latency.labels(gen.model, gen.version).observe(now - gen.arrival)
+        self._latency.observe(self._latency.child(gen.model, gen.version), now - gen.arrival)
         tokens = len(gen.seq.tokens)
         self._generated.labels(gen.model, gen.version).inc(tokens)
         first = gen.first_token_at

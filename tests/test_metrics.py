@@ -157,3 +157,25 @@ def test_desired_replicas_follow_arrivals_against_measured_capacity():
     assert desired_replicas(700.0, 1000.0) == 1
     assert desired_replicas(701.0, 1000.0) == 2
     assert desired_replicas(2800.0, 1000.0) == 4
+
+
+def test_loop_histograms_expose_what_a_prometheus_histogram_would():
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+    from batchserve.histograms import LoopHistograms
+    from batchserve.metrics import LATENCY_BUCKETS
+
+    values = [0.0, 0.005, 0.0051, 0.1, 0.12, 3.0, 10.0, 11.0, 0.3]
+    theirs, ours = CollectorRegistry(), CollectorRegistry()
+    reference = Histogram("h", "doc", ["model"], buckets=LATENCY_BUCKETS, registry=theirs)
+    loop = LoopHistograms("h", "doc", ["model"], LATENCY_BUCKETS)
+    ours.register(loop)
+    for n, value in enumerate(values):
+        reference.labels(f"m{n % 2}").observe(value)
+        loop.observe(loop.child(f"m{n % 2}"), value)
+
+    def samples(registry: CollectorRegistry) -> list[str]:
+        lines = generate_latest(registry).decode().splitlines()
+        return [line for line in lines if "h_created" not in line]
+
+    assert samples(ours) == samples(theirs)

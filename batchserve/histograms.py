@@ -1,0 +1,64 @@
+"""Histograms observed on the event loop only: for the per-request ones.
+
+prometheus-client's Histogram takes a lock and scans its buckets on every observation, since
+any thread may observe; the hot path's observations all happen on the loop, so a list of
+counts found by bisection and a running sum do the same for a fraction of the cost (measured
+in benchmarks/README.md, "Cost of metrics"). A scrape reads them into the same exposition
+(`_bucket`, `_sum`, `_count`) a Histogram would give.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections.abc import Iterator, Sequence
+
+from prometheus_client.core import HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+
+class LoopHistogram:
+    __slots__ = ("counts", "sum")
+
+    def __init__(self, buckets: int) -> None:
+        self.counts = [0] * (buckets + 1)
+        """Per bucket, the last for values above every bound (+Inf)."""
+        self.sum = 0.0
+
+
+class LoopHistograms(Collector):
+    """One histogram family, a child per label values; register it like a Histogram."""
+
+    def __init__(
+        self, name: str, documentation: str, labels: Sequence[str], bounds: Sequence[float]
+    ) -> None:
+        self._name, self._documentation = name, documentation
+        self._labels = list(labels)
+        self._bounds = list(bounds)
+        self._children: dict[tuple[str, ...], LoopHistogram] = {}
+
+    def child(self, *values: str) -> LoopHistogram:
+        """The child of these label values, made on first use; keep it, as with labels()."""
+        child = self._children.get(values)
+        if child is None:
+            child = self._children[values] = LoopHistogram(len(self._bounds))
+        return child
+
+    def observe(self, child: LoopHistogram, value: float) -> None:
+        """Counts `value` (le bounds are inclusive, as Prometheus's)."""
+        child.counts[bisect_left(self._bounds, value)] += 1
+        child.sum += value
+
+    def collect(self) -> Iterator[Metric]:
+        family = HistogramMetricFamily(self._name, self._documentation, labels=self._labels)
+        for values, child in self._children.items():
+            cumulative, buckets = 0, []
+            for bound, count in zip([*self._bounds, float("inf")], child.counts, strict=True):
+                cumulative += count
+                buckets.append((_bound(bound), cumulative))
+            family.add_metric(list(values), buckets, child.sum)
+        yield family
+
+
+def _bound(bound: float) -> str:
+    """The `le` label as prometheus-client writes it (0.005, 1.0, +Inf)."""
+    return "+Inf" if bound == float("inf") else repr(float(bound))
