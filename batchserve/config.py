@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import tomllib
 from dataclasses import dataclass, field
-from typing import Literal
+from pathlib import Path
+from typing import Any, Literal
 
 from .errors import StartupError
 
@@ -137,3 +139,14 @@ class Config:
     def max_body_bytes(self) -> int:
         """JSON escaping can make one input byte six body bytes (\\u0000); leave room for it."""
         return self.max_input_bytes * 6 + 4096
+
+
+def read_toml(path: str, flag: str) -> dict[str, Any]:
+    """A settings file named by `flag` (--models, --config), or a StartupError that says
+    why it cannot be read."""
+    try:
+        return tomllib.loads(Path(path).read_text())
+    except OSError as exc:
+        raise StartupError(f"{flag} {path}: cannot read it: {exc.strerror}") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise StartupError(f"{flag} {path}: not valid TOML: {exc}") from None

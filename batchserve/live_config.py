@@ -11,11 +11,9 @@ retune, and which changed in ways only a restart applies.
 from __future__ import annotations
 
 import dataclasses
-import tomllib
-from pathlib import Path
 from typing import Any, NamedTuple
 
-from .config import Config
+from .config import Config, read_toml
 from .errors import StartupError
 from .specs import ModelSpec
 
@@ -37,12 +35,7 @@ RETUNABLE = ("max_batch_size", "max_linger_ms")
 def read_config_file(path: str, known: set[str]) -> dict[str, Any]:
     """The file's settings by Config field name (`max-batch-size` or `max_batch_size`);
     StartupError names an unreadable file or an unknown name."""
-    try:
-        document = tomllib.loads(Path(path).read_text())
-    except OSError as exc:
-        raise StartupError(f"--config {path}: cannot read it: {exc.strerror}") from None
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        raise StartupError(f"--config {path}: not valid TOML: {exc}") from None
+    document = read_toml(path, "--config")
     settings = {name.replace("-", "_"): value for name, value in document.items()}
     unknown = sorted(set(settings) - known)
     if unknown:

@@ -21,13 +21,11 @@ Pure: nothing here loads a model.
 from __future__ import annotations
 
 import math
-import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from .config import BACKEND_BATCH_LIMIT, Config
+from .config import BACKEND_BATCH_LIMIT, Config, read_toml
 from .errors import StartupError
 
 if TYPE_CHECKING:
@@ -163,12 +161,7 @@ def _positive(value: float) -> bool:
 
 def load_models_file(path: str, defaults: Config) -> list[ModelSpec]:
     """Every entry of a models file, checked; a StartupError names the entry and field."""
-    try:
-        document = tomllib.loads(Path(path).read_text())
-    except OSError as exc:
-        raise StartupError(f"--models {path}: cannot read it: {exc.strerror}") from None
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        raise StartupError(f"--models {path}: not valid TOML: {exc}") from None
+    document = read_toml(path, "--models")
     entries = document.get("model")
     if set(document) - {"model"} or not isinstance(entries, list) or not entries:
         raise StartupError(
