@@ -169,6 +169,10 @@ class _Attempts:
         self._clock, self._rng = clock, rng
         self._deadline = clock() + timeout_s
         self._backoff_s = FIRST_BACKOFF_S
+        self.resent = False
+        """Whether a try failed after it may have reached the server."""
+        self.submitting = False
+        """A submit: its id met again after a resend means the first try got through."""
 
     def time_left(self) -> float:
         """Seconds before the deadline; raises DeadlineExceeded once there are none."""
@@ -189,12 +193,17 @@ class _Attempts:
         if status < 300:
             return None
         error = _error(status, _body(content), self.request_id)
+        if self.resent and self.submitting and error.code == "DUPLICATE_REQUEST_ID":
+            return None  # an earlier try of this very submit was accepted
         if status not in RETRIED:
             raise error
         return self._wait(error, error.retry_after_s)
 
     def refused(self, cause: httpx.TransportError) -> float:
-        """The wait before retrying a connection that could not be made (a replica gone)."""
+        """The wait before retrying after the connection failed: refused (a replica gone) or
+        closed before the answer. Sent again under the same id, as inference has no side
+        effects; a submit that got through the first time then meets its own id (`check`)."""
+        self.resent = True
         error = Unavailable(503, "UNREACHABLE", str(cause) or type(cause).__name__, self.request_id)
         return self._wait(error, None)
 
@@ -395,6 +404,7 @@ class Client:
         request_id: str | None,
     ) -> dict[str, Any]:
         attempts = self._attempts(timeout, request_id)
+        attempts.submitting = (method, path) == ("POST", "/api/requests")
         content = None if body is None else orjson.dumps(_without_none(body))
         while True:
             try:
@@ -405,11 +415,11 @@ class Client:
                 wait = attempts.check(response.status_code, response.content)
                 if wait is None:
                     return _body(response.content)
-            except httpx.ConnectError as cause:
-                wait = attempts.refused(cause)
             except httpx.TimeoutException:
                 attempts.time_left()  # raises DeadlineExceeded
                 raise
+            except httpx.TransportError as cause:
+                wait = attempts.refused(cause)
             time.sleep(wait)
 
 
@@ -532,6 +542,7 @@ class AsyncClient:
         request_id: str | None,
     ) -> dict[str, Any]:
         attempts = self._attempts(timeout, request_id)
+        attempts.submitting = (method, path) == ("POST", "/api/requests")
         content = None if body is None else orjson.dumps(_without_none(body))
         while True:
             try:
@@ -542,11 +553,11 @@ class AsyncClient:
                 wait = attempts.check(response.status_code, response.content)
                 if wait is None:
                     return _body(response.content)
-            except httpx.ConnectError as cause:
-                wait = attempts.refused(cause)
             except httpx.TimeoutException:
-                attempts.time_left()
+                attempts.time_left()  # raises DeadlineExceeded
                 raise
+            except httpx.TransportError as cause:
+                wait = attempts.refused(cause)
             await asyncio.sleep(wait)
 
 

@@ -22,7 +22,7 @@ from batchserve.client import (
     _Attempts,
 )
 
-from .conftest import real_server
+from .conftest import HANG_GUARD_S, real_server
 
 MODELS = (
     '[[model]]\nname = "tiny"\nversion = "1"\n'
@@ -63,6 +63,20 @@ def test_attempts_send_the_time_left_and_never_wait_past_the_deadline() -> None:
     clock.now += 1.0
     with pytest.raises(DeadlineExceeded):
         attempts.headers()
+
+
+def test_a_resent_submit_that_meets_its_own_id_was_accepted_the_first_time() -> None:
+    duplicate = b'{"error": "DUPLICATE_REQUEST_ID", "message": "in use", "request_id": "s"}'
+    submit = _Attempts(10.0, FakeClock(), random.Random(1), "s")
+    submit.submitting = True
+    with pytest.raises(InvalidRequest):  # not resent: a real clash with another call
+        submit.check(409, duplicate)
+    assert 0 < submit.refused(httpx.ReadError("closed before the answer")) < 10
+    assert submit.check(409, duplicate) is None
+    infer = _Attempts(10.0, FakeClock(), random.Random(1), "s")
+    infer.refused(httpx.ReadError("closed before the answer"))
+    with pytest.raises(InvalidRequest):  # an inference's id in flight: not its answer
+        infer.check(409, duplicate)
 
 
 async def test_the_blocking_client_covers_every_endpoint(tmp_path) -> None:
@@ -126,7 +140,11 @@ OVERLOADABLE = ("--devices", "sim:1", "--max-batch-size", "1", "--max-queue", "1
 
 
 async def test_a_503_is_retried_after_its_retry_after_under_the_same_request_id() -> None:
-    async with real_server(*OVERLOADABLE) as server, AsyncClient(server.url) as client:
+    async with (
+        asyncio.timeout(HANG_GUARD_S),
+        real_server(*OVERLOADABLE) as server,
+        AsyncClient(server.url) as client,
+    ):
         held = await queued_behind_one(client, server.url)
         answer = await client.infer("third", request_id="retried")
         assert (answer.output, answer.request_id) == ("driht", "retried")
@@ -137,7 +155,11 @@ async def test_a_503_is_retried_after_its_retry_after_under_the_same_request_id(
 
 
 async def test_a_deadline_that_runs_out_while_retrying_raises_deadline_exceeded() -> None:
-    async with real_server(*OVERLOADABLE) as server, AsyncClient(server.url) as client:
+    async with (
+        asyncio.timeout(HANG_GUARD_S),
+        real_server(*OVERLOADABLE) as server,
+        AsyncClient(server.url) as client,
+    ):
         held = await queued_behind_one(client, server.url)
         with pytest.raises(DeadlineExceeded) as raised:
             await client.infer("third", timeout=0.5)
