@@ -64,6 +64,12 @@ def main() -> None:
         default=10.0,
         help="LitServe's batch_timeout: how long a worker waits to fill a batch",
     )
+    parser.add_argument(
+        "--api-servers",
+        type=int,
+        default=None,
+        help="LitServe's num_api_servers (default: its own, one per worker)",
+    )
     args = parser.parse_args()
     # stdout carries only the start-up line; LitServe logs to stdout, so it gets stderr.
     start_line = os.dup(1)
@@ -78,7 +84,13 @@ def main() -> None:
         api_path="/api/inference",
     )
     server = ls.LitServer(api, accelerator="cpu", devices=1, workers_per_device=args.workers)
-    server.run(host="127.0.0.1", port=args.port, log_level="warning", generate_client_file=False)
+    server.run(
+        host="127.0.0.1",
+        port=args.port,
+        num_api_servers=args.api_servers,
+        log_level="warning",
+        generate_client_file=False,
+    )
 
 
 if __name__ == "__main__":

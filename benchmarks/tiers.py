@@ -95,6 +95,7 @@ def main() -> None:
             lines.append(line)
             print(line, flush=True)
     text = "\n".join(lines) + "\n"
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
     print(text)
 
