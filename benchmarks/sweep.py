@@ -104,14 +104,25 @@ def plan(bare_rps: float, quick: bool) -> list[tuple[Setup, list[int]]]:
     ]
 
 
+BARE_OFFERS = (12_000, 16_000, 20_000, 24_000)
+"""Offered loads B is measured at: above the bare handler's saturation on the machines seen
+(11,000 to 24,000 rps), yet not so far above that the load generator, on its own core,
+spends itself scheduling sends (offered 40,000 it delivered less than offered 16,000)."""
+
+
 def bare_saturation(seconds: float, repeats: int) -> float:
-    """B: the answers a second the bare handler (no hold) gives when offered far more than it
-    can take, median over repeats; the yardstick every target's load is scaled by."""
-    runs = [
-        run_point(BARE, 40_000, seconds, seed, ("--connections", "1000"))
-        for seed in range(1, repeats + 1)
-    ]
-    return median(runs, "achieved_rps")
+    """B: the most answers a second the bare handler (no hold) gives at any of BARE_OFFERS,
+    medians over repeats; the yardstick every target's load is scaled by."""
+    return max(
+        median(
+            [
+                run_point(BARE, rate, seconds, seed, ("--connections", "1000"))
+                for seed in range(1, repeats + 1)
+            ],
+            "achieved_rps",
+        )
+        for rate in BARE_OFFERS
+    )
 
 
 def run_point(
