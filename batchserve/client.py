@@ -279,6 +279,18 @@ def _status(body: Mapping[str, Any], request_id: str) -> Status:
     return Status(request_id, status)
 
 
+class _Deadlines:
+    """A client's default deadline and its jitter's random source: each call's `_Attempts`."""
+
+    def __init__(self, timeout_s: float, seed: int | None) -> None:
+        self._timeout_s = timeout_s
+        self._rng = random.Random(seed)
+
+    def attempts(self, timeout: float | None, request_id: str | None) -> _Attempts:
+        timeout_s = self._timeout_s if timeout is None else timeout
+        return _Attempts(timeout_s, time.monotonic, self._rng, request_id)
+
+
 class Client:
     """Blocking client. `url` like "http://127.0.0.1:8000", or `uds` a Unix socket path;
     `timeout` is each call's default deadline in seconds; `api_key` is sent as a Bearer
@@ -298,8 +310,7 @@ class Client:
         self._http = httpx.Client(
             base_url=_base(url, uds), headers=headers, transport=transport, timeout=None
         )
-        self._timeout_s = timeout
-        self._rng = random.Random(seed)
+        self._deadlines = _Deadlines(timeout, seed)
 
     def __enter__(self) -> Client:
         return self
@@ -368,7 +379,7 @@ class Client:
         **fields: Any,
     ) -> Iterator[str]:
         """Each token's text as it is generated; retried only before the stream opens."""
-        attempts = self._attempts(timeout, None)
+        attempts = self._deadlines.attempts(timeout, None)
         body = _generate_body(prompt, max_tokens, True, fields)
         while True:
             try:
@@ -391,10 +402,6 @@ class Client:
                 raise
             time.sleep(wait)
 
-    def _attempts(self, timeout: float | None, request_id: str | None) -> _Attempts:
-        timeout_s = self._timeout_s if timeout is None else timeout
-        return _Attempts(timeout_s, time.monotonic, self._rng, request_id)
-
     def _send(
         self,
         method: str,
@@ -403,7 +410,7 @@ class Client:
         timeout: float | None,
         request_id: str | None,
     ) -> dict[str, Any]:
-        attempts = self._attempts(timeout, request_id)
+        attempts = self._deadlines.attempts(timeout, request_id)
         attempts.submitting = (method, path) == ("POST", "/api/requests")
         content = None if body is None else orjson.dumps(_without_none(body))
         while True:
@@ -440,8 +447,7 @@ class AsyncClient:
         self._http = httpx.AsyncClient(
             base_url=_base(url, uds), headers=headers, transport=transport, timeout=None
         )
-        self._timeout_s = timeout
-        self._rng = random.Random(seed)
+        self._deadlines = _Deadlines(timeout, seed)
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -506,7 +512,7 @@ class AsyncClient:
         timeout: float | None = None,
         **fields: Any,
     ) -> AsyncIterator[str]:
-        attempts = self._attempts(timeout, None)
+        attempts = self._deadlines.attempts(timeout, None)
         body = _generate_body(prompt, max_tokens, True, fields)
         while True:
             try:
@@ -529,10 +535,6 @@ class AsyncClient:
                 raise
             await asyncio.sleep(wait)
 
-    def _attempts(self, timeout: float | None, request_id: str | None) -> _Attempts:
-        timeout_s = self._timeout_s if timeout is None else timeout
-        return _Attempts(timeout_s, time.monotonic, self._rng, request_id)
-
     async def _send(
         self,
         method: str,
@@ -541,7 +543,7 @@ class AsyncClient:
         timeout: float | None,
         request_id: str | None,
     ) -> dict[str, Any]:
-        attempts = self._attempts(timeout, request_id)
+        attempts = self._deadlines.attempts(timeout, request_id)
         attempts.submitting = (method, path) == ("POST", "/api/requests")
         content = None if body is None else orjson.dumps(_without_none(body))
         while True:
