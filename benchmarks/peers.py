@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import statistics
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,7 +32,7 @@ from pathlib import Path
 
 from progress import Progress
 from servers import PORT, ROOT
-from sweep import run_point
+from sweep import median, run_point
 
 LADDERS = {
     1: [50, 200, 500, 700, 900, 950, 980],
@@ -64,10 +63,6 @@ class Server:
 
 NAMES = ["batchserve", "LitServe", "bare aiohttp, 100 ms hold"]
 Runs = list[dict[str, float]]
-
-
-def median(runs: Runs, key: str) -> float:
-    return statistics.median(float(run[key]) for run in runs)
 
 
 def measure(
