@@ -96,27 +96,31 @@ async def test_sqlite_requests_queued_at_kill_9_run_after_restart(tmp_path: Path
 
 @contextlib.contextmanager
 def redis_server(port: int, folder: Path) -> Iterator[None]:
+    """redis-server on `port`, once it has said it accepts connections."""
     process = subprocess.Popen(
         ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
          "--appendonly", "no", "--dir", str(folder)],
-        stdout=subprocess.DEVNULL,
+        stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
+        assert process.stdout is not None
+        for line in process.stdout:
+            if "Ready to accept connections" in line:
+                break
+        else:
+            pytest.fail("redis-server exited before accepting connections")
         yield
     finally:
         process.terminate()
         process.wait(timeout=30)
+        if process.stdout is not None:
+            process.stdout.close()
 
 
 @contextlib.asynccontextmanager
 async def redis_client(port: int) -> AsyncIterator[redis.asyncio.Redis]:
     client = redis.asyncio.Redis(port=port)
     try:
-        for _ in range(1000):
-            with contextlib.suppress(redis.ConnectionError):
-                await client.ping()
-                break
-            await asyncio.sleep(0.01)
         yield client
     finally:
         await client.aclose()
