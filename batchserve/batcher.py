@@ -445,6 +445,10 @@ class Batcher:
         for index, (key, group) in enumerate(groups):
             if group[0].device_retried:  # a lone input, proving it fails on another device
                 free = self._pool.free_avoiding(key.version, group[0].failed_on)
+            elif self._pool.healthy_avoiding(key.version, last := group[0].failed_on[-1:]):
+                # Not back to the device it just failed on: a broken device, failing fast,
+                # is free most often, and would take its whole rescue with nobody answered.
+                free = self._pool.free_avoiding(key.version, last)
             else:
                 free = self._pool.free_for(key.version)
             if free:

@@ -23,6 +23,9 @@ class FailureKind(enum.Enum):
     DEVICE_FAILING = "device_failing"
     """Its device kept failing calls on different inputs and is restarting: the requests go
     to another device, once, as for a hang."""
+    SUSPECT_DEVICE = "suspect_device"
+    """Its device failed its last call too, on other inputs: the requests go to another
+    device, once and whole, while a probe tests the device; failing again, they split."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,7 +93,14 @@ def plan_recovery(
     (a broken device fails every input), and it runs once more, on another device. Repeats
     of a remembered poison input (`known_poison`) batched together fail together, at once.
     Malformed and hung batches (and those of a failing device) are run again once, whole:
-    neither says which input is to blame, and a second failure is then the backend's."""
+    neither says which input is to blame, and a second failure is then the backend's. So is
+    the batch of a suspect device, which then fails as a raised batch if it fails again."""
+    if kind is FailureKind.SUSPECT_DEVICE:
+        if not any(request.moved for request in batch):
+            for request in batch:
+                request.moved = True
+            return Recovery([list(batch)], [])
+        kind = FailureKind.RAISED
     if kind is FailureKind.RAISED:
         if known_poison:  # repeats of one remembered poison input, and nothing else
             return Recovery([], list(batch))
@@ -114,9 +124,9 @@ def plan_recovery(
         if again and not budget.spend(1):
             return Recovery([], fail, spare=[again])
         return Recovery([again] if again else [], fail)
-    again = [r for r in batch if not r.hang_retried]
+    again = [r for r in batch if not r.moved]
     for request in again:
-        request.hang_retried = True
+        request.moved = True
     return Recovery([again] if again else [], [r for r in batch if r not in again])
 
 

@@ -56,12 +56,17 @@ class DeviceState(enum.Enum):
     """The hung call returned; probes run after a back-off until one answers in time."""
     DEAD = "dead"
     """Its batch function failed to load."""
+    SUSPECT = "suspect"
+    """It failed two calls in a row on different inputs: it takes no work until a probe
+    with a known-good input says whether it, or two poison inputs, were to blame."""
     FAILING = "failing"
     """Its calls kept raising on different inputs: it is being restarted (its batch
     functions loaded again on a fresh thread, then probed), backing off while that fails."""
 
 
-HEALTHY = frozenset({DeviceState.IDLE, DeviceState.BUSY})
+HEALTHY = frozenset({DeviceState.IDLE, DeviceState.BUSY, DeviceState.SUSPECT})
+"""A suspect device still counts: its probe takes one short call, and a lone device
+suspected after two poison inputs must not fail everything queued as not ready."""
 BUSY_WINDOW_S = 10.0
 LOGGED_IDS = 5
 """A failed batch's log line names this many request ids and counts the rest."""
@@ -375,8 +380,22 @@ class GpuPool:
             error = BackendError(f"the batch function raised {type(returned).__name__}: {returned}")
         for request in batch:
             request.failed_on += (device.name,)
-        device.failures.append({r.request_id for r in batch})
+        ids = {r.request_id for r in batch}
+        suspect = bool(device.failures) and not device.failures[-1] & ids
+        device.failures.append(ids)
         del device.failures[:-MAX_FAILURES_KEPT]
+        if suspect and device.blame < FAILING_BLAME:
+            # A broken device fails fast, so it is the free one most often: left in service
+            # it would sink a fresh batch every few milliseconds until blame accrues.
+            device.state = DeviceState.SUSPECT
+            self._tasks.start(self._check(device), name=f"batchserve-check-{device.name}")
+            self._failed(
+                batch,
+                key,
+                BatchFailure(FailureKind.SUSPECT_DEVICE, error, device.name, batch_id),
+                then=f"; {device.name} failed its last call too, and is probed",
+            )
+            return
         if device.blame < FAILING_BLAME:
             self._failed(batch, key, BatchFailure(kind, error, device.name, batch_id))
             return
@@ -406,18 +425,29 @@ class GpuPool:
                 self._mark_failing(other)
                 self._listener.health_changed()
 
-    def _mark_failing(self, device: Device) -> None:
+    async def _check(self, device: Device) -> None:
+        """Probes a suspect device: one that fails a known-good input is broken and
+        restarts; one that answers had two poison inputs in a row, and takes work again."""
+        if await self._probe(device):
+            device.state = DeviceState.IDLE
+            self.faults["device_cleared"] += 1
+            log.warning("%s answered its probe after two failed calls; it takes work again",
+                        device.name)  # fmt: skip
+            self._listener.health_changed()
+            return
+        device.state = DeviceState.SUSPECT  # a probe that hung left it recovering
+        self._mark_failing(device, "failed two calls in a row, then its probe")
+        self._listener.health_changed()
+
+    def _mark_failing(self, device: Device, why: str = "") -> None:
         """Takes the device out of service and starts its restart."""
-        log.warning(
-            "%s failed %d calls whose inputs then succeeded elsewhere: it takes no work"
-            " and restarts",
-            device.name,
-            device.blame,
-        )
+        why = why or f"failed {device.blame} calls whose inputs then succeeded elsewhere"
+        log.warning("%s %s: it takes no work and restarts", device.name, why)
+        if device.state in HEALTHY:
+            self.healthy -= 1
         device.state = DeviceState.FAILING
         device.failures.clear()
         device.blame = 0
-        self.healthy -= 1
         self.faults["device_failing"] += 1
         self._tasks.start(self._restart(device), name=f"batchserve-restart-{device.name}")
 

@@ -73,7 +73,9 @@ class QueuedRequest:
     tenant_weight: float = 1.0
     """Batch order: see fair_queue.py. Without API keys, one tenant at the top rank."""
     malformed_retried: bool = False
-    hang_retried: bool = False
+    moved: bool = False
+    """Ran again on another device for its device's fault (a hang, a failing or suspect
+    device): once."""
     device_retried: bool = False
     """Ran alone once more, on another device, before it counted as poison."""
     failed_on: tuple[str, ...] = ()

@@ -81,6 +81,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="runs per scenario (seeds)")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/chaos.md",
                         help="where the table is written")  # fmt: skip
+    parser.add_argument("--verbose", action="store_true",
+                        help="also print each run's fault and recovery counters")  # fmt: skip
+    parser.add_argument("--only", default="",
+                        help="run only the scenarios whose name contains this text")  # fmt: skip
     args = parser.parse_args()
     lines = [
         "| scenario | non-poison success | best possible | of it | poison answered 500 |"
@@ -88,7 +92,7 @@ def main() -> None:
         " fresh batches failed | restarts |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    all_scenarios = scenarios(args.seconds)
+    all_scenarios = [s for s in scenarios(args.seconds) if args.only in s.name]
     for done, scenario in enumerate(all_scenarios, 1):
         setup = Setup("adaptive", ("--sim-hang-ms", HANG_MS, *scenario.server_args), 4)
         results = [
@@ -116,6 +120,9 @@ def main() -> None:
         )
         lines.append(line)
         print(f"[{done}/{len(all_scenarios)}] {line}", flush=True)
+        if args.verbose:
+            for result in results:
+                print(result["server"], flush=True)
     text = "\n".join(lines) + "\n"
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)

@@ -100,6 +100,11 @@ def test_the_retry_budget_pays_for_parts_until_spent_then_they_wait_for_spare_ti
     failing = requests(2)
     recovery = plan_recovery(failing, FailureKind.DEVICE_FAILING, bisect=True, budget=budget)
     assert recovery.retry == [failing]  # the device's fault: whole, once, unpaid
+    suspect = requests(4)
+    moved = plan_recovery(suspect, FailureKind.SUSPECT_DEVICE, bisect=True, budget=budget)
+    assert (moved.retry, all(r.moved for r in suspect)) == ([suspect], True)
+    again = plan_recovery(suspect, FailureKind.SUSPECT_DEVICE, bisect=True, budget=budget)
+    assert [len(g) for g in again.spare] == [2, 2]  # failed elsewhere too: split, as raised
     for _ in range(100):
         budget.on_first_try()
     assert budget.tokens == 3.0  # refills by `ratio` a first try, up to the reserve

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from batchserve.backends import POISON_MARKER
 from batchserve.clock import FakeClock
 from batchserve.errors import StartupError
 from batchserve.faults import PROBE_INPUT, BatchFailure, FailureKind
@@ -81,6 +82,14 @@ def batch_of(pool: GpuPool, clock: FakeClock, *texts: str) -> tuple[list[QueuedR
     return [QueuedRequest(t, t, now, now + 60, loop.create_future(), key) for t in texts], key
 
 
+async def behind_the_calls_on(pool: GpuPool, name: str) -> None:
+    """Returns once the calls submitted to the device's thread have returned and the loop
+    has handled their outcomes: its thread runs calls in order, and hands each outcome back
+    in order, so a no-op submitted now comes back after theirs."""
+    [device] = [d for d in pool.devices if d.name == name]
+    await device.thread.submit(lambda _: None, None)
+
+
 async def test_a_batch_runs_on_a_free_device_and_is_timed_on_the_engine_clock(pool_of, gated):
     pool, heard, clock = await pool_of(devices=2)
     batch, key = batch_of(pool, clock, "ab", "cd")
@@ -123,16 +132,46 @@ async def test_a_call_past_its_budget_hangs_the_device_until_a_probe_answers(poo
     assert (pool.states(), pool.healthy, pool.free_count) == ({"sim:0": "hung"}, 0, 0)
     gated.stuck.clear()
     gated.unstick.set()  # the wedged call returns; its result is dropped
-    for _ in range(1000):
-        if pool.states()["sim:0"] == "recovering":
-            break
-        await asyncio.sleep(0)
+    await behind_the_calls_on(pool, "sim:0")
+    assert pool.states()["sim:0"] == "recovering"
     assert not batch[0].future.done()
     assert pool.faults["late_result_discarded"] == 1
     clock.advance(0.5)  # the back-off (one budget) ends: the probe runs
     assert await heard.next() == ("health", None)
     assert (pool.states(), pool.healthy) == ({"sim:0": "idle"}, 1)
     assert gated.calls_on("sim:0") == [["x"], [PROBE_INPUT]]
+
+
+async def test_two_failed_calls_in_a_row_make_a_device_suspect_until_its_probe_answers(
+    pool_of, gated
+):
+    """Two poison inputs in a row, on different inputs: the second failure hands its batch
+    back to be moved whole, and the device takes no work until its probe answers."""
+    pool, heard, clock = await pool_of()
+    gated.gate.set()
+    for text in [f"a{POISON_MARKER}", f"b{POISON_MARKER}"]:
+        batch, key = batch_of(pool, clock, text)
+        pool.dispatch(batch, 1, key)
+        await heard.next()
+    assert heard.events[-1] == ("failed", (1, FailureKind.SUSPECT_DEVICE))
+    assert await heard.next() == ("health", None)  # the probe answered
+    assert (pool.states(), pool.healthy, pool.free_count) == ({"sim:0": "idle"}, 1, 1)
+    assert pool.faults["device_cleared"] == 1
+    assert gated.calls_on("sim:0")[-1] == [PROBE_INPUT]
+
+
+async def test_a_suspect_device_that_fails_its_probe_restarts(pool_of, gated):
+    pool, heard, clock = await pool_of(devices=2)
+    gated.gate.set()
+    gated.broken = {"sim:0"}
+    for text in ["a", "b"]:
+        batch, key = batch_of(pool, clock, text)
+        pool.dispatch(batch, 1, key)  # sim:0, the first free device
+        await heard.next()
+    assert heard.events[-1] == ("failed", (1, FailureKind.SUSPECT_DEVICE))
+    assert await heard.next() == ("health", None)  # the probe failed: out, restarting
+    assert pool.states()["sim:0"] == "failing"
+    assert (pool.healthy, pool.faults["device_failing"]) == (1, 1)
 
 
 async def test_devices_that_fail_to_load_are_dead_and_none_loading_stops_start_up(pool_of):
