@@ -227,15 +227,31 @@ class Batcher:
     def batch_failed(self, batch: list[QueuedRequest], key: Key, failure: BatchFailure) -> None:
         """Plans the rescue of a failed batch: split over the free devices, paid for by the
         retry budget, or left for spare device time."""
+        fresh: list[QueuedRequest] = []
+        if failure.kind is FailureKind.RAISED and (riders := [r for r in batch if r.rider]):
+            fresh = [request for request in batch if not request.rider]
+            for request in riders:
+                request.rider = False
+            if fresh:
+                # Its rescue group, which held the batch's poison input when one of its
+                # failed calls did, most likely sank it: the fresh requests run again first,
+                # whole and unpaid, and only the riders are split further.
+                self.recoveries["rides_failed"] += 1
+                batch = riders
         recovery = plan_recovery(
             batch,
             failure.kind,
             bisect=self._bisect,
             budget=self._retry_budget,
             parts=self._pool.free_for(key.version),
-            unproven=len(set(batch[0].failed_on)) < 2
-            and self._pool.healthy_avoiding(key.version, batch[0].failed_on) > 0,
+            # A lone rider has not failed alone: fresh requests beside it may hold poison.
+            unproven=bool(fresh)
+            or (
+                len(set(batch[0].failed_on)) < 2
+                and self._pool.healthy_avoiding(key.version, batch[0].failed_on) > 0
+            ),
             known_poison=bool(key.poison),
+            ride=self._rides_coming(key),
         )
         if not batch[0].rescue_round and len(batch) > 1:
             self.recoveries["first_try_batches_failed"] += 1
@@ -243,6 +259,10 @@ class Batcher:
             request.rescue_round += 1
             request.running = False
         self._retries.extendleft((key, group) for group in reversed(recovery.retry))
+        if fresh:
+            for request in fresh:
+                request.running = False
+            self._retries.appendleft((key, fresh))
         unpaid: list[QueuedRequest] = []
         waiting = 0
         for group in recovery.spare:
@@ -272,19 +292,34 @@ class Batcher:
         self._wakeup.set()
         self._changed()
 
+    def _rides_coming(self, key: Key) -> bool:
+        """Whether fresh requests of a flat-cost `key` come often enough (one a call or
+        more) for a failed batch's parts to ride with them rather than take calls alone."""
+        if key.version.spec.cost != "flat":
+            return False
+        if key in self._lanes:
+            return True
+        call_s = key.version.estimate.seconds or 0.0
+        return key.version.arrivals.at(self._clock.time()) * call_s >= 1.0
+
     def _spare_time_in_time(self, version: ModelVersion, group: list[QueuedRequest]) -> bool:
-        """Whether spare device time should reach `group` before its first deadline: the
-        devices' idle share (1 - arrivals / capacity) makes so many calls a second, and the
-        groups already waiting for it go first."""
+        """Whether spare device time should reach `group` before its first deadline, after
+        the groups already waiting for it. A flat-cost model's spare time is the room fresh
+        batches leave (capacity - arrivals, in requests a second), where groups ride; another
+        model's is the calls its devices' idle share makes, a group each."""
         capacity, call_s = self.capacity_rps(version), version.estimate.seconds
         if not capacity or not call_s:
             return True  # nothing measured yet: no grounds to give up
-        idle_share = 1.0 - self._arrival_rate.at(self._clock.time()) / capacity
-        spare_calls_s = self._pool.healthy_for(version) * max(0.0, idle_share) / call_s
-        if spare_calls_s <= 0:
+        idle_share = max(0.0, 1.0 - self._arrival_rate.at(self._clock.time()) / capacity)
+        if version.spec.cost == "flat":
+            spare_per_s = capacity * idle_share
+            ahead = sum(len(waiting) for _, waiting in self._rescues) + len(group)
+        else:
+            spare_per_s = self._pool.healthy_for(version) * idle_share / call_s
+            ahead = len(self._rescues) + 1
+        if spare_per_s <= 0:
             return False
-        start_s = (len(self._rescues) + 1) / spare_calls_s
-        return self._clock.time() + start_s + call_s < min(r.deadline for r in group)
+        return self._clock.time() + ahead / spare_per_s + call_s < min(r.deadline for r in group)
 
     def _fail(self, requests: list[QueuedRequest], error: BatchserveError) -> None:
         for request in requests:
@@ -416,48 +451,97 @@ class Batcher:
         while True:
             self._wakeup.clear()
             now = clock.time()
-            if self._retries and self._send_group(self._retries, now):
+            if self._retries and self._send_retry(now):
                 continue
             lane, count, wake_at = self._choose(now)
             if lane is not None:
-                self._send(lane.key, self._take(lane, count, now))
+                batch = self._take(lane, count, now)
+                self._send(lane.key, batch + self._riders(lane, len(batch), now))
                 # Retries are paid from spare capacity only: none accrues while a backlog
                 # of a full batch or more is left waiting.
                 if len(lane.queue) < lane.max_batch:
                     self._retry_budget.on_first_try()
                 continue
-            # No fresh batch would leave now. A device takes unpaid rescue only where it would
-            # otherwise idle: nothing fresh is waiting, or another device is free for the
-            # batch being held (a rescue taking the only free one would delay it a call).
-            if (
-                self._rescues
-                and (not self._lanes or self._pool.free_count > 1)
-                and self._send_group(self._rescues, now)
-            ):
+            if self._rescues and self._send_spare(now):
                 continue
             alarm = None if wake_at is None else clock.call_at(wake_at, self._wakeup.set)
             await self._wakeup.wait()
             if alarm is not None:
                 alarm.cancel()
 
-    def _send_group(self, groups: deque[tuple[Key, list[QueuedRequest]]], now: float) -> bool:
-        """Sends the first of `groups` that a free device can run; False if none can."""
-        for index, (key, group) in enumerate(groups):
-            if group[0].device_retried:  # a lone input, proving it fails on another device
-                free = self._pool.free_avoiding(key.version, group[0].failed_on)
-            elif self._pool.healthy_avoiding(key.version, last := group[0].failed_on[-1:]):
-                # Not back to the device it just failed on: a broken device, failing fast,
-                # is free most often, and would take its whole rescue with nobody answered.
-                free = self._pool.free_avoiding(key.version, last)
-            else:
-                free = self._pool.free_for(key.version)
-            if free:
-                del groups[index]
+    def _send_retry(self, now: float) -> bool:
+        """Sends the first paid retry that a free device can run; False if none can."""
+        for index, (key, group) in enumerate(self._retries):
+            if self._can_run(key, group):
+                del self._retries[index]
                 batch = [request for request in group if _waiting(request, now)]
                 self.recoveries["rescue_calls"] += bool(batch)
                 self._send(key, batch)
                 return True
         return False
+
+    def _send_spare(self, now: float) -> bool:
+        """Sends the first unpaid rescue group that may take a free device now. No fresh
+        batch would leave, so a device takes one only where it would otherwise idle: nothing
+        fresh waits, or another device is free for the batch being held (taking the only
+        free one would delay it a call). A flat-cost model's group takes its key's waiting
+        requests along, as many as fit, and may then take the last free device: the call
+        costs the same, and it answers now those the held batch would have."""
+        held = bool(self._lanes) and self._pool.free_count <= 1
+        for index, (key, group) in enumerate(self._rescues):
+            lane = self._lanes.get(key)
+            takes_fresh = (
+                lane is not None
+                and key.version.spec.cost == "flat"
+                and len(group) < lane.max_batch
+                and not group[0].device_retried
+            )
+            if (held and not takes_fresh) or not self._can_run(key, group):
+                continue
+            del self._rescues[index]
+            batch = [request for request in group if _waiting(request, now)]
+            self.recoveries["rescue_calls"] += bool(batch)
+            if lane is not None and takes_fresh and batch:
+                room = min(len(lane.queue), lane.max_batch - len(batch))
+                batch = self._take(lane, room, now) + self._ride(batch)
+            self._send(key, batch)
+            return True
+        return False
+
+    def _can_run(self, key: Key, group: list[QueuedRequest]) -> bool:
+        """Whether a device that may run `group` is free."""
+        failed_on = group[0].failed_on
+        if group[0].device_retried and self._pool.healthy_avoiding(key.version, failed_on):
+            # A lone input, proving it fails on a device it has not failed on yet.
+            return bool(self._pool.free_avoiding(key.version, failed_on))
+        if self._pool.healthy_avoiding(key.version, last := failed_on[-1:]):
+            # Not back to the device it just failed on: a broken device, failing fast, is
+            # free most often, and would take its whole rescue with nobody answered.
+            return bool(self._pool.free_avoiding(key.version, last))
+        return bool(self._pool.free_for(key.version))
+
+    def _riders(self, lane: Lane, size: int, now: float) -> list[QueuedRequest]:
+        """A rescue group to ride in the room a fresh batch of `size` leaves: for a flat-cost
+        model a call costs the same however full, so a group with no poison in it is
+        answered for nothing, and one with poison sinks this batch, whose fresh requests
+        then run again at once. One group a batch, or the parts of a split would ride
+        together again and fail together; lone inputs proving themselves on another device
+        run alone."""
+        room = lane.max_batch - size
+        if not size or room <= 0 or lane.key.version.spec.cost != "flat":
+            return []
+        for index, (key, group) in enumerate(self._rescues):
+            if key == lane.key and len(group) <= room and not group[0].device_retried:
+                del self._rescues[index]
+                return self._ride([request for request in group if _waiting(request, now)])
+        return []
+
+    def _ride(self, group: list[QueuedRequest]) -> list[QueuedRequest]:
+        """Marks a rescue group sent beside fresh requests: if the call fails, it is blamed."""
+        for request in group:
+            request.rider = True
+        self.recoveries["rides"] += bool(group)
+        return group
 
     def _send(self, key: Key, batch: list[QueuedRequest]) -> None:
         if batch:

@@ -189,8 +189,8 @@ _FLAGS: list[tuple[str, Callable[[str], object], str]] = [
     (
         "bisect-failures",
         _on_off,
-        "on: when a batch call raises, halve the batch and retry until only the failing"
-        " inputs fail; off: the whole batch fails",
+        "on: when a batch call raises, split the batch and retry the parts until only the"
+        " failing inputs fail; off: the whole batch fails",
     ),
     (
         "retry-budget",
@@ -199,7 +199,9 @@ _FLAGS: list[tuple[str, Callable[[str], object], str]] = [
         " call per first-try batch sent while no full batch is left waiting; the rescue of a"
         " failing batch the budget cannot pay for waits for a device with no full batch to"
         " take, so a flood of poison inputs cannot starve everyone else, and devices never"
-        " idle while a rescue waits. Hung batches are always retried",
+        " idle while a rescue waits. While a flat-cost model's fresh requests keep coming,"
+        " its rescue rides in their batches' room instead, unpaid. Hung batches are always"
+        " retried",
     ),
     (
         "retry-reserve",

@@ -7,6 +7,7 @@ bound how often. The pool and the batcher apply them; nothing here reads a clock
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 
 from .errors import BackendError
@@ -24,7 +25,7 @@ class FailureKind(enum.Enum):
     """Its device kept failing calls on different inputs and is restarting: the requests go
     to another device, once, as for a hang."""
     SUSPECT_DEVICE = "suspect_device"
-    """Its device failed its last call too, on other inputs: the requests go to another
+    """Its device failed its last first try too: the requests go to another
     device, once and whole, while a probe tests the device; failing again, they split."""
 
 
@@ -85,6 +86,7 @@ def plan_recovery(
     parts: int = 2,
     unproven: bool = False,
     known_poison: bool = False,
+    ride: bool = False,
 ) -> Recovery:
     """A raised batch is split into `parts` (at least 2: one per free device), so each poison
     input stands alone after about log_parts(len(batch)) rounds and every other request then
@@ -113,9 +115,13 @@ def plan_recovery(
         if not bisect:
             return Recovery([], list(batch))
         groups = split(batch, parts)
-        if budget.spend(len(groups)):
-            return Recovery(groups, [])
-        return Recovery([], [], spare=groups)
+        if not ride:
+            return Recovery(groups, []) if budget.spend(len(groups)) else Recovery([], [], groups)
+        # The parts ride in the room fresh batches leave, where one with no poison costs
+        # nothing and the one with it sinks one batch: parts of about the square root of
+        # the batch, then single inputs, isolate an input in two such rounds, not log2(n).
+        size = len(batch)
+        return Recovery([], [], split(batch, size if size <= SINGLES_AT else math.isqrt(size)))
     if kind is FailureKind.MALFORMED:
         again = [r for r in batch if not r.malformed_retried]
         for request in again:
@@ -128,6 +134,10 @@ def plan_recovery(
     for request in again:
         request.moved = True
     return Recovery([again] if again else [], [r for r in batch if r not in again])
+
+
+SINGLES_AT = 16
+"""A riding group this small splits into single inputs."""
 
 
 def split(batch: list[QueuedRequest], parts: int) -> list[list[QueuedRequest]]:

@@ -57,8 +57,9 @@ class DeviceState(enum.Enum):
     DEAD = "dead"
     """Its batch function failed to load."""
     SUSPECT = "suspect"
-    """It failed two calls in a row on different inputs: it takes no work until a probe
-    with a known-good input says whether it, or two poison inputs, were to blame."""
+    """It failed two first tries in a row (batches of requests that had not failed
+    before) while no other device failed one: it takes no work until a probe with a
+    known-good input says whether it, or two poison inputs, were to blame."""
     FAILING = "failing"
     """Its calls kept raising on different inputs: it is being restarted (its batch
     functions loaded again on a fresh thread, then probed), backing off while that fails."""
@@ -97,6 +98,11 @@ class Device:
     failures: list[set[str]] = field(default_factory=list)
     """Per failed call since its last success, the request ids not yet answered elsewhere
     (at most MAX_FAILURES_KEPT calls)."""
+    failed_first_tries: int = 0
+    """Its failed calls since its last success that held no request that had failed before
+    (a rescue, or a rider, fails again where its poison is): two make it suspect."""
+    streak_from: int = 0
+    """The pool's count of failed first tries when this device's streak of them began."""
     blame: int = 0
     """Its failed calls since its last success whose every input then succeeded elsewhere."""
 
@@ -129,6 +135,8 @@ class GpuPool:
         self._devices = [Device(name, DeviceThread(name)) for name in names]
         self._tasks = TaskSet(on_crash)
         self.healthy = 0
+        self._failed_first_tries = 0
+        """First tries failed on any device: a suspect's streak must be its own."""
         self._sharing: dict[ModelVersion, frozenset[ModelVersion]] = {}
         """`sharing`'s answers, until a load or unload changes what the devices hold."""
         self.faults: Counter[str] = Counter()
@@ -269,14 +277,13 @@ class GpuPool:
         the caller has checked that one is free."""
         version = key.version
         device = next(d for d in self._devices if d.state is DeviceState.IDLE and version in d.fns)
-        if device.name in batch[0].failed_on:  # a rescue: another device, if one is free
+        avoid = batch[-1].failed_on  # riding rescue groups, if any, come last
+        if device.name in avoid:  # a rescue: another device, if one is free
             device = next(
                 (
                     d
                     for d in self._devices
-                    if d.state is DeviceState.IDLE
-                    and version in d.fns
-                    and d.name not in batch[0].failed_on
+                    if d.state is DeviceState.IDLE and version in d.fns and d.name not in avoid
                 ),
                 device,
             )
@@ -340,6 +347,7 @@ class GpuPool:
             return
         device.failures.clear()
         device.blame = 0
+        device.failed_first_tries = 0
         if batch[0].failed_on:  # a rescue: where it failed before may have been to blame
             self._exonerate(device, batch)
         outputs = returned
@@ -378,11 +386,20 @@ class GpuPool:
         else:
             kind = FailureKind.RAISED
             error = BackendError(f"the batch function raised {type(returned).__name__}: {returned}")
+        if not any(request.failed_on for request in batch):  # a first try
+            if not device.failed_first_tries:
+                device.streak_from = self._failed_first_tries
+            device.failed_first_tries += 1
+            self._failed_first_tries += 1
+        # Two first tries in a row failed here and none anywhere else meanwhile: more likely
+        # this device than two poison inputs. (Under a flood of poison, all devices fail.)
+        suspect = (
+            device.failed_first_tries >= 2
+            and self._failed_first_tries - device.streak_from == device.failed_first_tries
+        )
         for request in batch:
             request.failed_on += (device.name,)
-        ids = {r.request_id for r in batch}
-        suspect = bool(device.failures) and not device.failures[-1] & ids
-        device.failures.append(ids)
+        device.failures.append({r.request_id for r in batch})
         del device.failures[:-MAX_FAILURES_KEPT]
         if suspect and device.blame < FAILING_BLAME:
             # A broken device fails fast, so it is the free one most often: left in service
@@ -393,7 +410,7 @@ class GpuPool:
                 batch,
                 key,
                 BatchFailure(FailureKind.SUSPECT_DEVICE, error, device.name, batch_id),
-                then=f"; {device.name} failed its last call too, and is probed",
+                then=f"; {device.name} failed its last first try too, and is probed",
             )
             return
         if device.blame < FAILING_BLAME:
@@ -430,13 +447,14 @@ class GpuPool:
         restarts; one that answers had two poison inputs in a row, and takes work again."""
         if await self._probe(device):
             device.state = DeviceState.IDLE
+            device.failed_first_tries = 0
             self.faults["device_cleared"] += 1
-            log.warning("%s answered its probe after two failed calls; it takes work again",
+            log.warning("%s answered its probe after two failed first tries; it takes work again",
                         device.name)  # fmt: skip
             self._listener.health_changed()
             return
         device.state = DeviceState.SUSPECT  # a probe that hung left it recovering
-        self._mark_failing(device, "failed two calls in a row, then its probe")
+        self._mark_failing(device, "failed two first tries in a row, then its probe")
         self._listener.health_changed()
 
     def _mark_failing(self, device: Device, why: str = "") -> None:
@@ -448,6 +466,7 @@ class GpuPool:
         device.state = DeviceState.FAILING
         device.failures.clear()
         device.blame = 0
+        device.failed_first_tries = 0
         self.faults["device_failing"] += 1
         self._tasks.start(self._restart(device), name=f"batchserve-restart-{device.name}")
 

@@ -78,6 +78,8 @@ class QueuedRequest:
     device): once."""
     device_retried: bool = False
     """Ran alone once more, on another device, before it counted as poison."""
+    rider: bool = False
+    """Rides, in a rescue group, in the room of a fresh batch: blamed first if it fails."""
     failed_on: tuple[str, ...] = ()
     """The devices its failed calls ran on: a rescue of it prefers another."""
     rescue_round: int = 0

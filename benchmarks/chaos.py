@@ -41,6 +41,7 @@ def scenarios(seconds: float) -> list[Scenario]:
         Scenario("fault-free", 2800),
         Scenario("one hang only", 2800, load_args=hang),
         Scenario("0.1% poison, 30 % load", 1200, (), ("--poison-rate", "0.001"), 0.001),
+        Scenario("0.1% poison, 70 % load", 2800, (), ("--poison-rate", "0.001"), 0.001),
         Scenario("0.1% poison + one hang", 2800, (), ("--poison-rate", "0.001", *hang), 0.001),
         Scenario("1% poison + one hang", 2800, (), ("--poison-rate", "0.01", *hang), 0.01),
         Scenario(
@@ -88,9 +89,9 @@ def main() -> None:
     args = parser.parse_args()
     lines = [
         "| scenario | non-poison success | best possible | of it | poison answered 500 |"
-        " p50 ms | p99 ms | lost | wrong | rescue calls / isolated | rounds / isolated |"
-        " fresh batches failed | restarts |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        " p50 ms | p99 ms | p99 last third ms | lost | wrong | rescue calls / isolated |"
+        " rounds / isolated | rides (failed) | fresh batches failed | restarts |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     all_scenarios = [s for s in scenarios(args.seconds) if args.only in s.name]
     for done, scenario in enumerate(all_scenarios, 1):
@@ -113,8 +114,11 @@ def main() -> None:
             f" {sum(int(r['poison_500']) for r in results)} of"
             f" {sum(int(r['poison_sent']) for r in results)} |"
             f" {median(results, 'p50_ms'):.0f} | {median(results, 'p99_ms'):.0f} |"
+            f" {median(results, 'last_third_p99_ms'):.0f} |"
             f" {sum(int(r['unanswered']) for r in results)} |"
             f" {sum(int(r['wrong_output']) for r in results)} | {per_isolated} |"
+            f" {counter(results, 'recoveries.rides'):.0f}"
+            f" ({counter(results, 'recoveries.rides_failed'):.0f}) |"
             f" {counter(results, 'recoveries.first_try_batches_failed'):.0f} |"
             f" {counter(results, 'faults.device_restarted'):.0f} |"
         )

@@ -44,6 +44,9 @@ class Summary:
     p50_ms: float
     p90_ms: float
     p99_ms: float
+    last_third_p99_ms: float
+    """The p99 of the requests due in the run's last third: whether it is back to normal
+    after a fault earlier in the run."""
     max_ms: float
     good_share: float
     """Timed requests (after warm-up, without the poison marker) answered 200 within
@@ -167,6 +170,8 @@ class Run:
             name: (Counter(), []) for name in workload.key_headers
         }
         self.latencies: list[float] = []
+        self.scheduled_at: list[float] = []
+        """Beside each latency, when its request was due (seconds into the run)."""
         self.statuses: Counter[str] = Counter()
         self.batch_sizes: list[int] = []
         self.computes: list[float] = []
@@ -272,6 +277,7 @@ class Run:
         if pending.scheduled - self.start >= self.warmup_s:
             latency = now - pending.scheduled
             self.latencies.append(latency)
+            self.scheduled_at.append(pending.scheduled - self.start)
             self.good += latency <= self.good_s
             if name:
                 self.per_key[name][1].append(latency)
@@ -351,6 +357,8 @@ async def run(url: str, rate: float, seconds: float, warmup_s: float, good_s: fl
         await load.finished
     finally:
         gc.enable()
+    late = sorted(lat for at, lat in zip(load.scheduled_at, load.latencies, strict=True)
+                  if at >= seconds * 2 / 3)  # fmt: skip
     latencies = sorted(load.latencies)
 
     def pct(q: float, values: list[float] = latencies) -> float:
@@ -386,6 +394,7 @@ async def run(url: str, rate: float, seconds: float, warmup_s: float, good_s: fl
         p50_ms=pct(0.50),
         p90_ms=pct(0.90),
         p99_ms=pct(0.99),
+        last_third_p99_ms=pct(0.99, late),
         max_ms=1e3 * latencies[-1] if latencies else float("nan"),
         good_share=load.good / timed if timed else 0.0,
         achieved_rps=ok / (load.last_answer - start) if load.last_answer > start else 0.0,

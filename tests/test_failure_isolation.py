@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import math
+import threading
+from collections.abc import Callable
 
 import pytest
 from aiohttp.test_utils import TestClient
@@ -19,9 +21,10 @@ from batchserve.config import Config
 from batchserve.engine import Engine
 from batchserve.errors import BackendError
 from batchserve.faults import PROBE_INPUT
+from batchserve.gpu_pool import WARM_UP_INPUT
 from batchserve.item import Result
 
-from .conftest import GatedBackend, reach
+from .conftest import HANG_GUARD_S, GatedBackend, reach
 
 
 async def ask(client: TestClient, text: str) -> tuple[int, dict[str, object]]:
@@ -126,7 +129,8 @@ async def test_a_rescue_the_budget_cannot_pay_for_waits_while_a_full_batch_waits
     calls = [inputs for _, inputs in gated.calls]
     assert calls[1][0] == "a0"  # the failing batch
     assert calls[2] == ["b0", "b1", "b2", "b3"]  # the full fresh batch before its rescue
-    assert [len(inputs) for inputs in calls[3:5]] == [2, 2]
+    rescued = {text for inputs in calls[3:] for text in inputs}  # then its parts, after it
+    assert rescued == {"a0", f"a1{POISON_MARKER}", "a2", "a3"}
 
 
 async def test_a_failed_batch_splits_into_one_part_per_free_device(gated):
@@ -345,3 +349,93 @@ async def test_a_device_that_fails_to_load_is_left_out(start_server):
     assert all(status == 200 for status, _ in answers)
     assert {device for device, _ in backend.calls} <= {"sim:0", "sim:2"}
     assert engine.stats().healthy_devices == 2
+
+
+class SteppedDevice:
+    """A one-device backend whose calls each wait for a permit: the test lets them finish one
+    at a time, and sees each call's inputs."""
+
+    def __init__(self) -> None:
+        self.permits = threading.Semaphore(0)
+        self.calls: list[list[str]] = []
+
+    def __call__(self, device: str) -> Callable[[list[str]], list[str]]:
+        def run(inputs: list[str]) -> list[str]:
+            if inputs != [WARM_UP_INPUT]:
+                self.calls.append(list(inputs))
+                self.permits.acquire()
+            if any(POISON_MARKER in text for text in inputs):
+                raise ValueError("this batch holds a poison input")
+            return [simulate(text) for text in inputs]
+
+        return run
+
+
+async def to_the_end(
+    engine: Engine, clock: FakeClock, tickets: list[asyncio.Future[Result]]
+) -> list[Result | BaseException]:
+    """Every ticket's outcome, moving virtual time on while no call runs (the policy may
+    be waiting for a fuller batch), and never during a call."""
+    everything = asyncio.gather(*tickets, return_exceptions=True)
+    async with asyncio.timeout(HANG_GUARD_S):
+        while not everything.done():
+            if not engine.stats().in_flight:
+                clock.advance(0.010)
+            await asyncio.sleep(0)
+    return await everything
+
+
+async def test_a_lone_rider_is_not_poison_until_it_fails_alone(gated):
+    """A single input rides in a fresh batch that holds a poison input of its own: the
+    ride fails, but the rider has not failed alone, so it runs alone and is answered."""
+    stepped = SteppedDevice()
+    clock = FakeClock()
+    async with Engine(Config(), fn_per_device=stepped, devices="sim:1", clock=clock) as engine:
+        held = engine.submit("held")
+        await reach(engine, lambda s: s.in_flight == 1)
+        first = [engine.submit(t) for t in ["s0", f"p{POISON_MARKER}"]]
+        await reach(engine, lambda s: s.queued == 2)
+        stepped.permits.release()  # "held" answers; [s0, p] starts
+        await reach(engine, lambda s: s.in_flight == 2)
+        fresh = [engine.submit(t) for t in ["f0", f"g{POISON_MARKER}"]]
+        await reach(engine, lambda s: s.queued == 2)
+        stepped.permits.release(100)
+        results = await to_the_end(engine, clock, [held, *first, *fresh])
+    assert stepped.calls[2] == ["f0", f"g{POISON_MARKER}", "s0"]  # s0 rode, and sank
+    assert ["s0"] in stepped.calls[3:]  # then ran alone
+    outcomes = [r.output if isinstance(r, Result) else type(r) for r in results]
+    assert outcomes == ["dleh", "0s", BackendError, "0f", BackendError]
+    assert engine.recoveries["poison_isolated"] == 2
+
+
+async def test_a_rescue_group_rides_in_a_fresh_batchs_room_and_sinks_only_it(gated):
+    """While fresh requests flow, a failed batch's parts (about its square root in size)
+    ride in the room of fresh batches (a flat-cost call costs the same however full)
+    instead of taking calls of their own. A ride that fails puts its fresh requests first,
+    whole; only its riders split again."""
+    stepped = SteppedDevice()
+    clock = FakeClock()
+    config = Config(max_batch_size=20)
+    async with Engine(config, fn_per_device=stepped, devices="sim:1", clock=clock) as engine:
+        held = engine.submit("held")
+        await reach(engine, lambda s: s.in_flight == 1)
+        failing = [f"a{n}" + (POISON_MARKER if n == 1 else "") for n in range(20)]
+        tickets = [engine.submit(t) for t in failing]
+        await reach(engine, lambda s: s.queued == 20)
+        stepped.permits.release()  # "held" answers; the full batch of 20 starts
+        await reach(engine, lambda s: s.in_flight == 20)
+        fresh = [engine.submit(t) for t in ["b0", "b1"]]
+        await reach(engine, lambda s: s.queued == 2)
+        stepped.permits.release(100)  # the batch of 20 fails; everything else may run
+        results = await to_the_end(engine, clock, [held, *tickets, *fresh])
+    for text, result in zip(["held", *failing, "b0", "b1"], results, strict=True):
+        if POISON_MARKER in text:
+            assert isinstance(result, BackendError)
+        else:
+            assert isinstance(result, Result)
+            assert result.output == simulate(text)
+    assert stepped.calls[2] == ["b0", "b1", *failing[:5]]  # the part holding the poison
+    assert stepped.calls[3] == ["b0", "b1"]  # its fresh requests again, first and whole
+    assert [len(inputs) for inputs in stepped.calls[4:]].count(5) == 3  # the clean parts
+    assert [failing[1]] in stepped.calls[4:]  # its riders split again, down to the poison
+    assert engine.recoveries["rides_failed"] == 1

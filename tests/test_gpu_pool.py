@@ -160,6 +160,29 @@ async def test_two_failed_calls_in_a_row_make_a_device_suspect_until_its_probe_a
     assert gated.calls_on("sim:0")[-1] == [PROBE_INPUT]
 
 
+async def test_first_tries_failing_on_every_device_make_none_suspect(pool_of, gated):
+    """A flood of poison inputs fails first tries everywhere: a device's second failure in
+    a row, with another device's between them, is put down to inputs, not to the device."""
+    pool, heard, clock = await pool_of(devices=2)
+    gated.gate.set()
+
+    async def fails(text: str) -> object:
+        batch, key = batch_of(pool, clock, text + POISON_MARKER)
+        pool.dispatch(batch, 1, key)
+        return await heard.next()
+
+    assert await fails("a") == ("failed", (1, FailureKind.RAISED))  # on sim:0
+    gated.stuck = {"sim:0"}
+    held, key = batch_of(pool, clock, "h" + POISON_MARKER)
+    pool.dispatch(held, 2, key)  # sim:0 holds it
+    await gated.entered("sim:0")
+    assert await fails("b") == ("failed", (1, FailureKind.RAISED))  # on sim:1
+    gated.stuck.clear()
+    gated.unstick.set()
+    assert await heard.next() == ("failed", (1, FailureKind.RAISED))  # sim:0's second
+    assert pool.states() == {"sim:0": "idle", "sim:1": "idle"}
+
+
 async def test_a_suspect_device_that_fails_its_probe_restarts(pool_of, gated):
     pool, heard, clock = await pool_of(devices=2)
     gated.gate.set()

@@ -49,6 +49,8 @@ class Load:
         self.statuses: Counter[int] = Counter()
         self.wrong = 0
         self.sent = 0
+        self.failures: list[str] = []
+        """What each answer other than 200 said, for the failure message."""
         self.stop = asyncio.Event()
         self.progress = asyncio.Event()
         """Set at each answer, and when a worker ends."""
@@ -63,7 +65,9 @@ class Load:
             text = f"w{worker}-n{self.sent}"
             async with session.post(f"{self.url}/api/inference", json={"input": text}) as answer:
                 self.statuses[answer.status] += 1
-                if answer.status == 200 and (await answer.json())["output"] != text[::-1]:
+                if answer.status != 200:
+                    self.failures.append(f"{answer.status} {answer.headers} {await answer.text()}")
+                elif (await answer.json())["output"] != text[::-1]:
                     self.wrong += 1
             self.progress.set()
         self.progress.set()
@@ -114,5 +118,5 @@ async def test_a_replica_stopped_and_restarted_under_load_costs_no_request() -> 
     print(f"\nnginx + 3 replicas: {sum(load.statuses.values())} requests in {seconds:.1f} s,"
           f" statuses {dict(load.statuses)}, wrong outputs {load.wrong}")  # fmt: skip
     assert exit_status == 0
-    assert load.statuses == Counter({200: load.sent})
+    assert load.statuses == Counter({200: load.sent}), load.failures
     assert load.wrong == 0
