@@ -51,6 +51,11 @@ class BatcherStats:
     completed: int
 
 
+RIDE_MAX_FAILING = 0.25
+"""Rescue rides in fresh batches while at most this share of them fails (0.1 % poison in
+batches of 90 fails 9 %, 1 % fails 60 %)."""
+
+
 class Lane:
     """The waiting requests of one compatibility key, and its share of device time so far."""
 
@@ -121,6 +126,9 @@ class Batcher:
         self._completed = 0
         self._drain_rate = DecayedRate()
         self._arrival_rate = DecayedRate()
+        self._first_tries = DecayedRate()
+        self._first_tries_failed = DecayedRate()
+        """Fresh batches sent and failed lately: rides pay only while few fail."""
         self._tier_rates = [DecayedRate() for _ in TIER_RANKS]
         """Arrivals a second by tier rank: what higher tiers will claim of the capacity."""
         self.batch_sizes: Counter[int] = Counter()
@@ -227,6 +235,8 @@ class Batcher:
     def batch_failed(self, batch: list[QueuedRequest], key: Key, failure: BatchFailure) -> None:
         """Plans the rescue of a failed batch: split over the free devices, paid for by the
         retry budget, or left for spare device time."""
+        if not batch[0].rescue_round and len(batch) > 1:
+            self._first_tries_failed.add(self._clock.time(), 1)
         fresh: list[QueuedRequest] = []
         if failure.kind is FailureKind.RAISED and (riders := [r for r in batch if r.rider]):
             fresh = [request for request in batch if not request.rider]
@@ -294,13 +304,18 @@ class Batcher:
 
     def _rides_coming(self, key: Key) -> bool:
         """Whether fresh requests of a flat-cost `key` come often enough (one a call or
-        more) for a failed batch's parts to ride with them rather than take calls alone."""
+        more) for a failed batch's parts to ride with them rather than take calls alone,
+        and few enough fresh batches fail: under a flood of poison, rides would sink more
+        fresh requests than they answer."""
         if key.version.spec.cost != "flat":
+            return False
+        now = self._clock.time()
+        if self._first_tries_failed.at(now) > RIDE_MAX_FAILING * self._first_tries.at(now):
             return False
         if key in self._lanes:
             return True
         call_s = key.version.estimate.seconds or 0.0
-        return key.version.arrivals.at(self._clock.time()) * call_s >= 1.0
+        return key.version.arrivals.at(now) * call_s >= 1.0
 
     def _spare_time_in_time(self, version: ModelVersion, group: list[QueuedRequest]) -> bool:
         """Whether spare device time should reach `group` before its first deadline, after
@@ -456,6 +471,7 @@ class Batcher:
             lane, count, wake_at = self._choose(now)
             if lane is not None:
                 batch = self._take(lane, count, now)
+                self._first_tries.add(now, 1)
                 self._send(lane.key, batch + self._riders(lane, len(batch), now))
                 # Retries are paid from spare capacity only: none accrues while a backlog
                 # of a full batch or more is left waiting.

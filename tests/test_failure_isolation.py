@@ -385,27 +385,55 @@ async def to_the_end(
     return await everything
 
 
+async def warm(engine: Engine, clock: FakeClock, stepped: SteppedDevice) -> None:
+    """Three fresh batches that succeed: rescue rides only while few fresh batches fail."""
+    stepped.permits.release(3)
+    for n in range(3):
+        await to_the_end(engine, clock, [engine.submit(f"warm-{n}")])
+    stepped.calls.clear()
+
+
+async def pair_then_fresh(
+    engine: Engine, clock: FakeClock, stepped: SteppedDevice
+) -> list[Result | BaseException]:
+    """[s0, p] fails while [f0, g] (g poison too) waits; then everything runs to the end."""
+    held = engine.submit("held")
+    await reach(engine, lambda s: s.in_flight == 1)
+    first = [engine.submit(t) for t in ["s0", f"p{POISON_MARKER}"]]
+    await reach(engine, lambda s: s.queued == 2)
+    stepped.permits.release()  # "held" answers; [s0, p] starts
+    await reach(engine, lambda s: s.in_flight == 2)
+    fresh = [engine.submit(t) for t in ["f0", f"g{POISON_MARKER}"]]
+    await reach(engine, lambda s: s.queued == 2)
+    stepped.permits.release(100)
+    return await to_the_end(engine, clock, [held, *first, *fresh])
+
+
 async def test_a_lone_rider_is_not_poison_until_it_fails_alone(gated):
     """A single input rides in a fresh batch that holds a poison input of its own: the
     ride fails, but the rider has not failed alone, so it runs alone and is answered."""
     stepped = SteppedDevice()
     clock = FakeClock()
     async with Engine(Config(), fn_per_device=stepped, devices="sim:1", clock=clock) as engine:
-        held = engine.submit("held")
-        await reach(engine, lambda s: s.in_flight == 1)
-        first = [engine.submit(t) for t in ["s0", f"p{POISON_MARKER}"]]
-        await reach(engine, lambda s: s.queued == 2)
-        stepped.permits.release()  # "held" answers; [s0, p] starts
-        await reach(engine, lambda s: s.in_flight == 2)
-        fresh = [engine.submit(t) for t in ["f0", f"g{POISON_MARKER}"]]
-        await reach(engine, lambda s: s.queued == 2)
-        stepped.permits.release(100)
-        results = await to_the_end(engine, clock, [held, *first, *fresh])
+        await warm(engine, clock, stepped)
+        results = await pair_then_fresh(engine, clock, stepped)
     assert stepped.calls[2] == ["f0", f"g{POISON_MARKER}", "s0"]  # s0 rode, and sank
     assert ["s0"] in stepped.calls[3:]  # then ran alone
     outcomes = [r.output if isinstance(r, Result) else type(r) for r in results]
     assert outcomes == ["dleh", "0s", BackendError, "0f", BackendError]
     assert engine.recoveries["poison_isolated"] == 2
+
+
+async def test_rescue_does_not_ride_while_many_fresh_batches_fail(gated):
+    """Under a flood of poison most fresh batches fail: a ride would sink more fresh
+    requests than it answers, so the failed batch's parts run on their own."""
+    stepped = SteppedDevice()
+    clock = FakeClock()
+    async with Engine(Config(), fn_per_device=stepped, devices="sim:1", clock=clock) as engine:
+        results = await pair_then_fresh(engine, clock, stepped)  # 1 of 2 fresh batches fails
+    assert not any("f0" in inputs and "s0" in inputs for inputs in stepped.calls)
+    assert engine.recoveries["rides"] == 0
+    assert [isinstance(r, Result) for r in results] == [True, True, False, True, False]
 
 
 async def test_a_rescue_group_rides_in_a_fresh_batchs_room_and_sinks_only_it(gated):
@@ -417,6 +445,7 @@ async def test_a_rescue_group_rides_in_a_fresh_batchs_room_and_sinks_only_it(gat
     clock = FakeClock()
     config = Config(max_batch_size=20)
     async with Engine(config, fn_per_device=stepped, devices="sim:1", clock=clock) as engine:
+        await warm(engine, clock, stepped)
         held = engine.submit("held")
         await reach(engine, lambda s: s.in_flight == 1)
         failing = [f"a{n}" + (POISON_MARKER if n == 1 else "") for n in range(20)]
