@@ -52,8 +52,9 @@ class BatcherStats:
 
 
 RIDE_MAX_FAILING = 0.25
-"""Rescue rides in fresh batches while at most this share of them fails (0.1 % poison in
-batches of 90 fails 9 %, 1 % fails 60 %)."""
+"""Rescue rides in fresh batches while at most this share of first tries fails (0.1 %
+poison in batches of 90 fails 9 %, 1 % fails 60 %): under a flood of poison a ride would
+sink more fresh requests than it answers."""
 
 
 class Lane:
@@ -235,7 +236,10 @@ class Batcher:
     def batch_failed(self, batch: list[QueuedRequest], key: Key, failure: BatchFailure) -> None:
         """Plans the rescue of a failed batch: split over the free devices, paid for by the
         retry budget, or left for spare device time."""
-        if not batch[0].rescue_round and len(batch) > 1:
+        # The pool has added this device to each request's failed_on already.
+        first_try = not any(request.rider or len(request.failed_on) > 1 for request in batch)
+        if first_try and len(batch) > 1:
+            self.recoveries["first_try_batches_failed"] += 1
             self._first_tries_failed.add(self._clock.time(), 1)
         fresh: list[QueuedRequest] = []
         if failure.kind is FailureKind.RAISED and (riders := [r for r in batch if r.rider]):
@@ -263,8 +267,6 @@ class Batcher:
             known_poison=bool(key.poison),
             ride=self._rides_coming(key),
         )
-        if not batch[0].rescue_round and len(batch) > 1:
-            self.recoveries["first_try_batches_failed"] += 1
         for request in batch:
             request.rescue_round += 1
             request.running = False
@@ -276,7 +278,7 @@ class Batcher:
         unpaid: list[QueuedRequest] = []
         waiting = 0
         for group in recovery.spare:
-            if self._spare_time_in_time(key.version, group):
+            if self._spare_time_in_time(key, group):
                 self._rescues.append((key, group))
                 waiting += len(group)
             else:
@@ -303,30 +305,34 @@ class Batcher:
         self._changed()
 
     def _rides_coming(self, key: Key) -> bool:
-        """Whether fresh requests of a flat-cost `key` come often enough (one a call or
-        more) for a failed batch's parts to ride with them rather than take calls alone,
-        and few enough fresh batches fail: under a flood of poison, rides would sink more
-        fresh requests than they answer."""
-        if key.version.spec.cost != "flat":
-            return False
+        """Whether rides pay for `key` and its fresh requests come often enough (one a call
+        or more) for a failed batch's parts to ride with them rather than take calls alone."""
         now = self._clock.time()
-        if self._first_tries_failed.at(now) > RIDE_MAX_FAILING * self._first_tries.at(now):
+        if not self._rides_pay(key, now):
             return False
         if key in self._lanes:
             return True
         call_s = key.version.estimate.seconds or 0.0
         return key.version.arrivals.at(now) * call_s >= 1.0
 
-    def _spare_time_in_time(self, version: ModelVersion, group: list[QueuedRequest]) -> bool:
+    def _rides_pay(self, key: Key, now: float) -> bool:
+        """Whether rescue groups of `key` may ride in fresh batches: a flat-cost model's
+        call costs the same however full, while few fresh batches fail on their own."""
+        if key.version.spec.cost != "flat":
+            return False
+        return self._first_tries_failed.at(now) <= RIDE_MAX_FAILING * self._first_tries.at(now)
+
+    def _spare_time_in_time(self, key: Key, group: list[QueuedRequest]) -> bool:
         """Whether spare device time should reach `group` before its first deadline, after
-        the groups already waiting for it. A flat-cost model's spare time is the room fresh
-        batches leave (capacity - arrivals, in requests a second), where groups ride; another
-        model's is the calls its devices' idle share makes, a group each."""
+        the groups already waiting for it. Where rides pay, spare time is the room fresh
+        batches leave (capacity - arrivals, in requests a second); elsewhere it is the calls
+        the devices' idle share makes, a group each."""
+        version, now = key.version, self._clock.time()
         capacity, call_s = self.capacity_rps(version), version.estimate.seconds
         if not capacity or not call_s:
             return True  # nothing measured yet: no grounds to give up
-        idle_share = max(0.0, 1.0 - self._arrival_rate.at(self._clock.time()) / capacity)
-        if version.spec.cost == "flat":
+        idle_share = max(0.0, 1.0 - self._arrival_rate.at(now) / capacity)
+        if self._rides_pay(key, now):
             spare_per_s = capacity * idle_share
             ahead = sum(len(waiting) for _, waiting in self._rescues) + len(group)
         else:
@@ -334,7 +340,7 @@ class Batcher:
             ahead = len(self._rescues) + 1
         if spare_per_s <= 0:
             return False
-        return self._clock.time() + ahead / spare_per_s + call_s < min(r.deadline for r in group)
+        return now + ahead / spare_per_s + call_s < min(r.deadline for r in group)
 
     def _fail(self, requests: list[QueuedRequest], error: BatchserveError) -> None:
         for request in requests:
@@ -508,7 +514,7 @@ class Batcher:
             lane = self._lanes.get(key)
             takes_fresh = (
                 lane is not None
-                and key.version.spec.cost == "flat"
+                and self._rides_pay(key, now)
                 and len(group) < lane.max_batch
                 and not group[0].device_retried
             )
@@ -544,7 +550,7 @@ class Batcher:
         together again and fail together; lone inputs proving themselves on another device
         run alone."""
         room = lane.max_batch - size
-        if not size or room <= 0 or lane.key.version.spec.cost != "flat":
+        if not self._rescues or not size or room <= 0 or not self._rides_pay(lane.key, now):
             return []
         for index, (key, group) in enumerate(self._rescues):
             if key == lane.key and len(group) <= room and not group[0].device_retried:
