@@ -277,8 +277,9 @@ class Batcher:
             self._retries.appendleft((key, fresh))
         unpaid: list[QueuedRequest] = []
         waiting = 0
-        for group in recovery.spare:
-            if self._spare_time_in_time(key, group):
+        in_time = self._in_spare_time(key, recovery.spare)
+        for group, reached in zip(recovery.spare, in_time, strict=True):
+            if reached:
                 self._rescues.append((key, group))
                 waiting += len(group)
             else:
@@ -322,25 +323,33 @@ class Batcher:
             return False
         return self._first_tries_failed.at(now) <= RIDE_MAX_FAILING * self._first_tries.at(now)
 
-    def _spare_time_in_time(self, key: Key, group: list[QueuedRequest]) -> bool:
-        """Whether spare device time should reach `group` before its first deadline, after
-        the groups already waiting for it. Where rides pay, spare time is the room fresh
-        batches leave (capacity - arrivals, in requests a second); elsewhere it is the calls
-        the devices' idle share makes, a group each."""
+    def _in_spare_time(self, key: Key, groups: list[list[QueuedRequest]]) -> list[bool]:
+        """For each of `groups`, in turn, whether spare device time should reach it before
+        its first deadline, after the groups already waiting for it (and those of `groups`
+        let in before it). Where rides pay, spare time is the room fresh batches leave
+        (capacity - arrivals, in requests a second); elsewhere it is the calls the devices'
+        idle share makes, a group each."""
         version, now = key.version, self._clock.time()
         capacity, call_s = self.capacity_rps(version), version.estimate.seconds
         if not capacity or not call_s:
-            return True  # nothing measured yet: no grounds to give up
+            return [True] * len(groups)  # nothing measured yet: no grounds to give up
         idle_share = max(0.0, 1.0 - self._arrival_rate.at(now) / capacity)
-        if self._rides_pay(key, now):
+        in_requests = self._rides_pay(key, now)
+        if in_requests:
             spare_per_s = capacity * idle_share
-            ahead = sum(len(waiting) for _, waiting in self._rescues) + len(group)
+            ahead = sum(len(waiting) for _, waiting in self._rescues)
         else:
             spare_per_s = self._pool.healthy_for(version) * idle_share / call_s
-            ahead = len(self._rescues) + 1
+            ahead = len(self._rescues)
         if spare_per_s <= 0:
-            return False
-        return now + ahead / spare_per_s + call_s < min(r.deadline for r in group)
+            return [False] * len(groups)
+        in_time = []
+        for group in groups:
+            size = len(group) if in_requests else 1
+            fits = now + (ahead + size) / spare_per_s + call_s < min(r.deadline for r in group)
+            ahead += size if fits else 0
+            in_time.append(fits)
+        return in_time
 
     def _fail(self, requests: list[QueuedRequest], error: BatchserveError) -> None:
         for request in requests:
