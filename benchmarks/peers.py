@@ -32,7 +32,7 @@ from pathlib import Path
 
 from progress import Progress
 from servers import PORT, ROOT
-from sweep import median, run_point
+from sweep import add_length_flags, median, point_seconds, run_point
 
 LADDERS = {
     1: [50, 200, 500, 700, 900, 950, 980],
@@ -75,7 +75,7 @@ def measure(
         for seed in range(1, repeats + 1):
             for name in active:
                 server = Server(name, devices)
-                run = run_point(server, rate, max(seconds, min_requests / rate), seed)  # type: ignore[arg-type]
+                run = run_point(server, rate, point_seconds(seconds, min_requests, rate), seed)
                 results[name].setdefault(rate, []).append(run)
                 progress.step(f"D={devices} {rate} rps seed {seed} {name}: success"
                               f" {run['success']:.2%}, p99 {run['p99_ms']:.0f} ms")  # fmt: skip
@@ -115,14 +115,7 @@ def table(devices: int, results: dict[str, dict[int, Runs]]) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seconds", type=float, default=8.0, help="each point's schedule")
-    parser.add_argument(
-        "--min-requests",
-        type=int,
-        default=1000,
-        help="a light-load point runs longer, so that its p99 rests on this many requests",
-    )
-    parser.add_argument("--repeats", type=int, default=3, help="runs per point (medians)")
+    add_length_flags(parser, min_requests=1000)
     parser.add_argument("--devices", default="1,4", help="which D to run: 1, 4 or 1,4")
     parser.add_argument(
         "--out", type=Path, default=ROOT / "benchmarks/results/peers.md", help="the table"

@@ -23,6 +23,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from plots import write_plots
 from progress import Progress
@@ -125,8 +126,35 @@ def bare_saturation(seconds: float, repeats: int) -> float:
     )
 
 
+class Launchable(Protocol):
+    """A server a point can run against: sweep's setups, peers' servers."""
+
+    def command(self) -> list[str]: ...
+
+
+def add_length_flags(parser: argparse.ArgumentParser, *, min_requests: int) -> None:
+    """--seconds, --min-requests and --repeats: how long each point runs, and how often."""
+    parser.add_argument(
+        "--seconds",
+        type=float,
+        default=8.0,
+        help="each point's schedule; its first second is warm-up (checked, not timed)",
+    )
+    parser.add_argument(
+        "--min-requests",
+        type=int,
+        default=min_requests,
+        help="a light-load point runs longer, so that its p99 rests on this many requests",
+    )
+    parser.add_argument("--repeats", type=int, default=3, help="runs per point (medians)")
+
+
+def point_seconds(seconds: float, min_requests: int, rate: float) -> float:
+    return max(seconds, min_requests / rate)
+
+
 def run_point(
-    setup: Setup, rate: float, seconds: float, seed: int, load_args: tuple[str, ...] = ()
+    setup: Launchable, rate: float, seconds: float, seed: int, load_args: tuple[str, ...] = ()
 ) -> dict[str, float]:
     server = start_server(setup.command())
     try:
@@ -163,19 +191,7 @@ def parse_args() -> argparse.Namespace:
         description=__doc__.splitlines()[0],
         epilog="Needs two cores; writes the table, its JSON and the PNGs under results/.",
     )
-    parser.add_argument(
-        "--seconds",
-        type=float,
-        default=8.0,
-        help="each point's schedule; its first second is warm-up (checked, not timed)",
-    )
-    parser.add_argument(
-        "--min-requests",
-        type=int,
-        default=2000,
-        help="a light-load point runs longer, so that its p99 rests on this many requests",
-    )
-    parser.add_argument("--repeats", type=int, default=3, help="runs per point (medians)")
+    add_length_flags(parser, min_requests=2000)
     parser.add_argument("--quick", action="store_true", help="measure B and the target points only")
     parser.add_argument(
         "--out", type=Path, default=ROOT / "benchmarks/results/sweep.md", help="the table"
@@ -213,7 +229,7 @@ def main() -> None:
     progress = Progress(sum(len(rates) for _, rates in ladders) * args.repeats)
     for setup, rates in ladders:
         for rate in rates:
-            seconds = max(args.seconds, args.min_requests / rate)
+            seconds = point_seconds(args.seconds, args.min_requests, rate)
             results = []
             for seed in range(1, args.repeats + 1):
                 results.append(run_point(setup, rate, seconds, seed))
