@@ -100,18 +100,22 @@ def cuda_spinner(device: str):
 
 
 def fifo_gated(device: str):
-    """Each call says 'entered' on one FIFO, then waits for a line on another.
+    """Each call says 'entered' on one FIFO, then waits for one byte on another.
 
     Lets a test that runs the real process know a batch is inside the device, without
-    sleeping, and decide when it finishes.
+    sleeping, and decide when it finishes: n bytes written release the next n calls (a
+    byte, not a line, since a buffered reader would swallow the lines meant for later calls).
     """
     folder = Path(os.environ["BATCHSERVE_TEST_FIFOS"])
 
     def run(inputs: list[str]) -> list[str]:
         with open(folder / "entered", "w") as entered:
             entered.write(f"{len(inputs)}\n")
-        with open(folder / "release") as release:
-            release.readline()
+        release = os.open(folder / "release", os.O_RDONLY)
+        try:
+            os.read(release, 1)
+        finally:
+            os.close(release)
         return [text[::-1] for text in inputs]
 
     return run

@@ -4,9 +4,12 @@ after Retry-After with the same request id, and a deadline that runs out while r
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import stat
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import aiohttp
 import httpx
@@ -123,46 +126,79 @@ async def test_the_async_client_serves_a_sidecar_over_a_unix_socket(tmp_path) ->
     assert not await asyncio.to_thread(os.path.exists, path)
 
 
-async def queued_behind_one(client: AsyncClient, url: str) -> list[asyncio.Task[Inference]]:
-    """Two requests sent: one in the device's only batch, one filling the queue of one."""
-    held = [asyncio.create_task(client.infer(f"held-{n}")) for n in range(2)]
+@contextlib.contextmanager
+def device_gate(folder: Path) -> Iterator[Callable[[int], None]]:
+    """The test's ends of `fifo_gated`'s FIFOs; the callable lets the next n calls finish.
+
+    Opened read-write, so neither side ever waits for the other to open: the device's
+    'entered' lines go unread into the pipe, and a call waits only for its byte.
+    """
+    ends = []
+    for name in ("entered", "release"):
+        os.mkfifo(folder / name)
+        ends.append(os.open(folder / name, os.O_RDWR))
+
+    def release(calls: int) -> None:
+        os.write(ends[1], b"g" * calls)
+
+    try:
+        yield release
+    finally:
+        for end in ends:
+            os.close(end)
+
+
+async def metrics_show(url: str, *wanted: str) -> None:
+    """Polls /metrics until every wanted line is there; used only for states that last."""
     async with aiohttp.ClientSession() as session:
         while True:
             async with session.get(f"{url}/metrics") as answer:
                 text = await answer.text()
-            if "batchserve_queue_depth 1.0" in text and "batchserve_in_flight_requests 1.0" in text:
-                return held
+            if all(line in text for line in wanted):
+                return
             await asyncio.sleep(0.01)
 
 
+async def queued_behind_one(client: AsyncClient, url: str) -> list[asyncio.Task[Inference]]:
+    """Two requests sent: one held in the gated device's only batch, one filling the queue
+    of one. Both stay there until the test releases the device."""
+    held = [asyncio.create_task(client.infer(f"held-{n}")) for n in range(2)]
+    await metrics_show(url, "batchserve_queue_depth 1.0", "batchserve_in_flight_requests 1.0")
+    return held
+
+
 OVERLOADABLE = ("--devices", "sim:1", "--max-batch-size", "1", "--max-queue", "1",
-                "--sim-latency-ms", "1500")  # fmt: skip
+                "--fn-per-device", "tests.sample_models:fifo_gated")  # fmt: skip
+OVERLOADED = 'code="503",error="OVERLOADED"'
 
 
-async def test_a_503_is_retried_after_its_retry_after_under_the_same_request_id() -> None:
-    async with (
-        asyncio.timeout(HANG_GUARD_S),
-        real_server(*OVERLOADABLE) as server,
-        AsyncClient(server.url) as client,
-    ):
-        held = await queued_behind_one(client, server.url)
-        answer = await client.infer("third", request_id="retried")
-        assert (answer.output, answer.request_id) == ("driht", "retried")
-        assert [a.output for a in await asyncio.gather(*held)] == ["0-dleh", "1-dleh"]
-        async with httpx.AsyncClient() as http:
-            metrics = (await http.get(f"{server.url}/metrics")).text
-        assert 'code="503",error="OVERLOADED"' in metrics
+async def test_a_503_is_retried_after_its_retry_after_under_the_same_request_id(tmp_path) -> None:
+    with device_gate(tmp_path) as release:
+        async with (
+            asyncio.timeout(HANG_GUARD_S),
+            real_server(*OVERLOADABLE, env={"BATCHSERVE_TEST_FIFOS": str(tmp_path)}) as server,
+            AsyncClient(server.url) as client,
+        ):
+            held = await queued_behind_one(client, server.url)
+            third = asyncio.create_task(client.infer("third", request_id="retried"))
+            await metrics_show(server.url, OVERLOADED)
+            release(3)
+            answer = await third
+            assert (answer.output, answer.request_id) == ("driht", "retried")
+            assert [a.output for a in await asyncio.gather(*held)] == ["0-dleh", "1-dleh"]
 
 
-async def test_a_deadline_that_runs_out_while_retrying_raises_deadline_exceeded() -> None:
-    async with (
-        asyncio.timeout(HANG_GUARD_S),
-        real_server(*OVERLOADABLE) as server,
-        AsyncClient(server.url) as client,
-    ):
-        held = await queued_behind_one(client, server.url)
-        with pytest.raises(DeadlineExceeded) as raised:
-            await client.infer("third", timeout=0.5)
-        assert isinstance(raised.value.last_error, Unavailable)
-        assert raised.value.last_error.code == "OVERLOADED"
-        assert [a.output for a in await asyncio.gather(*held)] == ["0-dleh", "1-dleh"]
+async def test_a_deadline_that_runs_out_while_retrying_raises_deadline_exceeded(tmp_path) -> None:
+    with device_gate(tmp_path) as release:
+        async with (
+            asyncio.timeout(HANG_GUARD_S),
+            real_server(*OVERLOADABLE, env={"BATCHSERVE_TEST_FIFOS": str(tmp_path)}) as server,
+            AsyncClient(server.url) as client,
+        ):
+            held = await queued_behind_one(client, server.url)
+            with pytest.raises(DeadlineExceeded) as raised:
+                await client.infer("third", timeout=0.5)
+            assert isinstance(raised.value.last_error, Unavailable)
+            assert raised.value.last_error.code == "OVERLOADED"
+            release(2)
+            assert [a.output for a in await asyncio.gather(*held)] == ["0-dleh", "1-dleh"]
