@@ -61,6 +61,8 @@ class Generation:
         self.finish_reason: FinishReason | None = None
         self.error: BatchserveError | None = None
         self.preemptions = 0
+        self.times_passed = 0
+        """Sequences admitted past it while it waited for room (the scheduler bounds it)."""
         self._stops = tuple(s for s in stops if s)
         self._held = ""
         """Made but not yet given out: it may be the start of a stop string."""

@@ -8,6 +8,11 @@ put back at the head of the line with its tokens, to be recomputed when it runs 
 sequence alone always fits, since a prompt whose tokens plus `max_tokens` exceed the budget is
 refused at once (413). Steps then run back to back while any sequence runs.
 
+Admission is first fit: a sequence that does not fit (a long prompt, or a preempted sequence
+with its tokens) keeps its place at the head of the line, and the ones behind it that fit go
+ahead, so a short prompt does not wait for room it does not need. It can be passed only
+`PASS_LIMIT` times; after that the line waits for it, so short prompts never starve a long one.
+
 `static` mode is the baseline the benchmark compares against: a batch forms only when the
 device is empty, reserving prompt + `max_tokens` for each sequence so none is ever
 preempted, and nothing joins it until its longest sequence ends.
@@ -33,6 +38,11 @@ if TYPE_CHECKING:
     from .generation_models import GenerationModel
 
 log = logging.getLogger(__name__)
+
+PASS_LIMIT = 64
+"""Sequences that may be admitted past one waiting for room, before the line waits for it."""
+PASS_DEPTH = 16
+"""How many sequences that do not fit admission looks past, so a long line costs no more."""
 
 
 class StepLoop:
@@ -99,21 +109,31 @@ class StepLoop:
         self.running = kept
 
     def _admit(self, *, reserve: bool) -> None:
-        """Takes waiting sequences, in the queue's order, while they fit the budget: as they
-        stand now, or (`reserve`) with room for all their `max_tokens`."""
+        """Takes waiting sequences, in the queue's order, while they fit the budget as they
+        stand now, passing over those that do not (first fit); or (`reserve`, static mode)
+        strictly in order, each with room for all its `max_tokens`."""
         budget = self.kv_budget
         used = sum(self._need(gen, reserve) for gen in self.running)
         limit = self._model.max_batch_size if reserve else None
+        passed: list[Generation] = []
         while limit is None or len(self.running) < limit:
             gen = self._model.take()
             if gen is None:
-                return
+                break
             if used + self._need(gen, reserve) > budget:
-                self._model.put_back(gen)
-                return
+                passed.append(gen)
+                if reserve or gen.times_passed >= PASS_LIMIT or len(passed) == PASS_DEPTH:
+                    break
+                continue
             used += self._need(gen, reserve)
             gen.state, gen.device = GenState.RUNNING, self.device
             self.running.append(gen)
+            for waiting in passed:
+                waiting.times_passed += 1
+            if any(waiting.times_passed >= PASS_LIMIT for waiting in passed):
+                break
+        for gen in reversed(passed):  # back in their places, at the head of the line
+            self._model.put_back(gen)
 
     @staticmethod
     def _need(gen: Generation, reserve: bool) -> int:

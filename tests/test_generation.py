@@ -17,6 +17,7 @@ import openai
 import orjson
 import pytest
 
+from batchserve import step_loop
 from batchserve.clock import FakeClock
 from batchserve.config import Config
 from batchserve.engine import Engine
@@ -235,6 +236,59 @@ async def test_continuous_mode_lets_new_sequences_join_between_steps(recorders):
         assert (await long)[0] == "L" * 256  # the default max_tokens
         assert len(recorder.steps[0]) == 1
         assert len(recorder.steps[1]) == 2
+
+
+def started_in_order(recorder: RecordingGenerator) -> list[str]:
+    """Sequence ids in the order of their first step."""
+    order: list[str] = []
+    for step in recorder.steps:
+        order += [seq_id for seq_id in step if seq_id not in order]
+    return order
+
+
+async def test_a_short_prompt_passes_one_waiting_for_room_it_does_not_need(recorders):
+    engine = engine_with(recording(recorders, budget=100))
+    async with engine:
+        (recorder,) = recorders
+        recorder.gate.clear()
+        running = asyncio.ensure_future(generate(engine, "a" * 40, request_id="running"))
+        assert await asyncio.to_thread(recorder.entered.wait, HANG_GUARD_S)
+        # 41 held + 61 would pass the budget of 100: it waits for the running one to end
+        waiting = asyncio.ensure_future(generate(engine, "b" * 60, request_id="long"))
+        await asyncio.sleep(0)
+        short = asyncio.ensure_future(generate(engine, "c" * 5, request_id="short"))
+        await asyncio.sleep(0)
+        recorder.gate.set()
+        assert (await short)[0] == "ccccc"
+        assert not waiting.done()
+        assert (await running)[0] == "a" * 40
+        assert (await waiting)[0] == "b" * 40  # max_tokens shrinks to what fits: 100 - 60
+        order = started_in_order(recorder)
+        assert order == ["running", "short", "long"]
+
+
+async def test_a_sequence_waiting_for_room_is_passed_only_pass_limit_times(
+    recorders, monkeypatch
+):
+    monkeypatch.setattr(step_loop, "PASS_LIMIT", 3)
+    engine = engine_with(recording(recorders, budget=100))
+    async with engine:
+        (recorder,) = recorders
+        recorder.gate.clear()
+        running = asyncio.ensure_future(generate(engine, "a" * 40, request_id="running"))
+        assert await asyncio.to_thread(recorder.entered.wait, HANG_GUARD_S)
+        waiting = asyncio.ensure_future(generate(engine, "b" * 60, request_id="long"))
+        await asyncio.sleep(0)
+        shorts = []
+        for n in range(8):
+            shorts.append(asyncio.ensure_future(generate(engine, "c", request_id=f"s{n}")))
+            await asyncio.sleep(0)
+        recorder.gate.set()
+        await asyncio.gather(running, waiting, *shorts)
+        order = started_in_order(recorder)
+        long_at = order.index("long")
+        assert order[:long_at] == ["running", "s0", "s1", "s2"]  # the rest waited for it
+        assert order[long_at + 1 :] == [f"s{n}" for n in range(3, 8)]
 
 
 async def test_requests_for_the_wrong_kind_of_model_say_where_to_go():
