@@ -44,7 +44,7 @@ class Chaos:
     seed: int = 0
 
 
-class _HangOnce:
+class HangOnce:
     """Shared by all simulated devices: the hang marker wedges one call, then no other."""
 
     def __init__(self) -> None:
@@ -76,7 +76,7 @@ class SimulatedDevice:
         latency_s: float,
         limit: int,
         chaos: Chaos | None = None,
-        hang_once: _HangOnce | None = None,
+        hang_once: HangOnce | None = None,
         per_token_s: float = 0.0,
     ) -> None:
         self.device = device
@@ -85,7 +85,7 @@ class SimulatedDevice:
         self._limit = limit
         self._chaos = chaos or Chaos()
         self._random = random.Random(f"{self._chaos.seed}:{device}")
-        self._hang_once = hang_once or _HangOnce()
+        self._hang_once = hang_once or HangOnce()
         self._busy = threading.Lock()
         self.calls = 0
 
@@ -120,7 +120,7 @@ class SimulatedDevice:
 def simulated_factory(
     latency_s: float, limit: int, chaos: Chaos | None = None, per_token_s: float = 0.0
 ) -> DeviceFactory:
-    hang_once = _HangOnce()
+    hang_once = HangOnce()
 
     def load(device: str) -> BatchFn:
         return SimulatedDevice(device, latency_s, limit, chaos, hang_once, per_token_s)

@@ -182,9 +182,11 @@ _FLAGS: list[tuple[str, Callable[[str], object], str]] = [
     (
         "batch-timeout-ms",
         float,
-        "budget for one batch call; past it the device counts as hung, its requests go to"
-        " another device and it gets no work until a probe answers in time. 0 derives it:"
-        " 5x the typical call, at least 1000 ms (10 s until a call has been seen)",
+        "budget for one batch call or generation step; past it the device counts as hung,"
+        " its requests (or sequences, tokens and all) go to another device and it gets no"
+        " work until a probe answers in time (a generation device: until the step returns)."
+        " 0 derives it: 5x the typical call (the longest step), at least 1000 ms (10 s"
+        " until a call has been seen)",
     ),
     (
         "bisect-failures",
@@ -241,7 +243,12 @@ _FLAGS: list[tuple[str, Callable[[str], object], str]] = [
         float,
         "chaos: share of simulated calls that answer one output short",
     ),
-    ("sim-hang-ms", float, "chaos: how long a hung simulated call takes to return"),
+    (
+        "sim-hang-ms",
+        float,
+        "chaos: how long a hung simulated call or generation step takes to return (the first"
+        " one carrying an input or prompt with !hang! hangs)",
+    ),
     ("sim-seed", int, "chaos: seed of the simulated devices' fault draws"),
     (
         "sim-step-ms",

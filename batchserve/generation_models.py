@@ -17,8 +17,15 @@ from .capacity import DecayedRate
 from .clock import Clock
 from .config import Config, GenerateMode
 from .devices import parse_devices
-from .errors import BatchserveError, InvalidInput, ModelNotFound, StartupError
+from .errors import (
+    BackendError,
+    BatchserveError,
+    InvalidInput,
+    ModelNotFound,
+    StartupError,
+)
 from .fair_queue import FairQueue
+from .faults import BatchBudget
 from .generation import Generation, GenState
 from .generators import (
     SIM,
@@ -56,6 +63,7 @@ def build_generation_model(
         per_token_s=per_token_ms / 1e3,
         kv_budget_tokens=config.sim_kv_budget,
         fail_rate=config.sim_fail_rate,
+        hang_s=config.sim_hang_ms / 1e3,
         seed=config.sim_seed,
     )
     return GenerationModel(
@@ -64,6 +72,7 @@ def build_generation_model(
         names,
         clock=clock,
         mode=config.generate_mode,
+        step_budget=BatchBudget(fixed_s=config.batch_timeout_ms / 1e3 or None),
         on_crash=on_crash,
     )
 
@@ -77,12 +86,13 @@ class GenerationModel:
         *,
         clock: Clock,
         mode: GenerateMode,
+        step_budget: BatchBudget,
         on_crash: CrashHandler,
     ) -> None:
         self.spec = spec
         self.mode = mode
         self._factory = factory
-        self.loops = [StepLoop(name, self, clock) for name in device_names]
+        self.loops = [StepLoop(name, self, clock, step_budget) for name in device_names]
         self._waiting: FairQueue[Generation] = FairQueue()
         self._resumed: deque[Generation] = deque()
         """Preempted, or taken and found too big for the device that took it: next in line."""
@@ -97,6 +107,7 @@ class GenerationModel:
         """Tokens made a second, recent."""
         self.preemptions = 0
         self.step_failures = 0
+        self.hung_steps = 0
 
     def __repr__(self) -> str:
         return f"<GenerationModel {self.spec.label} waiting={self.waiting}>"
@@ -157,6 +168,22 @@ class GenerationModel:
     def put_back(self, gen: Generation) -> None:
         self._resumed.appendleft(gen)
         self.wake()
+
+    def hand_back(self, gens: list[Generation], device: str, budget_s: float, now: float) -> None:
+        """Sequences of a step that hung on `device`: back to the head of the line, tokens
+        and all, while another device can go on with them; failed (500) otherwise."""
+        if any(not loop.hung for loop in self.loops):
+            for gen in reversed(gens):
+                if not gen.done and not gen.cancelled:
+                    gen.state = GenState.WAITING
+                    self.put_back(gen)
+            return
+        error = BackendError(
+            f"the step on {device} ran past its budget of {budget_s * 1e3:.0f} ms and no"
+            " other device can go on with the sequence"
+        )
+        for gen in gens:
+            gen.fail(error, now)
 
     def discard(self, gen: Generation) -> None:
         """Its waiter is done with it: still waiting, it leaves the line now."""

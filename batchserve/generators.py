@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from .backends import POISON_MARKER, SimulatedFault, import_attr
+from .backends import POISON_MARKER, HangOnce, SimulatedFault, import_attr
 from .errors import StartupError
 
 SIM = "sim"
@@ -89,7 +89,9 @@ class SimulatedGenerator:
     plus `per_token_s` for each token it processes: a new sequence's prompt and what it has
     generated (prefill, also after a release), one for each sequence already decoding. A
     concurrent step, or one over the budget, raises; a prompt carrying the poison marker
-    makes every step that carries it raise, and `fail_rate` makes a share of steps raise.
+    makes every step that carries it raise, `fail_rate` makes a share of steps raise, and the
+    first step that carries a prompt with the hang marker sleeps `hang_s` (once, on whichever
+    device runs it first).
     """
 
     def __init__(
@@ -100,6 +102,8 @@ class SimulatedGenerator:
         per_token_s: float,
         kv_budget_tokens: int,
         fail_rate: float = 0.0,
+        hang_s: float = 10.0,
+        hang_once: HangOnce | None = None,
         seed: int = 0,
     ) -> None:
         self.device = device
@@ -107,6 +111,8 @@ class SimulatedGenerator:
         self._fixed_s = fixed_s
         self._per_token_s = per_token_s
         self._fail_rate = fail_rate
+        self._hang_s = hang_s
+        self._hang_once = hang_once or HangOnce()
         self._random = random.Random(f"{seed}:{device}")
         self._prefilled: set[str] = set()
         self._busy = threading.Lock()
@@ -128,6 +134,8 @@ class SimulatedGenerator:
             self.steps += 1
             new = [s for s in seqs if s.id not in self._prefilled]
             processed = sum(len(s.prompt) + len(s.tokens) for s in new) + len(seqs) - len(new)
+            if self._hang_once.claim([s.prompt for s in seqs]):
+                time.sleep(self._hang_s)
             time.sleep(self._fixed_s + self._per_token_s * processed)
             if any(POISON_MARKER in s.prompt for s in seqs):
                 raise SimulatedFault("a sequence of the step carries the poison marker")
@@ -148,8 +156,16 @@ def sim_token(prompt: str, index: int) -> str | None:
 
 
 def simulated_generator_factory(
-    *, fixed_s: float, per_token_s: float, kv_budget_tokens: int, fail_rate: float, seed: int
+    *,
+    fixed_s: float,
+    per_token_s: float,
+    kv_budget_tokens: int,
+    fail_rate: float,
+    hang_s: float,
+    seed: int,
 ) -> GeneratorFactory:
+    hang_once = HangOnce()
+
     def load(device: str) -> Generator:
         return SimulatedGenerator(
             device,
@@ -157,6 +173,8 @@ def simulated_generator_factory(
             per_token_s=per_token_s,
             kv_budget_tokens=kv_budget_tokens,
             fail_rate=fail_rate,
+            hang_s=hang_s,
+            hang_once=hang_once,
             seed=seed,
         )
 

@@ -402,6 +402,7 @@ class _GenerationCollector(Collector):
                 "steps": model.steps,
                 "preemptions": model.preemptions,
                 "step_failures": model.step_failures,
+                "hung_steps": model.hung_steps,
             }
             for model in self._generators
         ]
@@ -436,6 +437,12 @@ class _GenerationCollector(Collector):
                 "step_failures",
                 "batchserve_step_failures",
                 "Steps that raised or answered badly (each is retried in halves).",
+                counter,
+            ),
+            (
+                "hung_steps",
+                "batchserve_hung_steps",
+                "Steps that ran past their budget (their sequences went on elsewhere).",
                 counter,
             ),
         ]

@@ -19,20 +19,28 @@ preempted, and nothing joins it until its longest sequence ends.
 
 A step that raises is retried in halves, each half released first so the model recomputes
 it, until only the sequences that make it fail are failed (500), as batches are bisected.
+
+A step that runs past its budget (`--batch-timeout-ms`, or 5x the longest step seen, at least
+1 s) hangs its device: its sequences go back to the head of the line with their tokens, for
+another device to recompute and go on with (500 where no other device can), and the device
+takes nothing new until the step returns; what it returns then is dropped, and the sequences
+it held are released on it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from .clock import Clock
 from .config import GenerateMode
 from .device_thread import DeviceThread
 from .errors import BackendError
+from .faults import BatchBudget
 from .generation import Generation, GenState
-from .generators import Generator, GeneratorFactory, check_step
+from .generators import Generator, GeneratorFactory, Seq, check_step
 
 if TYPE_CHECKING:
     from .generation_models import GenerationModel
@@ -45,13 +53,23 @@ PASS_DEPTH = 16
 """How many sequences that do not fit admission looks past, so a long line costs no more."""
 
 
+class _Hung(Exception):
+    """The step ran past its budget; its sequences were already handed back."""
+
+
 class StepLoop:
     """One device: its thread, its generator and the sequences running on it."""
 
-    def __init__(self, device: str, model: GenerationModel, clock: Clock) -> None:
+    def __init__(
+        self, device: str, model: GenerationModel, clock: Clock, budget: BatchBudget
+    ) -> None:
         self.device = device
         self._model = model
         self._clock = clock
+        self._budget = budget
+        self._longest_step_s: float | None = None
+        self.hung = False
+        """A step ran past its budget and has not returned yet."""
         self._thread = DeviceThread(device)
         self._generator: Generator | None = None
         self.running: list[Generation] = []
@@ -156,8 +174,10 @@ class StepLoop:
         generator = self._generator
         assert generator is not None
         try:
-            answer = await self._thread.submit(generator.step, [gen.seq for gen in gens])
+            answer = await self._watched(generator.step, [gen.seq for gen in gens])
             tokens = check_step(answer, len(gens))
+        except _Hung:
+            return []
         except Exception as exc:
             self._model.step_failures += 1
             log.warning(
@@ -175,9 +195,49 @@ class StepLoop:
                 return []
             await self._release([gen.request_id for gen in gens])  # the halves recompute
             half = len(gens) // 2
-            return await self._step(gens[:half]) + await self._step(gens[half:])
+            made = await self._step(gens[:half])
+            if not self.running:  # handed back: the first half's step hung
+                return made
+            return made + await self._step(gens[half:])
         self._model.steps += 1
         return list(zip(gens, tokens, strict=True))
+
+    async def _watched(
+        self, step: Callable[[list[Seq]], list[str | None]], seqs: list[Seq]
+    ) -> list[str | None]:
+        """`step(seqs)` on the device's thread, under a watchdog: past its budget the
+        running sequences are handed back at once, and this waits for the late step."""
+        started = self._clock.time()
+        budget_s = self._budget.seconds(self._longest_step_s)
+        call = self._thread.submit(step, seqs)
+        watchdog = self._clock.call_at(started + budget_s, self._hang, budget_s)
+        try:
+            returned = await call
+        except Exception:
+            if not self.hung:
+                raise
+        finally:
+            watchdog.cancel()
+        if self.hung:  # it returned at last: what it made is dropped
+            log.warning("%s: the hung step returned; its results were discarded", self.device)
+            self.hung = False
+            raise _Hung
+        self._longest_step_s = max(self._longest_step_s or 0.0, self._clock.time() - started)
+        return returned
+
+    def _hang(self, budget_s: float) -> None:
+        """The watchdog: the device is hung; its sequences go on elsewhere, or fail."""
+        self.hung = True
+        self._model.hung_steps += 1
+        log.error(
+            "%s: a step ran past its budget of %.0f ms; the device takes no new sequences"
+            " until it returns",
+            self.device,
+            budget_s * 1e3,
+        )
+        handed_back, self.running = self.running, []
+        self._to_release += [gen.request_id for gen in handed_back]  # once it is back
+        self._model.hand_back(handed_back, self.device, budget_s, self._clock.time())
 
     async def _release(self, seq_ids: list[str]) -> None:
         generator = self._generator

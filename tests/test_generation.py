@@ -36,13 +36,39 @@ from .conftest import HANG_GUARD_S, real_server
 
 FAIL_AT_3 = "!fail@3!"
 """A prompt carrying this makes the step that would make its fourth token raise."""
+HANG_AT_3 = "!hang@3!"
+"""A prompt carrying this makes the first step that would make its fourth token hang."""
+
+
+class OneHang:
+    """Shared by a model's recording generators: the first step that would make a
+    HANG_AT_3 prompt's fourth token waits here, on any device, until the test lets it go."""
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.device = ""
+        self._claimed = False
+        self._lock = threading.Lock()
+
+    def hold(self, device: str, seqs: list[Seq]) -> None:
+        if not any(HANG_AT_3 in seq.prompt and len(seq.tokens) == 3 for seq in seqs):
+            return
+        with self._lock:
+            first, self._claimed = not self._claimed, True
+        if first:
+            self.device = device
+            self.entered.set()
+            assert self.release.wait(HANG_GUARD_S), "the test never let the hung step go"
 
 
 class RecordingGenerator:
     """The simulated generator, instant, with every step's sequences and every release
     recorded, an optional gate on the steps, and a fault at a chosen token."""
 
-    def __init__(self, device: str, budget: int = 10_000) -> None:
+    def __init__(self, device: str, budget: int = 10_000, hang: OneHang | None = None) -> None:
+        self.device = device
+        self.hang = hang or OneHang()
         self._inner = SimulatedGenerator(
             device, fixed_s=0.0, per_token_s=0.0, kv_budget_tokens=budget
         )
@@ -62,6 +88,7 @@ class RecordingGenerator:
         self.entered.set()
         assert self.gate.wait(HANG_GUARD_S), "the test never opened the gate"
         self.steps.append([seq.id for seq in seqs])
+        self.hang.hold(self.device, seqs)
         if any(FAIL_AT_3 in seq.prompt and len(seq.tokens) == 3 for seq in seqs):
             raise RuntimeError("fault at the fourth token")
         return self._inner.step(seqs)
@@ -78,11 +105,12 @@ def recorders() -> Iterator[list[RecordingGenerator]]:
     yield made
     for recorder in made:
         recorder.gate.set()
+        recorder.hang.release.set()
 
 
-def recording(made: list[RecordingGenerator], budget: int = 10_000):  # type: ignore[no-untyped-def]
+def recording(made: list[RecordingGenerator], budget: int = 10_000, hang: OneHang | None = None):  # type: ignore[no-untyped-def]
     def load(device: str) -> RecordingGenerator:
-        made.append(RecordingGenerator(device, budget))
+        made.append(RecordingGenerator(device, budget, hang))
         return made[-1]
 
     return load
@@ -267,9 +295,7 @@ async def test_a_short_prompt_passes_one_waiting_for_room_it_does_not_need(recor
         assert order == ["running", "short", "long"]
 
 
-async def test_a_sequence_waiting_for_room_is_passed_only_pass_limit_times(
-    recorders, monkeypatch
-):
+async def test_a_sequence_waiting_for_room_is_passed_only_pass_limit_times(recorders, monkeypatch):
     monkeypatch.setattr(step_loop, "PASS_LIMIT", 3)
     engine = engine_with(recording(recorders, budget=100))
     async with engine:
@@ -289,6 +315,52 @@ async def test_a_sequence_waiting_for_room_is_passed_only_pass_limit_times(
         long_at = order.index("long")
         assert order[:long_at] == ["running", "s0", "s1", "s2"]  # the rest waited for it
         assert order[long_at + 1 :] == [f"s{n}" for n in range(3, 8)]
+
+
+def watched_engine(recorders: list[RecordingGenerator], hang: OneHang, devices: str):
+    """Steps may take 1 s of the fake clock before their device counts as hung."""
+    clock = FakeClock()
+    spec = ModelSpec(
+        name="writer", version="1", generator=recording(recorders, hang=hang), devices=devices
+    )
+    return Engine(Config(batch_timeout_ms=1000), models=[spec], clock=clock), clock
+
+
+async def test_a_hung_step_hands_its_sequences_to_another_device_mid_stream(recorders):
+    hang = OneHang()
+    engine, clock = watched_engine(recorders, hang, "sim:2")
+    async with engine:
+        prompt = f"abcdef{HANG_AT_3}xyz"
+        streamed = asyncio.ensure_future(generate(engine, prompt, request_id="moved"))
+        assert await asyncio.to_thread(hang.entered.wait, HANG_GUARD_S)
+        clock.advance(1.5)  # past the step's budget: the watchdog hands the sequence on
+        output, _ = await streamed
+        assert output == prompt[::-1]  # no token lost or repeated across the move
+        (stuck,) = [r for r in recorders if r.device == hang.device]
+        (other,) = [r for r in recorders if r.device != hang.device]
+        # it went on from its fourth token there, to its end of sequence
+        assert other.steps == [["moved"]] * (len(prompt) + 1 - 3)
+        stuck.release_seen.clear()
+        hang.release.set()  # the late step returns: dropped, and its sequence released
+        assert await asyncio.to_thread(stuck.release_seen.wait, HANG_GUARD_S)
+        assert "moved" in stuck.released
+        assert engine.metrics is not None
+        (row,) = engine.metrics.snapshot()["generation"]
+        assert (row["hung_steps"], row["running"], row["kv_used_tokens"]) == (1, 0, 0)
+
+
+async def test_a_hung_step_with_no_other_device_fails_its_sequences_then_recovers(recorders):
+    hang = OneHang()
+    engine, clock = watched_engine(recorders, hang, "sim:1")
+    async with engine:
+        streamed = asyncio.ensure_future(generate(engine, f"abcdef{HANG_AT_3}"))
+        assert await asyncio.to_thread(hang.entered.wait, HANG_GUARD_S)
+        clock.advance(1.5)
+        with pytest.raises(BackendError, match="ran past its budget of 1000 ms"):
+            await streamed
+        later = asyncio.ensure_future(generate(engine, "later"))
+        hang.release.set()
+        assert (await later)[0] == "retal"  # the device takes work again once it returned
 
 
 async def test_requests_for_the_wrong_kind_of_model_say_where_to_go():
