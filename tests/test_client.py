@@ -8,7 +8,7 @@ import contextlib
 import os
 import random
 import stat
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import aiohttp
@@ -172,33 +172,37 @@ OVERLOADABLE = ("--devices", "sim:1", "--max-batch-size", "1", "--max-queue", "1
 OVERLOADED = 'code="503",error="OVERLOADED"'
 
 
-async def test_a_503_is_retried_after_its_retry_after_under_the_same_request_id(tmp_path) -> None:
+@contextlib.asynccontextmanager
+async def overloadable(
+    tmp_path: Path,
+) -> AsyncIterator[tuple[str, AsyncClient, Callable[[int], None]]]:
+    """A real server whose one device is gated, a client, and the gate's release."""
     with device_gate(tmp_path) as release:
         async with (
             asyncio.timeout(HANG_GUARD_S),
             real_server(*OVERLOADABLE, env={"BATCHSERVE_TEST_FIFOS": str(tmp_path)}) as server,
             AsyncClient(server.url) as client,
         ):
-            held = await queued_behind_one(client, server.url)
-            third = asyncio.create_task(client.infer("third", request_id="retried"))
-            await metrics_show(server.url, OVERLOADED)
-            release(3)
-            answer = await third
-            assert (answer.output, answer.request_id) == ("driht", "retried")
-            assert [a.output for a in await asyncio.gather(*held)] == ["0-dleh", "1-dleh"]
+            yield server.url, client, release
+
+
+async def test_a_503_is_retried_after_its_retry_after_under_the_same_request_id(tmp_path) -> None:
+    async with overloadable(tmp_path) as (url, client, release):
+        held = await queued_behind_one(client, url)
+        third = asyncio.create_task(client.infer("third", request_id="retried"))
+        await metrics_show(url, OVERLOADED)
+        release(3)
+        answer = await third
+        assert (answer.output, answer.request_id) == ("driht", "retried")
+        assert [a.output for a in await asyncio.gather(*held)] == ["0-dleh", "1-dleh"]
 
 
 async def test_a_deadline_that_runs_out_while_retrying_raises_deadline_exceeded(tmp_path) -> None:
-    with device_gate(tmp_path) as release:
-        async with (
-            asyncio.timeout(HANG_GUARD_S),
-            real_server(*OVERLOADABLE, env={"BATCHSERVE_TEST_FIFOS": str(tmp_path)}) as server,
-            AsyncClient(server.url) as client,
-        ):
-            held = await queued_behind_one(client, server.url)
-            with pytest.raises(DeadlineExceeded) as raised:
-                await client.infer("third", timeout=0.5)
-            assert isinstance(raised.value.last_error, Unavailable)
-            assert raised.value.last_error.code == "OVERLOADED"
-            release(2)
-            assert [a.output for a in await asyncio.gather(*held)] == ["0-dleh", "1-dleh"]
+    async with overloadable(tmp_path) as (url, client, release):
+        held = await queued_behind_one(client, url)
+        with pytest.raises(DeadlineExceeded) as raised:
+            await client.infer("third", timeout=0.5)
+        assert isinstance(raised.value.last_error, Unavailable)
+        assert raised.value.last_error.code == "OVERLOADED"
+        release(2)
+        assert [a.output for a in await asyncio.gather(*held)] == ["0-dleh", "1-dleh"]

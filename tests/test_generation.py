@@ -274,16 +274,24 @@ def started_in_order(recorder: RecordingGenerator) -> list[str]:
     return order
 
 
+async def long_one_waiting_for_room(
+    engine: Engine, recorder: RecordingGenerator
+) -> tuple[asyncio.Future[tuple[str, dict[str, object]]], ...]:
+    """On a budget of 100, "running" holds 41 tokens in a step at the closed gate, and
+    "long" (61) waits behind it for room until it ends."""
+    recorder.gate.clear()
+    running = asyncio.ensure_future(generate(engine, "a" * 40, request_id="running"))
+    assert await asyncio.to_thread(recorder.entered.wait, HANG_GUARD_S)
+    waiting = asyncio.ensure_future(generate(engine, "b" * 60, request_id="long"))
+    await asyncio.sleep(0)
+    return running, waiting
+
+
 async def test_a_short_prompt_passes_one_waiting_for_room_it_does_not_need(recorders):
     engine = engine_with(recording(recorders, budget=100))
     async with engine:
         (recorder,) = recorders
-        recorder.gate.clear()
-        running = asyncio.ensure_future(generate(engine, "a" * 40, request_id="running"))
-        assert await asyncio.to_thread(recorder.entered.wait, HANG_GUARD_S)
-        # 41 held + 61 would pass the budget of 100: it waits for the running one to end
-        waiting = asyncio.ensure_future(generate(engine, "b" * 60, request_id="long"))
-        await asyncio.sleep(0)
+        running, waiting = await long_one_waiting_for_room(engine, recorder)
         short = asyncio.ensure_future(generate(engine, "c" * 5, request_id="short"))
         await asyncio.sleep(0)
         recorder.gate.set()
@@ -300,11 +308,7 @@ async def test_a_sequence_waiting_for_room_is_passed_only_pass_limit_times(recor
     engine = engine_with(recording(recorders, budget=100))
     async with engine:
         (recorder,) = recorders
-        recorder.gate.clear()
-        running = asyncio.ensure_future(generate(engine, "a" * 40, request_id="running"))
-        assert await asyncio.to_thread(recorder.entered.wait, HANG_GUARD_S)
-        waiting = asyncio.ensure_future(generate(engine, "b" * 60, request_id="long"))
-        await asyncio.sleep(0)
+        running, waiting = await long_one_waiting_for_room(engine, recorder)
         shorts = []
         for n in range(8):
             shorts.append(asyncio.ensure_future(generate(engine, "c", request_id=f"s{n}")))
