@@ -505,9 +505,7 @@ class Batcher:
         for index, (key, group) in enumerate(self._retries):
             if self._can_run(key, group):
                 del self._retries[index]
-                batch = [request for request in group if _waiting(request, now)]
-                self.recoveries["rescue_calls"] += bool(batch)
-                self._send(key, batch)
+                self._send(key, self._rescue_call(group, now))
                 return True
         return False
 
@@ -530,14 +528,19 @@ class Batcher:
             if (held and not takes_fresh) or not self._can_run(key, group):
                 continue
             del self._rescues[index]
-            batch = [request for request in group if _waiting(request, now)]
-            self.recoveries["rescue_calls"] += bool(batch)
+            batch = self._rescue_call(group, now)
             if lane is not None and takes_fresh and batch:
                 room = min(len(lane.queue), lane.max_batch - len(batch))
                 batch = self._take(lane, room, now) + self._ride(batch)
             self._send(key, batch)
             return True
         return False
+
+    def _rescue_call(self, group: list[QueuedRequest], now: float) -> list[QueuedRequest]:
+        """What of a rescue group still waits, counted as a rescue call if anything does."""
+        batch = [request for request in group if _waiting(request, now)]
+        self.recoveries["rescue_calls"] += bool(batch)
+        return batch
 
     def _can_run(self, key: Key, group: list[QueuedRequest]) -> bool:
         """Whether a device that may run `group` is free."""

@@ -2,9 +2,9 @@
 
 Per answered request the handler pays one counter increment, three histogram observations
 (children bound once; `histograms.py`, lock-free on the loop) and one append to a short
-window. Everything else (queue depth,
-devices' busy ratio and health, capacity, the autoscaling signal) is read from the batcher
-and the pool when scraped, so it costs the hot path nothing.
+window. Everything else (queue depth, devices' busy ratio and health, capacity, the
+autoscaling signal) is read from the batcher and the pool when scraped, so it costs the hot
+path nothing.
 """
 
 from __future__ import annotations
