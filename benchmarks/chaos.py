@@ -83,7 +83,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/chaos.md",
                         help="where the table is written")  # fmt: skip
     parser.add_argument("--verbose", action="store_true",
-                        help="also print each run's fault and recovery counters")  # fmt: skip
+                        help="also print each run's HTTP statuses and server counters")  # fmt: skip
     parser.add_argument("--only", default="",
                         help="run only the scenarios whose name contains this text")  # fmt: skip
     args = parser.parse_args()
@@ -126,7 +126,7 @@ def main() -> None:
         print(f"[{done}/{len(all_scenarios)}] {line}", flush=True)
         if args.verbose:
             for result in results:
-                print(result["server"], flush=True)
+                print(result["statuses"], result["server"], flush=True)
     text = "\n".join(lines) + "\n"
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
