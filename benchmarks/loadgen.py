@@ -289,6 +289,13 @@ LENGTHS = [("short", (8, 32), 0.80), ("medium", (100, 300), 0.15), ("long", (800
 """--length-mix: most inputs short, a long tail (characters, drawn uniformly in each range)."""
 
 
+def plain_input(seed: int, index: int) -> str:
+    """The `index`th input a run of `seed` sends: unique, so that every answer can be
+    checked against its own input, and of a few lengths. Benchmarks that call a model
+    directly use these too, so that both sides compute over the same tokens."""
+    return f"req-{seed}-{index}-" + "abcdefgh"[: index % 9]
+
+
 def _sized(text: str, length: int) -> str:
     return (text + "." * length)[: max(length, len(text))]
 
@@ -317,8 +324,7 @@ async def run(url: str, rate: float, seconds: float, warmup_s: float, good_s: fl
         None,
     )
     texts = [
-        ("the-same-bad-input" if index in repeated else f"req-{seed}-{index}-")
-        + ("" if index in repeated else "abcdefgh"[: index % 9])
+        ("the-same-bad-input" if index in repeated else plain_input(seed, index))
         + (POISON_MARKER if index in poisoned else "")
         + (HANG_MARKER if index == hang_index else "")
         for index in range(len(schedule))
