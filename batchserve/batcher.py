@@ -485,9 +485,10 @@ class Batcher:
                 continue
             lane, count, wake_at = self._choose(now)
             if lane is not None:
-                batch = self._take(lane, count, now)
+                riders = self._riders(lane, count, now)
+                batch = self._take(lane, min(count, lane.max_batch - len(riders)), now)
                 self._first_tries.add(now, 1)
-                self._send(lane.key, batch + self._riders(lane, len(batch), now))
+                self._send(lane.key, batch + riders)
                 # Retries are paid from spare capacity only: none accrues while a backlog
                 # of a full batch or more is left waiting.
                 if len(lane.queue) < lane.max_batch:
@@ -560,8 +561,10 @@ class Batcher:
         answered for nothing, and one with poison sinks this batch, whose fresh requests
         then run again at once. One group a batch, or the parts of a split would ride
         together again and fail together; lone inputs proving themselves on another device
-        run alone."""
-        room = lane.max_batch - size
+        run alone. A full batch keeps room for one part of a split: under a backlog of
+        fresh requests (the calls that failed made it) there would be none, and the groups,
+        older than any fresh request, would wait until the load ends."""
+        room = max(lane.max_batch - size, _ride_reserve(lane.max_batch))
         if not self._rescues or not size or room <= 0 or not self._rides_pay(lane.key, now):
             return []
         for index, (key, group) in enumerate(self._rescues):
@@ -661,6 +664,12 @@ class Batcher:
 def _full_batch_rps(version: ModelVersion) -> float | None:
     call_s = version.estimate.seconds
     return version.spec.max_batch_size / call_s if call_s else None
+
+
+def _ride_reserve(max_batch: int) -> int:
+    """The room a full fresh batch keeps for riders: twice the biggest part a split of a
+    full batch makes (about its square root), so that any part fits."""
+    return 2 * math.ceil(math.sqrt(max_batch))
 
 
 def _waiting(request: QueuedRequest, now: float) -> bool:

@@ -468,3 +468,36 @@ async def test_a_rescue_group_rides_in_a_fresh_batchs_room_and_sinks_only_it(gat
     assert [len(inputs) for inputs in stepped.calls[4:]].count(5) == 3  # the clean parts
     assert [failing[1]] in stepped.calls[4:]  # its riders split again, down to the poison
     assert engine.recoveries["rides_failed"] == 1
+
+
+async def test_a_full_fresh_batch_keeps_room_for_a_rescue_group(gated):
+    """Failed calls leave a backlog of fresh requests behind them, and a batch filled from
+    a backlog has no room: a full fresh batch still carries one part of a split, so that
+    rescue (whose requests are older than any fresh one) does not wait until the load ends."""
+    stepped = SteppedDevice()
+    clock = FakeClock()
+    config = Config(max_batch_size=20)
+    async with Engine(config, fn_per_device=stepped, devices="sim:1", clock=clock) as engine:
+        await warm(engine, clock, stepped)
+        held = engine.submit("held")
+        await reach(engine, lambda s: s.in_flight == 1)
+        failing = [f"a{n}" + (POISON_MARKER if n == 1 else "") for n in range(20)]
+        tickets = [engine.submit(t) for t in failing]
+        await reach(engine, lambda s: s.queued == 20)
+        stepped.permits.release()  # "held" answers; the full batch of 20 starts
+        await reach(engine, lambda s: s.in_flight == 20)
+        fresh = [f"b{n}" for n in range(40)]  # two full batches of backlog
+        tickets += [engine.submit(t) for t in fresh]
+        await reach(engine, lambda s: s.queued == 40)
+        stepped.permits.release(100)  # the batch of 20 fails; everything else may run
+        results = await to_the_end(engine, clock, [held, *tickets])
+    for text, result in zip(["held", *failing, *fresh], results, strict=True):
+        if POISON_MARKER in text:
+            assert isinstance(result, BackendError)
+        else:
+            assert isinstance(result, Result)
+            assert result.output == simulate(text)
+    # Room for a part of 5 (20 split in 4): 15 fresh requests and the part holding the poison.
+    assert stepped.calls[2] == [*fresh[:15], *failing[:5]]
+    assert stepped.calls[3] == fresh[:15]  # the ride sank: its fresh requests again, whole
+    assert all(len(inputs) <= 20 for inputs in stepped.calls)
