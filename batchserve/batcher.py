@@ -563,12 +563,19 @@ class Batcher:
         together again and fail together; lone inputs proving themselves on another device
         run alone. A full batch keeps room for one part of a split: under a backlog of
         fresh requests (the calls that failed made it) there would be none, and the groups,
-        older than any fresh request, would wait until the load ends."""
+        older than any fresh request, would wait until the load ends. Not where only the
+        device a group just failed on is free: a broken device, failing fast, is the free one
+        most often, and would sink ride after ride."""
         room = max(lane.max_batch - size, _ride_reserve(lane.max_batch))
         if not self._rescues or not size or room <= 0 or not self._rides_pay(lane.key, now):
             return []
         for index, (key, group) in enumerate(self._rescues):
-            if key == lane.key and len(group) <= room and not group[0].device_retried:
+            if (
+                key == lane.key
+                and len(group) <= room
+                and not group[0].device_retried
+                and self._can_run(key, group)
+            ):
                 del self._rescues[index]
                 return self._ride([request for request in group if _waiting(request, now)])
         return []
