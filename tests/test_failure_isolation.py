@@ -409,6 +409,36 @@ async def pair_then_fresh(
     return await to_the_end(engine, clock, [held, *first, *fresh])
 
 
+FAILING = [f"a{n}" + (POISON_MARKER if n == 1 else "") for n in range(20)]
+"""A full batch (of 20) with one poison input."""
+
+
+async def full_batch_fails_while_fresh_wait(stepped: SteppedDevice, fresh: list[str]) -> Engine:
+    """On one device with batches of 20, FAILING runs while `fresh` arrive, and fails; then
+    everything runs to the end, and each request gets its own answer (500 for the poison)."""
+    clock = FakeClock()
+    config = Config(max_batch_size=20)
+    async with Engine(config, fn_per_device=stepped, devices="sim:1", clock=clock) as engine:
+        await warm(engine, clock, stepped)
+        held = engine.submit("held")
+        await reach(engine, lambda s: s.in_flight == 1)
+        tickets = [engine.submit(t) for t in FAILING]
+        await reach(engine, lambda s: s.queued == len(FAILING))
+        stepped.permits.release()  # "held" answers; the full batch of 20 starts
+        await reach(engine, lambda s: s.in_flight == len(FAILING))
+        tickets += [engine.submit(t) for t in fresh]
+        await reach(engine, lambda s: s.queued == len(fresh))
+        stepped.permits.release(100)  # the batch of 20 fails; everything else may run
+        results = await to_the_end(engine, clock, [held, *tickets])
+    for text, result in zip(["held", *FAILING, *fresh], results, strict=True):
+        if POISON_MARKER in text:
+            assert isinstance(result, BackendError)
+        else:
+            assert isinstance(result, Result)
+            assert result.output == simulate(text)
+    return engine
+
+
 async def test_a_lone_rider_is_not_poison_until_it_fails_alone(gated):
     """A single input rides in a fresh batch that holds a poison input of its own: the
     ride fails, but the rider has not failed alone, so it runs alone and is answered."""
@@ -442,31 +472,11 @@ async def test_a_rescue_group_rides_in_a_fresh_batchs_room_and_sinks_only_it(gat
     instead of taking calls of their own. A ride that fails puts its fresh requests first,
     whole; only its riders split again."""
     stepped = SteppedDevice()
-    clock = FakeClock()
-    config = Config(max_batch_size=20)
-    async with Engine(config, fn_per_device=stepped, devices="sim:1", clock=clock) as engine:
-        await warm(engine, clock, stepped)
-        held = engine.submit("held")
-        await reach(engine, lambda s: s.in_flight == 1)
-        failing = [f"a{n}" + (POISON_MARKER if n == 1 else "") for n in range(20)]
-        tickets = [engine.submit(t) for t in failing]
-        await reach(engine, lambda s: s.queued == 20)
-        stepped.permits.release()  # "held" answers; the full batch of 20 starts
-        await reach(engine, lambda s: s.in_flight == 20)
-        fresh = [engine.submit(t) for t in ["b0", "b1"]]
-        await reach(engine, lambda s: s.queued == 2)
-        stepped.permits.release(100)  # the batch of 20 fails; everything else may run
-        results = await to_the_end(engine, clock, [held, *tickets, *fresh])
-    for text, result in zip(["held", *failing, "b0", "b1"], results, strict=True):
-        if POISON_MARKER in text:
-            assert isinstance(result, BackendError)
-        else:
-            assert isinstance(result, Result)
-            assert result.output == simulate(text)
-    assert stepped.calls[2] == ["b0", "b1", *failing[:5]]  # the part holding the poison
+    engine = await full_batch_fails_while_fresh_wait(stepped, ["b0", "b1"])
+    assert stepped.calls[2] == ["b0", "b1", *FAILING[:5]]  # the part holding the poison
     assert stepped.calls[3] == ["b0", "b1"]  # its fresh requests again, first and whole
     assert [len(inputs) for inputs in stepped.calls[4:]].count(5) == 3  # the clean parts
-    assert [failing[1]] in stepped.calls[4:]  # its riders split again, down to the poison
+    assert [FAILING[1]] in stepped.calls[4:]  # its riders split again, down to the poison
     assert engine.recoveries["rides_failed"] == 1
 
 
@@ -475,29 +485,9 @@ async def test_a_full_fresh_batch_keeps_room_for_a_rescue_group(gated):
     a backlog has no room: a full fresh batch still carries one part of a split, so that
     rescue (whose requests are older than any fresh one) does not wait until the load ends."""
     stepped = SteppedDevice()
-    clock = FakeClock()
-    config = Config(max_batch_size=20)
-    async with Engine(config, fn_per_device=stepped, devices="sim:1", clock=clock) as engine:
-        await warm(engine, clock, stepped)
-        held = engine.submit("held")
-        await reach(engine, lambda s: s.in_flight == 1)
-        failing = [f"a{n}" + (POISON_MARKER if n == 1 else "") for n in range(20)]
-        tickets = [engine.submit(t) for t in failing]
-        await reach(engine, lambda s: s.queued == 20)
-        stepped.permits.release()  # "held" answers; the full batch of 20 starts
-        await reach(engine, lambda s: s.in_flight == 20)
-        fresh = [f"b{n}" for n in range(40)]  # two full batches of backlog
-        tickets += [engine.submit(t) for t in fresh]
-        await reach(engine, lambda s: s.queued == 40)
-        stepped.permits.release(100)  # the batch of 20 fails; everything else may run
-        results = await to_the_end(engine, clock, [held, *tickets])
-    for text, result in zip(["held", *failing, *fresh], results, strict=True):
-        if POISON_MARKER in text:
-            assert isinstance(result, BackendError)
-        else:
-            assert isinstance(result, Result)
-            assert result.output == simulate(text)
+    fresh = [f"b{n}" for n in range(40)]  # two full batches of backlog
+    await full_batch_fails_while_fresh_wait(stepped, fresh)
     # Room for a part of 5 (20 split in 4): 15 fresh requests and the part holding the poison.
-    assert stepped.calls[2] == [*fresh[:15], *failing[:5]]
+    assert stepped.calls[2] == [*fresh[:15], *FAILING[:5]]
     assert stepped.calls[3] == fresh[:15]  # the ride sank: its fresh requests again, whole
     assert all(len(inputs) <= 20 for inputs in stepped.calls)
