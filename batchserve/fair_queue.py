@@ -100,6 +100,8 @@ class FairQueue(Generic[Request]):
 
     def take(self, count: int) -> list[Request]:
         """Up to `count` requests in batch order (see the module docstring)."""
+        if len(self._tenants) == 1:
+            return self._take_from_sole_tenant(count)
         batch: list[Request] = []
         while len(batch) < count and (turns := self._next_tier()) is not None:
             tenant = turns[0]
@@ -118,6 +120,21 @@ class FairQueue(Generic[Request]):
                 self._drop_tenant(tenant)
             elif self._credit[tenant] < 1:
                 turns.rotate(-1)
+        return batch
+
+    def _take_from_sole_tenant(self, count: int) -> list[Request]:
+        """One tenant waits (always so without API keys): its oldest `count`, with no turns
+        to take; like a round that empties a queue, this leaves it no credit."""
+        tenant, waiting = next(iter(self._tenants.items()))
+        batch = [waiting.popitem(last=False)[1] for _ in range(min(count, len(waiting)))]
+        by_arrival = self._by_arrival
+        for request in batch:
+            del by_arrival[request.request_id]
+        if waiting:
+            self._credit[tenant] = 0.0
+        else:
+            self._turns[self._rank_of[tenant]].clear()
+            self._drop_tenant(tenant)
         return batch
 
     def _next_tier(self) -> deque[str] | None:

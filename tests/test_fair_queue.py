@@ -103,3 +103,18 @@ def test_tenants_share_their_tier_in_proportion_to_their_weights():
     taken = names(half.take(6))
     assert sum(name.startswith("d") for name in taken) == 4  # twice c's turns
     assert half.ahead_of("new", TIER_RANKS["paid"], weight=1.0) == 1 + 1  # one turn each
+
+
+def test_a_sole_tenant_is_first_in_first_out_and_then_shares_like_any_other():
+    queue = FairQueue()
+    for n in range(5):
+        queue.push(weighted(f"a{n}", "a", 2.0))
+    assert names(queue.take(3)) == ["a0", "a1", "a2"]
+    queue.push(weighted("b0", "b", 1.0))
+    queue.push(weighted("b1", "b", 1.0))
+    # Its round over, "a" starts the next with no credit: two turns for its weight, then b.
+    assert names(queue.take(3)) == ["a3", "a4", "b0"]
+    assert names(queue.take(5)) == ["b1"]
+    assert (len(queue), queue.weight) == (0, 0.0)
+    queue.push(weighted("c0", "c", 3.0))
+    assert (names(queue.take(2)), queue.weight) == (["c0"], 0.0)
