@@ -1,10 +1,11 @@
-"""Histograms observed on the event loop only: for the per-request ones.
+"""Histograms and counters observed on the event loop only: for the per-request ones.
 
-prometheus-client's Histogram takes a lock and scans its buckets on every observation, since
-any thread may observe; the hot path's observations all happen on the loop, so a list of
-counts found by bisection and a running sum do the same for a fraction of the cost (measured
-in benchmarks/README.md, "Cost of metrics"). A scrape reads them into the same exposition
-(`_bucket`, `_sum`, `_count`) a Histogram would give.
+prometheus-client's Histogram and Counter take a lock on every observation (and a Histogram
+scans its buckets), since any thread may observe; the hot path's observations all happen on
+the loop, so a list of counts found by bisection and a running sum, or a plain number, do the
+same for a fraction of the cost (measured in benchmarks/README.md, "Cost of metrics"). A
+scrape reads them into the same exposition (`_bucket`, `_sum`, `_count`; `_total`) a
+Histogram or Counter would give.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections.abc import Iterator, Sequence
 
-from prometheus_client.core import HistogramMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 
@@ -56,6 +57,35 @@ class LoopHistograms(Collector):
                 cumulative += count
                 buckets.append((_bound(bound), cumulative))
             family.add_metric(list(values), buckets, child.sum)
+        yield family
+
+
+class LoopCount:
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0
+
+
+class LoopCounters(Collector):
+    """One counter family, a child per label values; register it like a Counter."""
+
+    def __init__(self, name: str, documentation: str, labels: Sequence[str]) -> None:
+        self._name, self._documentation = name, documentation
+        self._labels = list(labels)
+        self._children: dict[tuple[str, ...], LoopCount] = {}
+
+    def child(self, *values: str) -> LoopCount:
+        """The child of these label values, made on first use; add to its `value`."""
+        child = self._children.get(values)
+        if child is None:
+            child = self._children[values] = LoopCount()
+        return child
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(self._name, self._documentation, labels=self._labels)
+        for values, child in self._children.items():
+            family.add_metric(list(values), child.value)
         yield family
 
 

@@ -1,7 +1,7 @@
 """What operators watch: Prometheus metrics for /metrics and live numbers for the dashboard.
 
 Per answered request the handler pays one counter increment, three histogram observations
-(children bound once; `histograms.py`, lock-free on the loop) and one append to a short
+(children bound once; `loop_metrics.py`, lock-free on the loop) and one append to a short
 window. Everything else (queue depth, devices' busy ratio and health, capacity, the
 autoscaling signal) is read from the batcher and the pool when scraped, so it costs the hot
 path nothing.
@@ -29,8 +29,8 @@ from .clock import Clock
 from .generation import Generation
 from .generation_models import Generators
 from .gpu_pool import HEALTHY, DeviceState, GpuPool
-from .histograms import LoopHistogram, LoopHistograms
 from .item import Result
+from .loop_metrics import LoopCount, LoopCounters, LoopHistogram, LoopHistograms
 from .registry import Registry
 
 LATENCY_BUCKETS = (
@@ -63,12 +63,11 @@ class Metrics:
     ) -> None:
         self._clock = clock
         self.registry = CollectorRegistry()
-        self._requests = Counter(
+        self._requests = LoopCounters(
             "batchserve_requests",
             "Requests answered, by route, HTTP status, tier, error code, and model and version"
             " (of 200s; empty for errors, which may name no model).",
             ["route", "code", "tier", "error", "model", "version"],
-            registry=self.registry,
         )
         self._rejections = Counter(
             "batchserve_rejections",
@@ -94,7 +93,7 @@ class Metrics:
             [],
             LATENCY_BUCKETS,
         )
-        for family in (self._latency, queue_wait, compute):
+        for family in (self._requests, self._latency, queue_wait, compute):
             self.registry.register(family)
         self._queue_wait, self._compute = queue_wait, compute
         self._queue_wait_all, self._compute_all = queue_wait.child(), compute.child()
@@ -118,9 +117,9 @@ class Metrics:
             ["model", "version"],
             registry=self.registry,
         )
-        self._answered: dict[tuple[str, str, str, str], tuple[Any, LoopHistogram]] = {}
+        self._answered: dict[tuple[str, str, str, str], tuple[LoopCount, LoopHistogram]] = {}
         """Per route, tier, model and version, its counter and latency children: bound once,
-        since labels() costs more than the increment. Every key is the server's own (routes,
+        since finding a child costs more than the increment. Every key is the server's own (routes,
         tiers, registered models), so this stays small."""
         self._state = _StateCollector(batcher, pool, registry, clock, slo_s)
         self.registry.register(self._state)
@@ -135,10 +134,10 @@ class Metrics:
         children = self._answered.get(key)
         if children is None:
             children = self._answered[key] = (
-                self._requests.labels(route, "200", tier, "", result.model, result.version),
+                self._requests.child(route, "200", tier, "", result.model, result.version),
                 self._latency.child(result.model, result.version),
             )
-        children[0].inc()
+        children[0].value += 1
         self._latency.observe(children[1], latency_s)
         self._queue_wait.observe(self._queue_wait_all, result.queue_s)
         self._compute.observe(self._compute_all, result.compute_s)
@@ -146,7 +145,7 @@ class Metrics:
 
     def generated(self, route: str, tier: str, now: float, gen: Generation) -> None:
         """A generation that ended by itself (stop or length); per generation, not per token."""
-        self._requests.labels(route, "200", tier, "", gen.model, gen.version).inc()
+        self._requests.child(route, "200", tier, "", gen.model, gen.version).value += 1
         self._latency.observe(self._latency.child(gen.model, gen.version), now - gen.arrival)
         tokens = len(gen.seq.tokens)
         self._generated.labels(gen.model, gen.version).inc(tokens)
@@ -158,7 +157,7 @@ class Metrics:
                 self._tpot.labels(gen.model, gen.version).observe((now - first) / (tokens - 1))
 
     def failed(self, route: str, tier: str, status: int, code: str) -> None:
-        self._requests.labels(route, str(status), tier, code, "", "").inc()
+        self._requests.child(route, str(status), tier, code, "", "").value += 1
         if code in REJECTIONS:
             self._rejections.labels(code).inc()
 

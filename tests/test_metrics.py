@@ -162,7 +162,7 @@ def test_desired_replicas_follow_arrivals_against_measured_capacity():
 def test_loop_histograms_expose_what_a_prometheus_histogram_would():
     from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-    from batchserve.histograms import LoopHistograms
+    from batchserve.loop_metrics import LoopHistograms
     from batchserve.metrics import LATENCY_BUCKETS
 
     values = [0.0, 0.005, 0.0051, 0.1, 0.12, 3.0, 10.0, 11.0, 0.3]
