@@ -55,6 +55,8 @@ class Admission:
     def check_input(self, text: str) -> None:
         if not isinstance(text, str):
             raise InvalidInput(f"the input must be a str, not {type(text).__name__}")
+        if text.isascii() and len(text) <= self._max_input_bytes:
+            return  # the common case, without encoding it: ASCII is one byte a character
         try:
             size = len(text.encode())
         except UnicodeEncodeError:

@@ -191,17 +191,19 @@ class Batcher:
         request.key.version.arrivals.add(request.arrival, 1)
         if self._pool.free_count:
             self._wakeup.set()
-        self._changed()
+        if self._watchers:
+            self._changed()
 
     def discard(self, request: QueuedRequest) -> None:
         """Forgets a request its handler is done with; it may have been answered while queued
         (timeout, disconnect), and then leaves the queue before any batch is formed."""
-        lane = self._lanes.get(request.key)
+        lane = None if request.running else self._lanes.get(request.key)  # ran: not queued
         if lane is not None and lane.queue.discard(request.request_id):
             self._queued -= 1
             if not lane.queue:
                 del self._lanes[lane.key]
-        self._changed()
+        if self._watchers:  # tested here too: every answered request passes
+            self._changed()
 
     def fail_queued(self, error: BatchserveError, version: ModelVersion | None = None) -> None:
         """Answers every waiting request (of `version`, if given) with `error`."""
@@ -539,7 +541,7 @@ class Batcher:
 
     def _rescue_call(self, group: list[QueuedRequest], now: float) -> list[QueuedRequest]:
         """What of a rescue group still waits, counted as a rescue call if anything does."""
-        batch = [request for request in group if _waiting(request, now)]
+        batch = _still_waiting(group, now)
         self.recoveries["rescue_calls"] += bool(batch)
         return batch
 
@@ -577,7 +579,7 @@ class Batcher:
                 and self._can_run(key, group)
             ):
                 del self._rescues[index]
-                return self._ride([request for request in group if _waiting(request, now)])
+                return self._ride(_still_waiting(group, now))
         return []
 
     def _ride(self, group: list[QueuedRequest]) -> list[QueuedRequest]:
@@ -665,7 +667,7 @@ class Batcher:
         self._queued -= len(taken)
         if not lane.queue:
             del self._lanes[lane.key]
-        return [request for request in taken if _waiting(request, now)]
+        return _still_waiting(taken, now)
 
 
 def _full_batch_rps(version: ModelVersion) -> float | None:
@@ -679,8 +681,13 @@ def _ride_reserve(max_batch: int) -> int:
     return 2 * math.ceil(math.sqrt(max_batch))
 
 
-def _waiting(request: QueuedRequest, now: float) -> bool:
-    """False for a request already answered; one whose deadline passed is answered 504."""
-    if request.deadline <= now:
-        request.expire()
-    return not request.future.done()
+def _still_waiting(requests: list[QueuedRequest], now: float) -> list[QueuedRequest]:
+    """Those of `requests` not yet answered; one whose deadline passed is answered 504.
+    A loop, not a call per request: it runs over every request of every batch."""
+    waiting = []
+    for request in requests:
+        if request.deadline <= now:
+            request.expire()
+        elif not request.future.done():
+            waiting.append(request)
+    return waiting

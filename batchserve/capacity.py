@@ -89,7 +89,8 @@ class DecayedRate:
         self._updated = 0.0
 
     def add(self, now: float, count: float) -> None:
-        self._rate = self.at(now) + count / self._horizon_s
+        horizon_s = self._horizon_s  # at(now) inlined: called at every arrival
+        self._rate = self._rate * math.exp((self._updated - now) / horizon_s) + count / horizon_s
         self._updated = now
 
     def at(self, now: float) -> float:

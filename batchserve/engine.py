@@ -418,7 +418,8 @@ class Engine:
         """Checks who calls, their rate, that the engine can take the request, which model
         version runs it and that the input and params are acceptable; then queues it and
         arms its deadline."""
-        self._admission.take_token(tenant, arrival, self._batcher.capacity_rps)
+        if tenant is not None:
+            self._admission.take_token(tenant, arrival, self._batcher.capacity_rps)
         if self.phase is not Phase.READY:
             raise NotReady(f"the server is {self.phase.value}")
         try:
@@ -438,7 +439,7 @@ class Engine:
         deadline = arrival + self._admission.timeout_s(ask.timeout_ms, tenant)
         if request_id in self._pending:
             raise DuplicateRequestId(f"request id {request_id} is already in flight")
-        params_key = version.params_key(ask.params)
+        params_key = version.params_key(ask.params) if ask.params is not None else b""
         if version.spec.cost == "length":
             tokens = max(1, version.tokens(text))
             key = Key(version, params_key, length_bucket(version, tokens), ask.params or None)

@@ -149,7 +149,8 @@ class GpuPool:
 
     @property
     def free_count(self) -> int:
-        return sum(device.state is DeviceState.IDLE for device in self._devices)
+        # Counted in a list, not summed over a generator: the batcher asks at every arrival.
+        return [device.state for device in self._devices].count(DeviceState.IDLE)
 
     def free_for(self, version: ModelVersion) -> int:
         """Free devices that can run `version`."""
