@@ -2,13 +2,15 @@
 
 The front end is CPU-bound (one event loop), so CPU per request sets the saturation rate:
 on / off of that cost is the share of saturation throughput that metrics take, and
-batchserve / bare is what batching costs on top of aiohttp itself. The bare handler holds
+batchserve / bare is what batchserve costs on top of aiohttp itself. The bare handler holds
 each request 100 ms (`bare_server.py --hold-ms 100`), so it keeps as many connections open
-as batchserve does. Each run is a fresh server on core 0 (D=4 simulated devices) with the
-load generator on core 1; CPU time is read from /proc/PID/stat before and after the load.
-The three alternate, so that drift hits each alike. Medians over repeats.
+as batchserve does; the same handler with batchserve's answer (`--full-answer`: its fields,
+id and headers) splits that into what the API's answer costs and what batching costs. Each
+run is a fresh server on core 0 (D=4 simulated devices) with the load generator on core 1;
+CPU time is read from /proc/PID/stat before and after the load. The servers alternate, so
+that drift hits each alike. Medians over repeats.
 
-    python benchmarks/overhead.py            # 6 repeats x 3 servers, about 5 minutes
+    python benchmarks/overhead.py            # 6 repeats x 4 servers, about 7 minutes
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ SERVERS = {
     "metrics on": [*BATCHSERVE, "--metrics", "on"],
     "metrics off": [*BATCHSERVE, "--metrics", "off"],
     "bare aiohttp, 100 ms hold": ["benchmarks/bare_server.py", "--hold-ms", "100"],
+    "bare, batchserve's answer": ["benchmarks/bare_server.py", "--hold-ms", "100", "--full-answer"],
 }
 
 
@@ -74,11 +77,12 @@ def main() -> None:
         for name, server_args in SERVERS.items():
             costs[name].append(run(server_args, args.rate, args.seconds, seed))
             progress.step(f"{name}: {costs[name][-1]:.1f} us/request")
-    on, off, bare = (statistics.median(costs[name]) for name in SERVERS)
+    on, off, bare, full = (statistics.median(costs[name]) for name in SERVERS)
     print(
-        f"median us/request: metrics on {on:.1f}, off {off:.1f}, bare aiohttp {bare:.1f};"
-        f" on/off = {on / off:.3f} (saturation throughput with metrics = {off / on:.3f} of"
-        f" without); batchserve/bare = {on / bare:.3f}"
+        f"median us/request: metrics on {on:.1f}, off {off:.1f}, bare aiohttp {bare:.1f},"
+        f" bare with batchserve's answer {full:.1f}; on/off = {on / off:.3f} (saturation"
+        f" throughput with metrics = {off / on:.3f} of without); batchserve/bare ="
+        f" {on / bare:.3f}, of which the answer {full / bare:.3f} and batching {on / full:.3f}"
     )
 
 
