@@ -10,7 +10,7 @@ run is a fresh server on core 0 (D=4 simulated devices) with the load generator 
 CPU time is read from /proc/PID/stat before and after the load. The servers alternate, so
 that drift hits each alike. Medians over repeats.
 
-    python benchmarks/overhead.py            # 6 repeats x 4 servers, about 7 minutes
+    python benchmarks/overhead.py            # 6 repeats x 4 servers, about 4 minutes
 """
 
 from __future__ import annotations
