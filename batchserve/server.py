@@ -22,7 +22,7 @@ from .engine import Engine
 from .errors import BatchserveError, MethodNotAllowed, NotFound
 from .generate_api import GenerateApi
 from .http_io import (
-    answer_body,
+    answer_response,
     error_response,
     json_response,
     read_call,
@@ -50,26 +50,21 @@ class InferenceApi:
         call = await read_call(request, engine, "inference", arrival, read_input)
         if isinstance(call, web.Response):
             return call
+        body = call.body
         try:
             result = await engine.infer(
-                call.body.text,
-                model=call.body.model,
-                version=call.body.version,
-                params=call.body.params,
-                timeout_ms=call.body.timeout_ms,
+                body.text,
+                model=body.model,
+                version=body.version,
+                params=body.params,
+                timeout_ms=body.timeout_ms,
                 request_id=call.request_id,
                 tenant=call.tenant,
                 arrival=arrival,
             )
         except BatchserveError as error:
             return error_response(error, call.request_id)
-        latency_s = engine.clock.time() - arrival
-        timing = f"queue;dur={result.queue_s * 1e3:.3f}, compute;dur={result.compute_s * 1e3:.3f}"
-        return json_response(
-            200,
-            answer_body(call.request_id, result, latency_s),
-            {"Server-Timing": timing, "X-Request-Id": call.request_id},
-        )
+        return answer_response(call.request_id, result, engine.clock.time() - arrival)
 
     async def models(self, request: web.Request) -> web.Response:
         """GET /api/models: each model, its versions, devices, weights and state."""
