@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections import deque
 from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -14,11 +15,24 @@ if TYPE_CHECKING:
     from .registry import ModelVersion
 
 
+ID_HEX_DIGITS = 32
+IDS_PER_DRAW = 256
+_unused_ids: deque[str] = deque()
+os.register_at_fork(after_in_child=_unused_ids.clear)  # a child never reuses its parent's
+
+
 def new_request_id() -> str:
-    """Unguessable, since an id is what the status API is polled by: 16 bytes from the
-    OS's random source, as secrets.token_hex(16) gives them with two calls more (uuid4().hex
-    costs five times as much: it builds a UUID object around the same bytes)."""
-    return os.urandom(16).hex()
+    """Unguessable, since an id is what the status API is polled by: 16 bytes from the OS's
+    random source, drawn for IDS_PER_DRAW ids at once (a system call per request showed in
+    the server's profile). Taken with one atomic popleft, so no two threads share one."""
+    try:
+        return _unused_ids.popleft()
+    except IndexError:
+        digits = os.urandom(ID_HEX_DIGITS // 2 * IDS_PER_DRAW).hex()
+        _unused_ids.extend(
+            digits[start : start + ID_HEX_DIGITS] for start in range(0, len(digits), ID_HEX_DIGITS)
+        )
+        return _unused_ids.popleft()
 
 
 class Result(NamedTuple):

@@ -8,6 +8,7 @@ how fast the machine is.
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -19,6 +20,7 @@ from batchserve import Config, Engine
 from batchserve.backends import simulate
 from batchserve.clock import FakeClock
 from batchserve.errors import DeadlineExceeded, NotReady, RateLimited
+from batchserve.item import IDS_PER_DRAW, new_request_id
 from batchserve.policy import Decision, QueueView
 from batchserve.tenants import Tenant
 
@@ -207,3 +209,21 @@ async def test_a_crashed_batcher_fails_what_it_holds_and_turns_the_engine_not_re
         with pytest.raises(NotReady, match="failed"):
             await engine.infer("y")
     assert "batchserve-batcher crashed" in caplog.text
+
+
+def test_request_ids_are_unique_hex_and_a_forked_child_draws_its_own():
+    ids = [new_request_id() for _ in range(3 * IDS_PER_DRAW + 1)]
+    assert len(set(ids)) == len(ids)
+    assert all(len(i) == 32 and int(i, 16) >= 0 for i in ids)
+    read_end, write_end = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the child process
+        os.write(write_end, new_request_id().encode())
+        os._exit(0)
+    os.waitpid(child, 0)
+    childs_id = os.read(read_end, 64).decode()
+    os.close(read_end)
+    os.close(write_end)
+    assert len(childs_id) == 32
+    assert childs_id not in ids
+    assert childs_id != new_request_id()  # the parent's next: the block was not shared
