@@ -472,8 +472,10 @@ class Engine:
 
     # The pool's listener: it tells what happened to a batch or a device.
 
-    def batch_done(self, finished: float, answered: int) -> None:
-        self._batcher.batch_done(finished, answered)
+    def batch_done(self, batch: list[QueuedRequest], started: float, finished: float) -> None:
+        self._batcher.batch_done(finished, len(batch))
+        if self.metrics is not None:
+            self.metrics.batch_ran(batch, started, finished)
 
     def batch_failed(self, batch: list[QueuedRequest], key: Key, failure: BatchFailure) -> None:
         self._batcher.batch_failed(batch, key, failure)

@@ -35,9 +35,9 @@ log = logging.getLogger(__name__)
 
 
 class PoolListener(Protocol):
-    def batch_done(self, finished: float, answered: int) -> None:
-        """A batch succeeded at `finished` and its device is free; called before anyone is
-        answered."""
+    def batch_done(self, batch: list[QueuedRequest], started: float, finished: float) -> None:
+        """`batch`'s call, from `started`, succeeded at `finished` and its device is free;
+        called before anyone is answered."""
 
     def batch_failed(self, batch: list[QueuedRequest], key: Key, failure: BatchFailure) -> None:
         """Nobody in `batch` (all of `key`) has been answered; the listener retries or fails
@@ -356,7 +356,7 @@ class GpuPool:
         version.estimate.observe(finished - started, _padded(batch))
         # Wake the batcher before the waiting handlers: its wake-up is then queued ahead of
         # theirs, so the device gets its next batch before a hundred responses are written.
-        self._listener.batch_done(finished, len(batch))
+        self._listener.batch_done(batch, started, finished)
         for request, output in zip(batch, outputs, strict=True):
             if not request.future.done():
                 request.future.set_result(

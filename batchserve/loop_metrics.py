@@ -11,7 +11,7 @@ Histogram or Counter would give.
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -44,10 +44,17 @@ class LoopHistograms(Collector):
             child = self._children[values] = LoopHistogram(len(self._bounds))
         return child
 
-    def observe(self, child: LoopHistogram, value: float) -> None:
-        """Counts `value` (le bounds are inclusive, as Prometheus's)."""
-        child.counts[bisect_left(self._bounds, value)] += 1
-        child.sum += value
+    def observe(self, child: LoopHistogram, value: float, times: int = 1) -> None:
+        """Counts `value`, `times` over (le bounds are inclusive, as Prometheus's)."""
+        child.counts[bisect_left(self._bounds, value)] += times
+        child.sum += value * times
+
+    def observe_each(self, child: LoopHistogram, values: Iterable[float]) -> None:
+        """Counts each of `values`: one call for a batch's requests."""
+        counts, bounds = child.counts, self._bounds
+        for value in values:
+            counts[bisect_left(bounds, value)] += 1
+            child.sum += value
 
     def collect(self) -> Iterator[Metric]:
         family = HistogramMetricFamily(self._name, self._documentation, labels=self._labels)

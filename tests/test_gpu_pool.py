@@ -26,8 +26,8 @@ class Heard:
     events: list[tuple[str, object]] = field(default_factory=list)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
 
-    def batch_done(self, finished: float, answered: int) -> None:
-        self._hear("done", (finished, answered))
+    def batch_done(self, batch: list[QueuedRequest], started: float, finished: float) -> None:
+        self._hear("done", (finished, len(batch)))
 
     def batch_failed(self, batch: list[QueuedRequest], key: Key, failure: BatchFailure) -> None:
         self._hear("failed", (len(batch), failure.kind))

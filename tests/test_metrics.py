@@ -173,6 +173,11 @@ def test_loop_histograms_expose_what_a_prometheus_histogram_would():
     for n, value in enumerate(values):
         reference.labels(f"m{n % 2}").observe(value)
         loop.observe(loop.child(f"m{n % 2}"), value)
+    for value in values:  # a batch's values at once, and one value a batch's size over
+        reference.labels("m2").observe(value)
+        reference.labels("m3").observe(0.12)
+    loop.observe_each(loop.child("m2"), values)
+    loop.observe(loop.child("m3"), 0.12, times=len(values))
 
     def samples(registry: CollectorRegistry) -> list[str]:
         lines = generate_latest(registry).decode().splitlines()
