@@ -21,7 +21,6 @@ from .generation_http import Events, answer_generation, data_event
 from .http_io import (
     model_fields,
     read_call,
-    read_json,
     refuse_unknown_fields,
     timeout_ms_of,
 )
@@ -42,9 +41,8 @@ class GenerateBody(NamedTuple):
     version: str | None
 
 
-async def read_generate(request: web.Request, limit: int) -> GenerateBody:
+def parse_generate(payload: dict[str, Any], request: web.Request) -> GenerateBody:
     """The body's fields, checked for shape; the engine checks their values."""
-    payload = await read_json(request, limit)
     refuse_unknown_fields(payload, _FIELDS)
     prompt = payload.get("prompt")
     if not isinstance(prompt, str):
@@ -72,7 +70,7 @@ class GenerateApi:
     async def generate(self, request: web.Request) -> web.StreamResponse:
         engine = self._engine
         arrival = engine.clock.time()
-        call = await read_call(request, engine, "generate", arrival, read_generate)
+        call = await read_call(request, engine, "generate", arrival, parse_generate)
         if isinstance(call, web.Response):
             return call
         body = call.body

@@ -6,7 +6,7 @@ The only module that turns the error tree (`errors.py`) into HTTP answers.
 from __future__ import annotations
 
 import math
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Generic, NamedTuple, TypeVar
 
 import orjson
@@ -58,20 +58,20 @@ async def read_call(
     engine: Engine,
     route: str,
     arrival: float,
-    read_body: Callable[[web.Request, int], Awaitable[AskedFor]],
+    parse_body: Callable[[dict[str, Any], web.Request], AskedFor],
     *,
     openai_shape: bool = False,
 ) -> Call[AskedFor] | web.Response:
-    """The request's id, tenant and body (`read_body(request, max body bytes)`, e.g.
-    `read_input`); or, for a request refused here (bad id, unknown key, bad body), its
-    recorded error answer."""
+    """The request's id, tenant and body: its JSON object as `parse_body(payload, request)`
+    reads it (e.g. `parse_input`); or, for a request refused here (bad id, unknown key, bad
+    body), its recorded error answer."""
     request_id, problem = request_id_of(request)
     tenant = None
     try:
         if problem is not None:
             raise problem
         tenant = engine.authenticate(request.headers.get("Authorization"))
-        body = await read_body(request, engine.config.max_body_bytes)
+        body = parse_body(await read_json(request, engine.config.max_body_bytes), request)
     except BatchserveError as error:
         engine.record(route, request_id, arrival, error, tenant)
         return error_response(error, request_id, openai_shape=openai_shape)
@@ -109,7 +109,7 @@ async def read_json(request: web.Request, limit: int) -> dict[str, Any]:
     return payload
 
 
-async def read_input(request: web.Request, limit: int) -> Body:
+def parse_input(payload: dict[str, Any], request: web.Request) -> Body:
     """The body's input text, its model, version and params, and the request's own timeout
     in ms (None: the server's).
 
@@ -117,7 +117,6 @@ async def read_input(request: web.Request, limit: int) -> Body:
     model and checks the params against it, and caps the timeout, for library callers as
     for HTTP ones.
     """
-    payload = await read_json(request, limit)
     refuse_unknown_fields(payload, _BODY_FIELDS)
     text = payload.get("input")
     if not isinstance(text, str):

@@ -27,7 +27,6 @@ from .http_io import (
     error_response,
     json_response,
     read_call,
-    read_json,
     refuse_unknown_fields,
 )
 from .item import Result
@@ -45,7 +44,7 @@ class OpenAIApi:
         engine = self._engine
         arrival = engine.clock.time()
         call = await read_call(
-            request, engine, "embeddings", arrival, self._read_embeddings, openai_shape=True
+            request, engine, "embeddings", arrival, self._parse_embeddings, openai_shape=True
         )
         if isinstance(call, web.Response):
             return call
@@ -95,11 +94,10 @@ class OpenAIApi:
         ]
         return json_response(200, {"object": "list", "data": data})
 
-    async def _read_embeddings(
-        self, request: web.Request, limit: int
+    def _parse_embeddings(
+        self, payload: dict[str, Any], request: web.Request
     ) -> tuple[str, list[str], bool]:
         """The model (one that returns vectors), the inputs and whether base64 is wanted."""
-        payload = await read_json(request, limit)
         model, texts, base64_wanted = _embeddings_request(payload)
         dim = self._engine.embedding_dim(model)
         if payload.get("dimensions") not in (None, dim):

@@ -26,7 +26,6 @@ from .generation import Generation
 from .generation_http import Events, answer_generation, data_event
 from .http_io import (
     read_call,
-    read_json,
     refuse_unknown_fields,
     timeout_ms_of,
 )
@@ -72,15 +71,15 @@ class OpenAICompletionsApi:
         arrival = engine.clock.time()
         route = "chat_completions" if chat else "completions"
 
-        async def read(request: web.Request, limit: int) -> Completion:
+        def parse(payload: dict[str, Any], request: web.Request) -> Completion:
             """The body, a chat's messages made one prompt here, so that a refusal of
             either (an unknown model) is recorded like any other bad body."""
-            body = _read_completion(await read_json(request, limit), request, chat=chat)
+            body = _read_completion(payload, request, chat=chat)
             if body.messages is None:
                 return body
             return body._replace(prompt=engine.chat_prompt(body.model, body.messages))
 
-        call = await read_call(request, engine, route, arrival, read, openai_shape=True)
+        call = await read_call(request, engine, route, arrival, parse, openai_shape=True)
         if isinstance(call, web.Response):
             return call
         body = call.body

@@ -25,8 +25,8 @@ from .http_io import (
     answer_response,
     error_response,
     json_response,
+    parse_input,
     read_call,
-    read_input,
     request_id_of,
 )
 from .openai_api import OpenAIApi
@@ -47,7 +47,7 @@ class InferenceApi:
     async def inference(self, request: web.Request) -> web.Response:
         engine = self._engine
         arrival = engine.clock.time()
-        call = await read_call(request, engine, "inference", arrival, read_input)
+        call = await read_call(request, engine, "inference", arrival, parse_input)
         if isinstance(call, web.Response):
             return call
         body = call.body

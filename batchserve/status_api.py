@@ -28,8 +28,8 @@ from .http_io import (
     error_body,
     error_response,
     json_response,
+    parse_input,
     read_call,
-    read_input,
     request_id_of,
 )
 from .item import Result, Ticket
@@ -70,7 +70,7 @@ class StatusApi:
     async def submit(self, request: web.Request) -> web.Response:
         engine = self._engine
         arrival = engine.clock.time()
-        call = await read_call(request, engine, "requests", arrival, read_input)
+        call = await read_call(request, engine, "requests", arrival, parse_input)
         if isinstance(call, web.Response):
             return call
         request_id = call.request_id
