@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 
-from batchserve.clock import FakeClock, sleep_until, wait_until
+import pytest
+
+from batchserve.clock import FakeClock, LoopClock, sleep_until, wait_until
 
 
 def test_timers_fire_in_time_order_with_the_clock_at_their_time():
@@ -55,3 +57,15 @@ async def test_a_timer_armed_for_a_time_already_past_runs_on_the_next_loop_pass(
     assert fired == []
     await asyncio.sleep(0)
     assert fired == [5.0]
+
+
+async def test_the_loop_clock_is_the_running_loops_once_attached_and_refuses_before():
+    clock = LoopClock()
+    with pytest.raises(RuntimeError, match="once the engine has started"):
+        clock.time()
+    loop = asyncio.get_running_loop()
+    clock.attach(loop)
+    fired = asyncio.Event()
+    clock.call_at(clock.time(), fired.set)
+    await fired.wait()
+    assert clock.time() <= loop.time()
