@@ -5,12 +5,20 @@ on / off of that cost is the share of saturation throughput that metrics take, a
 batchserve / bare is what batchserve costs on top of aiohttp itself. The bare handler holds
 each request 100 ms (`bare_server.py --hold-ms 100`), so it keeps as many connections open
 as batchserve does; the same handler with batchserve's answer (`--full-answer`: its fields,
-id and headers) splits that into what the API's answer costs and what batching costs. Each
-run is a fresh server on core 0 (D=4 simulated devices) with the load generator on core 1;
-CPU time is read from /proc/PID/stat before and after the load. The servers alternate, so
-that drift hits each alike. Medians over repeats.
+id and headers) splits that into what the API's answer costs and what batching costs.
+Servers run on core 0 (batchserve with D=4 simulated devices), load generators on core 1;
+CPU time is read from /proc/PID/stat before and after the load.
 
-    python benchmarks/overhead.py            # 6 repeats x 4 servers, about 4 minutes
+By default the four servers run at once, each with its own load generator at `--rate`, and
+each repeat gives each server's cost as a ratio to the bare handler's in the same seconds:
+this machine's speed drifts by 10-30 % from minute to minute, which moves servers run one
+after another apart by more than the 10 % to be told, while servers sharing the same seconds
+drift together (ratios within about 1 % between repeats). `--apart` runs them one at a time,
+alternating, at `--rate` each: absolute costs without the shared core, but noisy ratios.
+Medians over repeats.
+
+    python benchmarks/overhead.py                       # 6 repeats, all at once, about 2 minutes
+    python benchmarks/overhead.py --apart --rate 3000   # one at a time, about 4 minutes
 """
 
 from __future__ import annotations
@@ -41,48 +49,82 @@ SERVERS = {
     "bare aiohttp, 100 ms hold": ["benchmarks/bare_server.py", "--hold-ms", "100"],
     "bare, batchserve's answer": ["benchmarks/bare_server.py", "--hold-ms", "100", "--full-answer"],
 }
+BARE = "bare aiohttp, 100 ms hold"
 
 
-def run(server_args: list[str], rate: float, seconds: float, seed: int) -> float:
-    """Microseconds of server CPU per answered request."""
-    server = start_server([sys.executable, *server_args, "--port", str(PORT)])
+def run(servers: dict[str, list[str]], rate: float, seconds: float, seed: int) -> dict[str, float]:
+    """Microseconds of server CPU per answered request of each of `servers`, all loaded at
+    once, each at `rate` by its own load generator."""
+    started: dict[str, tuple[subprocess.Popen[str], int]] = {}
     try:
-        before = cpu_seconds(server.pid)
-        load = subprocess.run(
-            ["taskset", "-c", "1", sys.executable, "benchmarks/loadgen.py",
-             "--url", f"http://127.0.0.1:{PORT}", "--rate", str(rate),
-             "--seconds", str(seconds), "--seed", str(seed)],
-            cwd=ROOT, capture_output=True, text=True, check=True, timeout=seconds + 120,
-        )  # fmt: skip
-        used = cpu_seconds(server.pid) - before
-        answered = json.loads(load.stdout)["ok"]
-        return 1e6 * used / answered
+        for offset, (name, args) in enumerate(servers.items()):
+            port = PORT + offset
+            started[name] = (start_server([sys.executable, *args, "--port", str(port)]), port)
+        before = {name: cpu_seconds(server.pid) for name, (server, _) in started.items()}
+        loads = {}
+        for name, (_, port) in started.items():
+            loads[name] = subprocess.Popen(
+                ["taskset", "-c", "1", sys.executable, "benchmarks/loadgen.py",
+                 "--url", f"http://127.0.0.1:{port}", "--rate", str(rate),
+                 "--seconds", str(seconds), "--seed", str(seed)],
+                cwd=ROOT, stdout=subprocess.PIPE, text=True,
+            )  # fmt: skip
+        answered = {}
+        for name, load in loads.items():
+            out, _ = load.communicate(timeout=seconds + 120)
+            if load.returncode:
+                raise RuntimeError(f"the load generator for {name} failed")
+            answered[name] = json.loads(out)["ok"]
+        return {
+            name: 1e6 * (cpu_seconds(server.pid) - before[name]) / answered[name]
+            for name, (server, _) in started.items()
+        }
     finally:
-        stop_server(server)
+        for server, _ in started.values():
+            stop_server(server)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rate", type=float, default=3000.0, help="offered requests/s")
-    parser.add_argument("--seconds", type=float, default=8.0, help="each run's schedule")
     parser.add_argument(
-        "--repeats", type=int, default=6, help="interleaved runs of each server (medians)"
+        "--rate", type=float, help="offered requests/s per server (default 800, --apart 3000)"
+    )
+    parser.add_argument("--seconds", type=float, default=8.0, help="each run's schedule")
+    parser.add_argument("--repeats", type=int, default=6, help="repeats of each server (medians)")
+    parser.add_argument(
+        "--apart", action="store_true", help="one server at a time, alternating (noisy ratios)"
     )
     args = parser.parse_args()
     if args.seconds <= 1 or args.repeats < 1:
         parser.error("--seconds must exceed the 1 s warm-up and --repeats be at least 1")
+    rate = args.rate or (3000.0 if args.apart else 800.0)
+    groups = [{name: SERVERS[name]} for name in SERVERS] if args.apart else [SERVERS]
     costs: dict[str, list[float]] = {name: [] for name in SERVERS}
-    progress = Progress(args.repeats * len(SERVERS))
+    ratios: dict[str, list[float]] = {name: [] for name in SERVERS}
+    progress = Progress(args.repeats * len(groups))
     for seed in range(1, args.repeats + 1):
-        for name, server_args in SERVERS.items():
-            costs[name].append(run(server_args, args.rate, args.seconds, seed))
-            progress.step(f"{name}: {costs[name][-1]:.1f} us/request")
-    on, off, bare, full = (statistics.median(costs[name]) for name in SERVERS)
+        for group in groups:
+            for name, cost in run(group, rate, args.seconds, seed).items():
+                costs[name].append(cost)
+            progress.step(", ".join(f"{name}: {costs[name][-1]:.1f} us" for name in group))
+        for name in SERVERS:
+            ratios[name].append(costs[name][-1] / costs[BARE][-1])
+    median = {name: statistics.median(values) for name, values in costs.items()}
+    ratio = {name: statistics.median(values) for name, values in ratios.items()}
+    how = "apart, alternating" if args.apart else "all at once"
+    print(f"{how}, {rate:g} rps each, {args.repeats} repeats; median us/request and median of"
+          " the repeats' ratios to the bare handler:")  # fmt: skip
+    for name in SERVERS:
+        print(f"  {name}: {median[name]:.1f} us, {ratio[name]:.3f} x bare"
+              f" ({', '.join(f'{r:.3f}' for r in ratios[name])})")  # fmt: skip
+    on_off = statistics.median(
+        on / off for on, off in zip(costs["metrics on"], costs["metrics off"], strict=True)
+    )
+    answer = ratio["bare, batchserve's answer"]
     print(
-        f"median us/request: metrics on {on:.1f}, off {off:.1f}, bare aiohttp {bare:.1f},"
-        f" bare with batchserve's answer {full:.1f}; on/off = {on / off:.3f} (saturation"
-        f" throughput with metrics = {off / on:.3f} of without); batchserve/bare ="
-        f" {on / bare:.3f}, of which the answer {full / bare:.3f} and batching {on / full:.3f}"
+        f"on/off = {on_off:.3f} (saturation throughput with metrics = {1 / on_off:.3f} of"
+        f" without); batchserve/bare = {ratio['metrics on']:.3f}, of which the answer"
+        f" {answer:.3f} and batching {ratio['metrics on'] / answer:.3f}"
     )
 
 
