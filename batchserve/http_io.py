@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 
 _BODY_FIELDS = frozenset({"input", "timeout_ms", "model", "version", "params"})
 MAX_REQUEST_ID = 128
+TIMEOUT_HEADER = "X-Request-Timeout-Ms"
 
 
 class Body(NamedTuple):
@@ -117,8 +118,10 @@ def parse_input(payload: dict[str, Any], request: web.Request) -> Body:
     model and checks the params against it, and caps the timeout, for library callers as
     for HTTP ones.
     """
-    refuse_unknown_fields(payload, _BODY_FIELDS)
     text = payload.get("input")
+    if len(payload) == 1 and isinstance(text, str) and TIMEOUT_HEADER not in request.headers:
+        return Body(text, None)  # {"input": "..."} alone, the common body: nothing more to read
+    refuse_unknown_fields(payload, _BODY_FIELDS)
     if not isinstance(text, str):
         raise InvalidInput('the body needs a string field "input"')
     timeout_ms = timeout_ms_of(payload.get("timeout_ms"), request)
@@ -159,11 +162,11 @@ def _json_problem(exc: orjson.JSONDecodeError) -> str:
 def timeout_ms_of(in_body: object, request: web.Request) -> float | None:
     """The request's own timeout: the body's, else the header's, else None."""
     requested: object = in_body
-    if requested is None and "X-Request-Timeout-Ms" in request.headers:
+    if requested is None and TIMEOUT_HEADER in request.headers:
         try:
-            requested = float(request.headers["X-Request-Timeout-Ms"])
+            requested = float(request.headers[TIMEOUT_HEADER])
         except ValueError:
-            raise InvalidInput("X-Request-Timeout-Ms must be a number") from None
+            raise InvalidInput(f"{TIMEOUT_HEADER} must be a number") from None
     if requested is None:
         return None
     if (
