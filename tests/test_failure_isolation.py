@@ -491,3 +491,76 @@ async def test_a_full_fresh_batch_keeps_room_for_a_rescue_group(gated):
     assert stepped.calls[2] == [*fresh[:15], *FAILING[:5]]
     assert stepped.calls[3] == fresh[:15]  # the ride sank: its fresh requests again, whole
     assert all(len(inputs) <= 20 for inputs in stepped.calls)
+
+
+class PerDeviceSteps:
+    """Devices whose calls each wait for a permit of their own device; it records which
+    device ran which inputs."""
+
+    def __init__(self, devices: list[str]) -> None:
+        self.permits = {device: threading.Semaphore(0) for device in devices}
+        self.calls: list[tuple[str, list[str]]] = []
+
+    def __call__(self, device: str) -> Callable[[list[str]], list[str]]:
+        def run(inputs: list[str]) -> list[str]:
+            if inputs != [WARM_UP_INPUT]:
+                self.calls.append((device, list(inputs)))
+                self.permits[device].acquire()
+            if any(POISON_MARKER in text for text in inputs):
+                raise ValueError("this batch holds a poison input")
+            return [simulate(text) for text in inputs]
+
+        return run
+
+
+async def until(engine: Engine, clock: FakeClock, done: Callable[[], bool]) -> None:
+    """Virtual time on in steps of 5 ms (a policy may linger) until `done()`; never as far
+    as a call's 1 s watchdog."""
+    async with asyncio.timeout(HANG_GUARD_S):
+        for _ in range(100):
+            for _ in range(20):
+                if done():
+                    return
+                await asyncio.sleep(0)
+            clock.advance(0.005)
+    pytest.fail(f"never got there; the engine is {engine.stats()}")
+
+
+async def test_a_rescue_group_does_not_ride_back_to_the_device_it_just_failed_on(gated):
+    """A full batch fails on sim:0 while sim:1 is busy; fresh requests then find only sim:0
+    free. The failed batch's parts do not ride with them (sim:0 may be the broken one, and
+    would sink them all again): they wait for sim:1, and every request gets its answer."""
+    steps = PerDeviceSteps(["sim:0", "sim:1"])
+    clock = FakeClock()
+    config = Config(max_batch_size=20)
+    async with Engine(config, fn_per_device=steps, devices="sim:2", clock=clock) as engine:
+        for n in range(3):  # three fresh batches that succeed: rides pay
+            steps.permits["sim:0"].release()
+            warm = engine.submit(f"warm-{n}")
+            await until(engine, clock, warm.done)
+        steps.calls.clear()
+        failing = [engine.submit(text) for text in FAILING]  # full: starts on sim:0 at once
+        await reach(engine, lambda s: s.in_flight == len(FAILING))
+        busy = engine.submit("busy")
+        await until(engine, clock, lambda: len(steps.calls) == 2)  # "busy" holds sim:1
+        steps.permits["sim:0"].release()  # the batch of 20 fails on sim:0
+        await until(engine, clock, lambda: engine.stats().in_flight == 1)
+        fresh = [engine.submit(f"b{n}") for n in range(2)]
+        try:
+            await until(engine, clock, lambda: len(steps.calls) == 3)
+        finally:  # whatever ran, everything may now finish (a failed check must not hang)
+            steps.permits["sim:0"].release(100)
+            steps.permits["sim:1"].release(100)
+        everything = [*failing, busy, *fresh]
+        await until(engine, clock, lambda: all(ticket.done() for ticket in everything))
+    assert steps.calls[2] == ("sim:0", ["b0", "b1"])  # alone: nothing of FAILING rode
+    rescues = [(device, inputs) for device, inputs in steps.calls[3:] if FAILING[0] in inputs]
+    assert rescues[0][0] == "sim:1"  # the first rescue call went to the other device
+    for text, ticket in zip(FAILING, failing, strict=True):
+        outcome = ticket.outcome()
+        if POISON_MARKER in text:
+            assert isinstance(outcome, BackendError)
+        else:
+            assert isinstance(outcome, Result)
+            assert outcome.output == simulate(text)
+    assert [t.outcome().output for t in [busy, *fresh]] == ["ysub", "0b", "1b"]  # type: ignore[union-attr]
