@@ -191,8 +191,7 @@ class Batcher:
         request.key.version.arrivals.add(request.arrival, 1)
         if self._pool.free_count:
             self._wakeup.set()
-        if self._watchers:
-            self._changed()
+        self._changed()
 
     def discard(self, request: QueuedRequest) -> None:
         """Forgets a request its handler is done with; it may have been answered while queued
@@ -202,8 +201,7 @@ class Batcher:
             self._queued -= 1
             if not lane.queue:
                 del self._lanes[lane.key]
-        if self._watchers:  # tested here too: every answered request passes
-            self._changed()
+        self._changed()
 
     def fail_queued(self, error: BatchserveError, version: ModelVersion | None = None) -> None:
         """Answers every waiting request (of `version`, if given) with `error`."""

@@ -228,8 +228,7 @@ class Engine:
             raise
         finally:
             self._release(request, expiry)
-        now = self.clock.time()  # as record() does, one call less for every answer
-        self._recorder.record(route, request.request_id, tenant, now - request.arrival, result, now)
+        self.record(route, request.request_id, request.arrival, result, tenant)
         return result
 
     def submit(
