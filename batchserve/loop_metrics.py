@@ -11,10 +11,13 @@ Histogram or Counter would give.
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Generic, TypeVar
 
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+Child = TypeVar("Child")
 
 
 class LoopHistogram:
@@ -26,23 +29,33 @@ class LoopHistogram:
         self.sum = 0.0
 
 
-class LoopHistograms(Collector):
+class _LoopFamily(Collector, Generic[Child]):
+    """A family of children, one per label values, each made on first use by `make_child`."""
+
+    def __init__(
+        self, name: str, documentation: str, labels: Sequence[str], make_child: Callable[[], Child]
+    ) -> None:
+        self._name, self._documentation = name, documentation
+        self._labels = list(labels)
+        self._make_child = make_child
+        self._children: dict[tuple[str, ...], Child] = {}
+
+    def child(self, *values: str) -> Child:
+        """The child of these label values; keep it, as with labels()."""
+        child = self._children.get(values)
+        if child is None:
+            child = self._children[values] = self._make_child()
+        return child
+
+
+class LoopHistograms(_LoopFamily[LoopHistogram]):
     """One histogram family, a child per label values; register it like a Histogram."""
 
     def __init__(
         self, name: str, documentation: str, labels: Sequence[str], bounds: Sequence[float]
     ) -> None:
-        self._name, self._documentation = name, documentation
-        self._labels = list(labels)
+        super().__init__(name, documentation, labels, lambda: LoopHistogram(len(bounds)))
         self._bounds = list(bounds)
-        self._children: dict[tuple[str, ...], LoopHistogram] = {}
-
-    def child(self, *values: str) -> LoopHistogram:
-        """The child of these label values, made on first use; keep it, as with labels()."""
-        child = self._children.get(values)
-        if child is None:
-            child = self._children[values] = LoopHistogram(len(self._bounds))
-        return child
 
     def observe(self, child: LoopHistogram, value: float, times: int = 1) -> None:
         """Counts `value`, `times` over (le bounds are inclusive, as Prometheus's)."""
@@ -74,20 +87,12 @@ class LoopCount:
         self.value = 0
 
 
-class LoopCounters(Collector):
-    """One counter family, a child per label values; register it like a Counter."""
+class LoopCounters(_LoopFamily[LoopCount]):
+    """One counter family, a child per label values (add to its `value`); register it like a
+    Counter."""
 
     def __init__(self, name: str, documentation: str, labels: Sequence[str]) -> None:
-        self._name, self._documentation = name, documentation
-        self._labels = list(labels)
-        self._children: dict[tuple[str, ...], LoopCount] = {}
-
-    def child(self, *values: str) -> LoopCount:
-        """The child of these label values, made on first use; add to its `value`."""
-        child = self._children.get(values)
-        if child is None:
-            child = self._children[values] = LoopCount()
-        return child
+        super().__init__(name, documentation, labels, LoopCount)
 
     def collect(self) -> Iterator[Metric]:
         family = CounterMetricFamily(self._name, self._documentation, labels=self._labels)
