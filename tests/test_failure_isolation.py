@@ -351,6 +351,19 @@ async def test_a_device_that_fails_to_load_is_left_out(start_server):
     assert engine.stats().healthy_devices == 2
 
 
+def stepped_call(
+    inputs: list[str], permit: threading.Semaphore, record: Callable[[list[str]], object]
+) -> list[str]:
+    """A call that records its inputs and waits for `permit` (the warm-up passes freely),
+    then raises if it holds a poison input, else answers as the simulated model does."""
+    if inputs != [WARM_UP_INPUT]:
+        record(list(inputs))
+        permit.acquire()
+    if any(POISON_MARKER in text for text in inputs):
+        raise ValueError("this batch holds a poison input")
+    return [simulate(text) for text in inputs]
+
+
 class SteppedDevice:
     """A one-device backend whose calls each wait for a permit: the test lets them finish one
     at a time, and sees each call's inputs."""
@@ -360,15 +373,7 @@ class SteppedDevice:
         self.calls: list[list[str]] = []
 
     def __call__(self, device: str) -> Callable[[list[str]], list[str]]:
-        def run(inputs: list[str]) -> list[str]:
-            if inputs != [WARM_UP_INPUT]:
-                self.calls.append(list(inputs))
-                self.permits.acquire()
-            if any(POISON_MARKER in text for text in inputs):
-                raise ValueError("this batch holds a poison input")
-            return [simulate(text) for text in inputs]
-
-        return run
+        return lambda inputs: stepped_call(inputs, self.permits, self.calls.append)
 
 
 async def to_the_end(
@@ -502,15 +507,10 @@ class PerDeviceSteps:
         self.calls: list[tuple[str, list[str]]] = []
 
     def __call__(self, device: str) -> Callable[[list[str]], list[str]]:
-        def run(inputs: list[str]) -> list[str]:
-            if inputs != [WARM_UP_INPUT]:
-                self.calls.append((device, list(inputs)))
-                self.permits[device].acquire()
-            if any(POISON_MARKER in text for text in inputs):
-                raise ValueError("this batch holds a poison input")
-            return [simulate(text) for text in inputs]
+        def record(inputs: list[str]) -> None:
+            self.calls.append((device, inputs))
 
-        return run
+        return lambda inputs: stepped_call(inputs, self.permits[device], record)
 
 
 async def until(engine: Engine, clock: FakeClock, done: Callable[[], bool]) -> None:
