@@ -157,6 +157,7 @@ class Metrics:
         if first is not None:
             self._ttft.labels(gen.model, gen.version).observe(first - gen.arrival)
             self._first_tokens.append((now, first - gen.arrival, f"{gen.model}@{gen.version}"))
+            _keep_recent(self._first_tokens, now)
             if tokens > 1:
                 self._tpot.labels(gen.model, gen.version).observe((now - first) / (tokens - 1))
 
@@ -174,8 +175,7 @@ class Metrics:
         state = self._state.summary(now)
         for row in state["models"]:
             row.update(answered.get(row["label"], _window_numbers(())))
-        while self._first_tokens and self._first_tokens[0][0] < now - WINDOW_S:
-            self._first_tokens.popleft()
+        _keep_recent(self._first_tokens, now)
         generation = self._generation_state.summary(now)
         for row in generation:
             ttfts = tuple(t for _, t, label in self._first_tokens if label == row["label"])
@@ -194,16 +194,19 @@ class RecentWindow:
     def __init__(self) -> None:
         self._answers: deque[Answer] = deque()
 
+    def __len__(self) -> int:
+        return len(self._answers)
+
     def add(self, now: float, latency_s: float, result: Result) -> None:
         self._answers.append(
             (now, latency_s, result.queue_s, result.compute_s, result.batch_size,
              result.model, result.version)
         )  # fmt: skip
+        _keep_recent(self._answers, now)
 
     def summary(self, now: float) -> dict[str, Any]:
         """The window's numbers for all answers, and under "by_model" for each version's."""
-        while self._answers and self._answers[0][0] < now - WINDOW_S:
-            self._answers.popleft()
+        _keep_recent(self._answers, now)
         by_model: dict[str, list[Answer]] = {}
         for answer in self._answers:
             by_model.setdefault(f"{answer[5]}@{answer[6]}", []).append(answer)
@@ -211,6 +214,15 @@ class RecentWindow:
             **_window_numbers(self._answers),
             "by_model": {label: _window_numbers(rows) for label, rows in by_model.items()},
         }
+
+
+def _keep_recent(window: deque[Any], now: float) -> None:
+    """Drops the rows (time first) older than WINDOW_S. Each add drops them as well as each
+    read: a window that only a dashboard reads would otherwise grow by a row an answer for as
+    long as nobody opens the page."""
+    cutoff = now - WINDOW_S
+    while window and window[0][0] < cutoff:
+        window.popleft()
 
 
 def _window_numbers(answers: Iterable[Answer]) -> dict[str, float | None]:

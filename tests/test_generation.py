@@ -29,6 +29,7 @@ from batchserve.errors import (
     ModelNotFound,
 )
 from batchserve.generators import Seq, SimulatedGenerator
+from batchserve.metrics import WINDOW_S
 from batchserve.server import create_app
 from batchserve.specs import ModelSpec
 
@@ -623,3 +624,18 @@ async def test_keys_and_tier_rates_apply_to_generation(aiohttp_client, tmp_path)
     )
     assert limited.status == 429
     assert "Retry-After" in limited.headers
+
+
+async def test_the_first_token_window_forgets_old_generations_without_being_read():
+    # Only the dashboard reads it: a server nobody watches must not keep a row for every
+    # generation it ever answered.
+    clock = FakeClock()
+    engine = Engine(Config(generator="sim", devices="sim:1", sim_step_ms=(0.0, 0.0)), clock=clock)
+    async with engine:
+        assert engine.metrics is not None
+        for prompt in ("one", "two", "three"):
+            await generate(engine, prompt)
+        assert len(engine.metrics._first_tokens) == 3
+        clock.advance(WINDOW_S + 1)
+        await generate(engine, "four")
+        assert len(engine.metrics._first_tokens) == 1

@@ -14,7 +14,7 @@ from batchserve.backends import POISON_MARKER, simulated_factory
 from batchserve.clock import FakeClock
 from batchserve.gpu_pool import BUSY_WINDOW_S, Device
 from batchserve.item import Result
-from batchserve.metrics import RecentWindow, desired_replicas
+from batchserve.metrics import WINDOW_S, RecentWindow, desired_replicas
 
 from .conftest import hold_one_and_queue_one, reach
 
@@ -142,6 +142,15 @@ def test_recent_window_percentiles_and_throughput():
     assert summary["p50_ms"] == pytest.approx(51.0)
     assert summary["p99_ms"] == pytest.approx(100.0)
     assert summary["mean_batch"] == 4
+
+
+def test_recent_window_forgets_old_answers_without_being_read():
+    # Only the dashboard reads the window: a server nobody watches must not keep a row for
+    # every answer it ever gave.
+    window = RecentWindow()
+    for n in range(1000):
+        window.add(n / 8, 0.001, Result("x", 0.0, 0.1, 4, 1, "sim:0"))  # 8 a second
+    assert len(window) == 8 * WINDOW_S + 1  # WINDOW_S back from the last, both ends kept
 
 
 def test_busy_ratio_counts_the_last_window_and_the_running_call():
