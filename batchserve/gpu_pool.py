@@ -106,15 +106,25 @@ class Device:
     blame: int = 0
     """Its failed calls since its last success whose every input then succeeded elsewhere."""
 
+    def call_ended(self, started: float, finished: float) -> None:
+        """Counts a call in the busy ratio; the window drops what it no longer covers here
+        too, not only when the ratio is read (by a scrape that may never come)."""
+        self.busy_total_s += finished - started
+        self.recent_calls.append((started, finished))
+        self._forget_calls_before(finished - BUSY_WINDOW_S)
+
     def busy_ratio(self, now: float) -> float:
         """Share of the last BUSY_WINDOW_S spent inside batch calls."""
         since = now - BUSY_WINDOW_S
-        while self.recent_calls and self.recent_calls[0][1] <= since:
-            self.recent_calls.popleft()
+        self._forget_calls_before(since)
         busy = sum(end - max(start, since) for start, end in self.recent_calls)
         if self.busy_since is not None:
             busy += now - max(self.busy_since, since)
         return min(1.0, busy / BUSY_WINDOW_S)
+
+    def _forget_calls_before(self, since: float) -> None:
+        while self.recent_calls and self.recent_calls[0][1] <= since:
+            self.recent_calls.popleft()
 
 
 class GpuPool:
@@ -340,8 +350,7 @@ class GpuPool:
         device.busy_since = None
         device.key = None
         device.batch = []
-        device.busy_total_s += finished - started
-        device.recent_calls.append((started, finished))
+        device.call_ended(started, finished)
         key.version.device_time.add(finished, finished - started)
         if isinstance(returned, Exception):
             self._call_failed(device, batch, key, batch_id, returned)

@@ -161,6 +161,16 @@ def test_busy_ratio_counts_the_last_window_and_the_running_call():
     assert device.busy_ratio(now=15.5) == pytest.approx((0.5 + 6.5) / BUSY_WINDOW_S)
 
 
+def test_busy_window_forgets_old_calls_without_being_read():
+    # The ratio is read by a scrape, which may never come: the window must not keep every
+    # call the device ever ran.
+    device = Device("sim:0", thread=None)  # type: ignore[arg-type]
+    for n in range(1000):
+        device.call_ended(n * 0.5, n * 0.5 + 0.25)  # a call every half second
+    assert len(device.recent_calls) == 2 * BUSY_WINDOW_S
+    assert device.busy_total_s == 250.0
+
+
 def test_desired_replicas_follow_arrivals_against_measured_capacity():
     assert desired_replicas(0.0, None) == 1
     assert desired_replicas(700.0, 1000.0) == 1
