@@ -5,11 +5,14 @@ on / off of that cost is the share of saturation throughput that metrics take, a
 batchserve / bare is what batchserve costs on top of aiohttp itself. The bare handler holds
 each request 100 ms (`bare_server.py --hold-ms 100`), so it keeps as many connections open
 as batchserve does; the same handler with batchserve's answer (`--full-answer`: its fields,
-id and headers) splits that into what the API's answer costs and what batching costs.
+id and headers) splits that into what the API's answer costs and what batching costs. The
+same answer batched over 4 device threads with nothing else (`--batched 4`: no deadline,
+check, fairness or metrics) is the floor for a batching server on aiohttp: one device call
+a batch replaces a timer a request, so it costs less than the bare handler.
 Servers run on core 0 (batchserve with D=4 simulated devices), load generators on core 1;
 CPU time is read from /proc/PID/stat before and after the load.
 
-By default the four servers run at once, each with its own load generator at `--rate`, and
+By default the servers run at once, each with its own load generator at `--rate`, and
 each repeat gives each server's cost as a ratio to the bare handler's in the same seconds:
 this machine's speed drifts by 10-30 % from minute to minute, which moves servers run one
 after another apart by more than the 10 % to be told, while servers sharing the same seconds
@@ -48,6 +51,14 @@ SERVERS = {
     "metrics off": [*BATCHSERVE, "--metrics", "off"],
     "bare aiohttp, 100 ms hold": ["benchmarks/bare_server.py", "--hold-ms", "100"],
     "bare, batchserve's answer": ["benchmarks/bare_server.py", "--hold-ms", "100", "--full-answer"],
+    "bare, batched": [
+        "benchmarks/bare_server.py",
+        "--hold-ms",
+        "100",
+        "--full-answer",
+        "--batched",
+        "4",
+    ],
 }
 BARE = "bare aiohttp, 100 ms hold"
 
@@ -124,7 +135,8 @@ def main() -> None:
     print(
         f"on/off = {on_off:.3f} (saturation throughput with metrics = {1 / on_off:.3f} of"
         f" without); batchserve/bare = {ratio['metrics on']:.3f}, of which the answer"
-        f" {answer:.3f} and batching {ratio['metrics on'] / answer:.3f}"
+        f" {answer:.3f} and batching {ratio['metrics on'] / answer:.3f}; batchserve/floor"
+        f" (bare, batched) = {ratio['metrics on'] / ratio['bare, batched']:.3f}"
     )
 
 
