@@ -33,6 +33,7 @@ from .admission import Admission
 from .batcher import Batcher, BatcherStats, length_bucket
 from .clock import Clock, LoopClock, Timer, wait_until
 from .config import Config
+from .deadlines import Deadlines
 from .errors import (
     BatchserveError,
     Conflict,
@@ -135,6 +136,7 @@ class Engine:
         """Set when one of the engine's tasks crashed; `failure` says which and why."""
         self.failure: str | None = None
         self._pending: dict[str, QueuedRequest] = {}
+        self._deadlines = Deadlines(self.clock)
         self._generating: dict[str, Generation] = {}
         self._no_generations = asyncio.Event()
         self._no_generations.set()
@@ -192,7 +194,10 @@ class Engine:
     async def __aexit__(self, *exc_info: object) -> None:
         """Drains (every accepted request is answered), then stops the batcher and the
         devices in reverse order of their start."""
-        await self.drain()
+        try:
+            await self.drain()
+        finally:
+            self._deadlines.close()
         await self._changes.aclose()
         await self._stack.aclose()
 
@@ -401,9 +406,9 @@ class Engine:
         request_id: str | None,
         tenant: Tenant | None,
         arrival: float | None,
-    ) -> tuple[QueuedRequest, Timer]:
-        """Queues the request and arms its deadline; a refusal is recorded under `route`
-        and raised."""
+    ) -> tuple[QueuedRequest, Timer | None]:
+        """Queues the request and arms its deadline (the timer to cancel, if it has one of
+        its own); a refusal is recorded under `route` and raised."""
         arrival = self.clock.time() if arrival is None else arrival
         request_id = request_id or new_request_id()
         try:
@@ -414,7 +419,7 @@ class Engine:
 
     def _queue(
         self, ask: Ask, request_id: str, tenant: Tenant | None, arrival: float
-    ) -> tuple[QueuedRequest, Timer]:
+    ) -> tuple[QueuedRequest, Timer | None]:
         """Checks who calls, their rate, that the engine can take the request, which model
         version runs it and that the input and params are acceptable; then queues it and
         arms its deadline."""
@@ -453,19 +458,20 @@ class Engine:
             request.tenant_weight = tenant.weight
         self._batcher.submit(request)
         self._pending[request_id] = request
-        # One timer that fails the future, rather than asyncio.timeout_at: the hot path then
+        # Its deadline fails the future, rather than asyncio.timeout_at: the hot path then
         # needs no Timeout object and no task-cancel round trip.
-        return request, self.clock.call_at(deadline, request.expire)
+        return request, self._deadlines.add(request)
 
-    def _release(self, request: QueuedRequest, expiry: Timer) -> None:
+    def _release(self, request: QueuedRequest, expiry: Timer | None) -> None:
         """Forgets a request whose waiter is done with it; still queued (a timeout, a
         disconnect), it leaves the queue before any batch is formed."""
-        expiry.cancel()
+        if expiry is not None:
+            expiry.cancel()
         del self._pending[request.request_id]
         self._batcher.discard(request)
 
     def _submitted_done(
-        self, request: QueuedRequest, expiry: Timer, tenant: Tenant | None, ticket: Ticket
+        self, request: QueuedRequest, expiry: Timer | None, tenant: Tenant | None, ticket: Ticket
     ) -> None:
         self._release(request, expiry)
         self.record("requests", ticket.request_id, ticket.arrival, ticket.outcome(), tenant)

@@ -75,7 +75,7 @@ class Key:
         return self._hash
 
 
-@dataclass(slots=True, eq=False)
+@dataclass(slots=True, eq=False, weakref_slot=True)
 class QueuedRequest:
     """One accepted request; its future is resolved exactly once, by whoever gets there first.
 
