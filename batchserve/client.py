@@ -268,6 +268,11 @@ def _generated(body: Mapping[str, Any]) -> Generated:
     return Generated(body["output"], body["tokens"], body["finish_reason"], body["request_id"])
 
 
+def _poll_path(request_id: str, wait_s: float) -> str:
+    path = f"/api/requests/{quote(request_id, safe='')}"
+    return f"{path}?wait_ms={round(wait_s * 1e3)}" if wait_s > 0 else path
+
+
 def _status(body: Mapping[str, Any], request_id: str) -> Status:
     status = body["status"]
     if status == "completed":
@@ -347,9 +352,11 @@ class Client:
                             request_id)  # fmt: skip
         return str(answer["request_id"])
 
-    def poll(self, request_id: str, *, timeout: float | None = None) -> Status:
-        path = f"/api/requests/{quote(request_id, safe='')}"
-        return _status(self._send("GET", path, None, timeout, None), request_id)
+    def poll(self, request_id: str, *, wait: float = 0.0, timeout: float | None = None) -> Status:
+        """The request's status; `wait` (seconds, below the call's timeout) lets the server
+        hold the poll until the request ends, for at most that long."""
+        return _status(self._send("GET", _poll_path(request_id, wait), None, timeout, None),
+                       request_id)  # fmt: skip
 
     def embed(
         self, inputs: list[str], *, model: str | None = None, timeout: float | None = None
@@ -482,9 +489,12 @@ class AsyncClient:
                                   timeout, request_id)  # fmt: skip
         return str(answer["request_id"])
 
-    async def poll(self, request_id: str, *, timeout: float | None = None) -> Status:
-        path = f"/api/requests/{quote(request_id, safe='')}"
-        return _status(await self._send("GET", path, None, timeout, None), request_id)
+    async def poll(
+        self, request_id: str, *, wait: float = 0.0, timeout: float | None = None
+    ) -> Status:
+        """As `Client.poll`."""
+        answer = await self._send("GET", _poll_path(request_id, wait), None, timeout, None)
+        return _status(answer, request_id)
 
     async def embed(
         self, inputs: list[str], *, model: str | None = None, timeout: float | None = None

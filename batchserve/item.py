@@ -9,6 +9,7 @@ from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from .clock import Clock, wait_until
 from .errors import BackendError, BatchserveError, DeadlineExceeded
 
 if TYPE_CHECKING:
@@ -157,6 +158,11 @@ class Ticket:
 
     def add_done_callback(self, callback: Callable[[Ticket], object]) -> None:
         self._request.future.add_done_callback(lambda _: callback(self))
+
+    async def wait(self, clock: Clock, until: float) -> bool:
+        """Waits for the answer until `clock` reaches `until`, never cancelling the request;
+        True if it is answered."""
+        return await wait_until(clock, self._request.future, until)
 
     async def result(self) -> Result:
         """Waits for the answer; cancelling the wait leaves the request running."""

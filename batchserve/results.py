@@ -36,6 +36,14 @@ class ResultStore:
             self._owners.pop(self._finished.popitem(last=False)[0], None)
         return len(self._pending) + len(self._finished) < self._capacity
 
+    def unfinished(self, request_id: str, owner: Tenant | None = None) -> Ticket | None:
+        """The request's ticket while it runs, for a poll that waits on it; None once it has
+        finished, and for an unknown id or another tenant's."""
+        ticket = self._pending.get(request_id)
+        if ticket is None or self._owners[request_id] != owner:
+            return None
+        return ticket
+
     def add(self, ticket: Ticket, owner: Tenant | None = None) -> None:
         self._pending[ticket.request_id] = ticket
         self._owners[ticket.request_id] = owner

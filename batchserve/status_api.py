@@ -2,8 +2,10 @@
 
 `POST /api/requests` takes the same body as /api/inference, hands it to `engine.submit` and
 answers 202 at once; `GET /api/requests/{id}` says queued, running, completed (with the
-answer) or failed (with the error), until the result expires. The request runs exactly like
-a synchronous one: the engine's queue, deadline, batching and fault handling.
+answer) or failed (with the error), until the result expires; with `?wait_ms=N` it first
+waits up to N ms for an unfinished request to end (a long poll: one request instead of a
+poll every few ms). The request runs exactly like a synchronous one: the engine's queue,
+deadline, batching and fault handling.
 
 With `--result-store` redis or sqlite, each record is also written there (`shared_records.py`)
 so that a poll reaching another replica, or this one after a restart, finds it; requests a
@@ -14,14 +16,16 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 from collections.abc import AsyncIterator
 from typing import Any
 from urllib.parse import quote
 
 from aiohttp import web
 
+from .clock import sleep_until
 from .engine import Engine
-from .errors import BatchserveError, DuplicateRequestId, NotFound, Overloaded
+from .errors import BatchserveError, DuplicateRequestId, InvalidInput, NotFound, Overloaded
 from .http_io import (
     MAX_REQUEST_ID,
     answer_body,
@@ -39,6 +43,12 @@ from .tasks import TaskSet
 from .tenants import Tenant
 
 log = logging.getLogger(__name__)
+
+MAX_WAIT_MS = 60_000.0
+"""The longest a poll may wait for its request to end (`?wait_ms=`)."""
+SHARED_POLL_S = 0.05
+"""How often a waiting poll reads the shared store for a request another replica runs."""
+UNFINISHED = frozenset({"queued", "running"})
 
 
 class StatusApi:
@@ -121,17 +131,43 @@ class StatusApi:
             return error_response(NotFound("no such request"), request_id_of(request)[0])
         try:
             tenant = self._engine.authenticate(request.headers.get("Authorization"))
+            wait_s = _wait_s(request.query.get("wait_ms"))
         except BatchserveError as refused:
             return error_response(refused, request_id)
+        answer = await self._state(request_id, tenant)
+        if answer is not None and answer["status"] in UNFINISHED and wait_s:
+            answer = await self._wait(request_id, tenant, answer, wait_s)
+        if answer is None:
+            missing = NotFound(f"no request {request_id}: never submitted, or its result expired")
+            return error_response(missing, request_id)
+        return json_response(200, answer)
+
+    async def _state(self, request_id: str, tenant: Tenant | None) -> dict[str, Any] | None:
+        """What a poll says now: from this replica's store, else from the shared one."""
         answer = self.store.get(request_id, self._engine.clock.time(), tenant)
         if answer is None and self._shared is not None:
             record = await self._shared.get(request_id)
             if record is not None and record.owner == _owner(tenant):
                 answer = record.body
-        if answer is None:
-            missing = NotFound(f"no request {request_id}: never submitted, or its result expired")
-            return error_response(missing, request_id)
-        return json_response(200, answer)
+        return answer
+
+    async def _wait(
+        self, request_id: str, tenant: Tenant | None, answer: dict[str, Any], wait_s: float
+    ) -> dict[str, Any] | None:
+        """What a poll says once the request ends, or after `wait_s`: a request this replica
+        runs is awaited; one that another replica runs (a shared store) is read again every
+        SHARED_POLL_S, since no replica hears of another's answers."""
+        clock = self._engine.clock
+        until = clock.time() + wait_s
+        ticket = self.store.unfinished(request_id, tenant)
+        if ticket is not None:
+            await ticket.wait(clock, until)
+            return await self._state(request_id, tenant)
+        now: dict[str, Any] | None = answer
+        while now is not None and now["status"] in UNFINISHED and clock.time() < until:
+            await sleep_until(clock, min(until, clock.time() + SHARED_POLL_S))
+            now = await self._state(request_id, tenant)
+        return now
 
     def _finished(self, tenant: Tenant | None, ticket: Ticket) -> None:
         answer = self._answer(ticket)
@@ -180,6 +216,19 @@ class StatusApi:
 
     def _write_failed(self, task_name: str, error: BaseException) -> None:
         log.error("%s was not written to the result store: %s", task_name, error)
+
+
+def _wait_s(wait_ms: str | None) -> float:
+    """The poll's `wait_ms` in seconds; 0 when it has none."""
+    if wait_ms is None:
+        return 0.0
+    try:
+        waited = float(wait_ms)
+    except ValueError:
+        waited = math.nan
+    if not 0 <= waited <= MAX_WAIT_MS:  # NaN fails too
+        raise InvalidInput(f"wait_ms must be a number of ms from 0 to {MAX_WAIT_MS:.0f}")
+    return waited / 1e3
 
 
 def _owner(tenant: Tenant | None) -> str | None:

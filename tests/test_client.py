@@ -94,9 +94,9 @@ async def test_the_blocking_client_covers_every_endpoint(tmp_path) -> None:
                     "HELLO", "mine-1", "words",
                 )  # fmt: skip
                 request_id = client.submit("later", model="words")
-                status = client.poll(request_id)
-                while status.status in {"queued", "running"}:
-                    status = client.poll(request_id)
+                status = client.poll(request_id, wait=10)
+                while status.status in {"queued", "running"}:  # only if 10 s were not enough
+                    status = client.poll(request_id, wait=10)
                 assert status.result is not None
                 assert status.result.output == "LATER"
                 assert client.embed(["a banana", "cat"], model="tiny") == [
@@ -121,6 +121,12 @@ async def test_the_async_client_serves_a_sidecar_over_a_unix_socket(tmp_path) ->
         async with AsyncClient(uds=path) as client:
             answers = await asyncio.gather(*(client.infer(f"in-{n}") for n in range(20)))
             assert [a.output for a in answers] == [f"in-{n}"[::-1] for n in range(20)]
+            request_id = await client.submit("later")
+            status = await client.poll(request_id, wait=10)
+            while status.status in {"queued", "running"}:  # only if 10 s were not enough
+                status = await client.poll(request_id, wait=10)
+            assert status.result is not None
+            assert status.result.output == "retal"
         server.process.terminate()
         assert await server.process.wait() == 0
     assert not await asyncio.to_thread(os.path.exists, path)

@@ -39,14 +39,17 @@ def bearer(key: str) -> dict[str, str]:
 async def poll_until_done(
     session: aiohttp.ClientSession, url: str, request_id: str, key: str | None = None
 ) -> dict[str, object]:
+    """Long polls: each is held by the replica it reaches until the request ends (awaited
+    there, or read again from the shared store) or 10 s pass."""
     headers = bearer(key) if key else {}
-    for _ in range(100_000):
-        async with session.get(f"{url}/api/requests/{request_id}", headers=headers) as answer:
+    for _ in range(30):
+        async with session.get(
+            f"{url}/api/requests/{request_id}?wait_ms=10000", headers=headers
+        ) as answer:
             assert answer.status == 200, await answer.text()
             body = await answer.json()
         if body["status"] in {"completed", "failed"}:
             return dict(body)
-        await asyncio.sleep(0.005)
     raise AssertionError(f"{request_id} never finished")
 
 

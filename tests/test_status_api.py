@@ -8,22 +8,24 @@ from aiohttp.test_utils import TestClient
 
 from batchserve.backends import POISON_MARKER, simulated_factory
 from batchserve.clock import FakeClock
+from batchserve.status_api import MAX_WAIT_MS
 
-from .conftest import reach
+from .conftest import HANG_GUARD_S, reach
 
 
-async def poll(client: TestClient, request_id: str) -> dict[str, object]:
-    response = await client.get(f"/api/requests/{request_id}")
+async def poll(client: TestClient, request_id: str, wait_ms: float = 0) -> dict[str, object]:
+    query = f"?wait_ms={wait_ms}" if wait_ms else ""
+    response = await client.get(f"/api/requests/{request_id}{query}")
     assert response.status == 200
     return dict(await response.json())
 
 
 async def poll_until_done(client: TestClient, request_id: str) -> dict[str, object]:
-    for _ in range(10_000):
-        answer = await poll(client, request_id)
+    """Long polls, each held by the server until the request ends (or a minute passes)."""
+    for _ in range(10):
+        answer = await poll(client, request_id, wait_ms=MAX_WAIT_MS)
         if answer["status"] in {"completed", "failed"}:
             return answer
-        await asyncio.sleep(0)
     raise AssertionError(f"{request_id} never finished")
 
 
@@ -51,6 +53,58 @@ async def test_a_request_goes_queued_running_completed(start_server, gated):
     assert {"latency_ms", "queue_ms", "compute_ms", "batch_size"} <= done.keys()
     assert (await poll_until_done(client, first))["output"] == "tsrif"
     assert engine.stats().pending == 0
+
+
+async def test_a_waiting_poll_answers_as_soon_as_its_request_ends(start_server, gated):
+    clock = FakeClock()
+    client, engine = await start_server(gated, clock=clock)
+    request_id = await submit(client, "held")
+    await reach(engine, lambda s: s.in_flight == 1)
+    waiting = asyncio.ensure_future(poll(client, request_id, wait_ms=1000))
+    await until_a_timer_at(clock, clock.time() + 1.0)  # the poll waits
+    assert not waiting.done()
+    gated.gate.set()  # no clock time passes: the answer ends the wait
+    async with asyncio.timeout(HANG_GUARD_S):
+        done = await waiting
+    assert (done["status"], done["output"]) == ("completed", "dleh")
+
+
+async def test_a_waiting_poll_answers_the_status_once_wait_ms_has_passed(start_server, gated):
+    clock = FakeClock()
+    client, engine = await start_server(gated, clock=clock)
+    request_id = await submit(client, "held")
+    await reach(engine, lambda s: s.in_flight == 1)
+    start = clock.time()
+    waiting = asyncio.ensure_future(poll(client, request_id, wait_ms=250))
+    await until_a_timer_at(clock, start + 0.250)
+    clock.advance(0.249)
+    await asyncio.sleep(0)
+    assert not waiting.done()
+    clock.advance(0.001)
+    assert (await waiting)["status"] == "running"
+    gated.gate.set()
+    assert (await poll_until_done(client, request_id))["output"] == "dleh"
+
+
+async def test_wait_ms_must_be_a_number_of_ms_up_to_the_limit(start_server, gated):
+    gated.gate.set()
+    client, _ = await start_server(gated)
+    request_id = await submit(client, "x")
+    for wait_ms in ("soon", "-1", "nan", "inf", str(MAX_WAIT_MS + 1)):
+        refused = await client.get(f"/api/requests/{request_id}?wait_ms={wait_ms}")
+        assert (refused.status, (await refused.json())["error"]) == (400, "INVALID_INPUT")
+    unknown = await client.get(f"/api/requests/nobody?wait_ms={MAX_WAIT_MS}")
+    assert unknown.status == 404  # at once: nothing to wait for
+
+
+async def until_a_timer_at(clock: FakeClock, when: float) -> None:
+    """Lets the loop run until the first timer is the one armed for `when` (the poll's
+    wait, before the request's deadline)."""
+    for _ in range(10_000):
+        if clock.next_timer() == when:
+            return
+        await asyncio.sleep(0)
+    raise AssertionError(f"no timer was armed for {when}")
 
 
 async def test_a_failing_request_reports_its_error(start_server, gated):
