@@ -169,9 +169,10 @@ class GenerationModel:
         self._resumed.appendleft(gen)
         self.wake()
 
-    def hand_back(self, gens: list[Generation], device: str, budget_s: float, now: float) -> None:
-        """Sequences of a step that hung on `device`: back to the head of the line, tokens
-        and all, while another device can go on with them; failed (500) otherwise."""
+    def hand_back(self, gens: list[Generation], call: str, budget_s: float, now: float) -> None:
+        """Sequences of a device whose `call` ("the step on sim:0") hung: back to the head of
+        the line, tokens and all, while another device can go on with them; failed (500)
+        otherwise."""
         if any(not loop.hung for loop in self.loops):
             for gen in reversed(gens):
                 if not gen.done and not gen.cancelled:
@@ -179,7 +180,7 @@ class GenerationModel:
                     self.put_back(gen)
             return
         error = BackendError(
-            f"the step on {device} ran past its budget of {budget_s * 1e3:.0f} ms and no"
+            f"{call} ran past its budget of {budget_s * 1e3:.0f} ms and no"
             " other device can go on with the sequence"
         )
         for gen in gens:

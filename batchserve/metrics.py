@@ -458,7 +458,8 @@ class _GenerationCollector(Collector):
             (
                 "hung_steps",
                 "batchserve_hung_steps",
-                "Steps that ran past their budget (their sequences went on elsewhere).",
+                "Device calls (steps, releases) that ran past their budget (their sequences"
+                " went on elsewhere).",
                 counter,
             ),
         ]

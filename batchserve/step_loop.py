@@ -24,7 +24,8 @@ A step that runs past its budget (`--batch-timeout-ms`, or 5x the longest step s
 1 s) hangs its device: its sequences go back to the head of the line with their tokens, for
 another device to recompute and go on with (500 where no other device can), and the device
 takes nothing new until the step returns; what it returns then is dropped, and the sequences
-it held are released on it.
+it held are released on it. A release (of ended or preempted sequences) runs under the same
+watchdog: one that hangs hands the running sequences on in the same way.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from .clock import Clock
 from .config import GenerateMode
@@ -40,12 +41,14 @@ from .device_thread import DeviceThread
 from .errors import BackendError
 from .faults import BatchBudget
 from .generation import Generation, GenState
-from .generators import Generator, GeneratorFactory, Seq, check_step
+from .generators import Generator, GeneratorFactory, check_step
 
 if TYPE_CHECKING:
     from .generation_models import GenerationModel
 
 log = logging.getLogger(__name__)
+Arg = TypeVar("Arg")
+Ret = TypeVar("Ret")
 
 PASS_LIMIT = 64
 """Sequences that may be admitted past one waiting for room, before the line waits for it."""
@@ -54,7 +57,8 @@ PASS_DEPTH = 16
 
 
 class _Hung(Exception):
-    """The step ran past its budget; its sequences were already handed back."""
+    """The call (a step or a release) ran past its budget; its sequences were already
+    handed back."""
 
 
 class StepLoop:
@@ -173,8 +177,9 @@ class StepLoop:
         """One step over `gens`; on a failure, the halves again, down to the culprits."""
         generator = self._generator
         assert generator is not None
+        started = self._clock.time()
         try:
-            answer = await self._watched(generator.step, [gen.seq for gen in gens])
+            answer = await self._watched(generator.step, [gen.seq for gen in gens], "step")
             tokens = check_step(answer, len(gens))
         except _Hung:
             return []
@@ -200,49 +205,53 @@ class StepLoop:
                 return made
             return made + await self._step(gens[half:])
         self._model.steps += 1
+        self._longest_step_s = max(self._longest_step_s or 0.0, self._clock.time() - started)
         return list(zip(gens, tokens, strict=True))
 
-    async def _watched(
-        self, step: Callable[[list[Seq]], list[str | None]], seqs: list[Seq]
-    ) -> list[str | None]:
-        """`step(seqs)` on the device's thread, under a watchdog: past its budget the
-        running sequences are handed back at once, and this waits for the late step."""
-        started = self._clock.time()
+    async def _watched(self, call: Callable[[Arg], Ret], arg: Arg, what: str) -> Ret:
+        """`call(arg)` (a step, or a release) on the device's thread, under a watchdog: past
+        its budget the running sequences are handed back at once, and this waits for the
+        late call."""
         budget_s = self._budget.seconds(self._longest_step_s)
-        call = self._thread.submit(step, seqs)
-        watchdog = self._clock.call_at(started + budget_s, self._hang, budget_s)
+        done = self._thread.submit(call, arg)
+        watchdog = self._clock.call_at(self._clock.time() + budget_s, self._hang, budget_s, what)
         try:
-            returned = await call
+            returned = await done
         except Exception:
             if not self.hung:
                 raise
         finally:
             watchdog.cancel()
         if self.hung:  # it returned at last: what it made is dropped
-            log.warning("%s: the hung step returned; its results were discarded", self.device)
+            log.warning("%s: the hung %s returned; its results were discarded", self.device, what)
             self.hung = False
             raise _Hung
-        self._longest_step_s = max(self._longest_step_s or 0.0, self._clock.time() - started)
         return returned
 
-    def _hang(self, budget_s: float) -> None:
+    def _hang(self, budget_s: float, what: str) -> None:
         """The watchdog: the device is hung; its sequences go on elsewhere, or fail."""
         self.hung = True
         self._model.hung_steps += 1
         log.error(
-            "%s: a step ran past its budget of %.0f ms; the device takes no new sequences"
+            "%s: a %s ran past its budget of %.0f ms; the device takes no new sequences"
             " until it returns",
             self.device,
+            what,
             budget_s * 1e3,
         )
         handed_back, self.running = self.running, []
         self._to_release += [gen.request_id for gen in handed_back]  # once it is back
-        self._model.hand_back(handed_back, self.device, budget_s, self._clock.time())
+        now = self._clock.time()
+        self._model.hand_back(handed_back, f"the {what} on {self.device}", budget_s, now)
 
     async def _release(self, seq_ids: list[str]) -> None:
+        """Frees ended or preempted sequences' state on the device, under the same watchdog
+        as a step: a release that hangs must not hold the running sequences with it."""
         generator = self._generator
         assert generator is not None
         try:
-            await self._thread.submit(generator.release, seq_ids)
+            await self._watched(generator.release, seq_ids, "release")
+        except _Hung:
+            return  # the running sequences went on elsewhere meanwhile
         except Exception as exc:
             log.error("%s: release failed (%s: %s)", self.device, type(exc).__name__, exc)

@@ -81,6 +81,9 @@ class RecordingGenerator:
         self.gate.set()
         self.entered = threading.Event()
         """Set once a step has begun (and may be waiting at the gate)."""
+        self.release_gate = threading.Event()
+        self.release_gate.set()
+        self.release_entered = threading.Event()
 
     def count_tokens(self, text: str) -> int:
         return len(text)
@@ -95,6 +98,8 @@ class RecordingGenerator:
         return self._inner.step(seqs)
 
     def release(self, seq_ids: list[str]) -> None:
+        self.release_entered.set()
+        assert self.release_gate.wait(HANG_GUARD_S), "the test never let the release go"
         self.released.extend(seq_ids)
         self._inner.release(seq_ids)
         self.release_seen.set()
@@ -106,6 +111,7 @@ def recorders() -> Iterator[list[RecordingGenerator]]:
     yield made
     for recorder in made:
         recorder.gate.set()
+        recorder.release_gate.set()
         recorder.hang.release.set()
 
 
@@ -366,6 +372,22 @@ async def test_a_hung_step_with_no_other_device_fails_its_sequences_then_recover
         later = asyncio.ensure_future(generate(engine, "later"))
         hang.release.set()
         assert (await later)[0] == "retal"  # the device takes work again once it returned
+
+
+async def test_a_hung_release_does_not_hold_the_running_sequences_with_it(recorders):
+    engine, clock = watched_engine(recorders, OneHang(), "sim:1")
+    async with engine:
+        (recorder,) = recorders
+        recorder.release_gate.clear()
+        running = asyncio.ensure_future(generate(engine, "k" * 300))
+        assert (await generate(engine, "ab"))[0] == "ba"  # its release then hangs
+        assert await asyncio.to_thread(recorder.release_entered.wait, HANG_GUARD_S)
+        clock.advance(1.5)  # past the release's budget: no other device, so it fails
+        async with asyncio.timeout(HANG_GUARD_S):
+            with pytest.raises(BackendError, match="the release on sim:0 ran past its budget"):
+                await running
+        recorder.release_gate.set()
+        assert (await generate(engine, "later"))[0] == "retal"  # back once it returned
 
 
 async def test_requests_for_the_wrong_kind_of_model_say_where_to_go():
