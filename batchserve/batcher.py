@@ -134,8 +134,10 @@ class Batcher:
         """Arrivals a second by tier rank: what higher tiers will claim of the capacity."""
         self.batch_sizes: Counter[int] = Counter()
         """How many batches of each size were sent, retries included."""
-        self.batch_fill: Counter[tuple[ModelVersion, str]] = Counter()
-        """Per version, batches sent ("batches") and requests in them ("requests")."""
+        self.batch_fill: Counter[tuple[str, str, str]] = Counter()
+        """Per (model, version, kind): batches sent ("batches") and requests in them
+        ("requests"). Keyed by names, not the version object, so a removed version is not
+        kept, and one added again under its name counts on in the same series."""
 
     def __repr__(self) -> str:
         s = self.stats()
@@ -591,8 +593,9 @@ class Batcher:
         if batch:
             self._batches += 1
             self.batch_sizes[len(batch)] += 1
-            self.batch_fill[key.version, "batches"] += 1
-            self.batch_fill[key.version, "requests"] += len(batch)
+            model, version = key.version.name, key.version.version
+            self.batch_fill[model, version, "batches"] += 1
+            self.batch_fill[model, version, "requests"] += len(batch)
             self._pool.dispatch(batch, self._batches, key)
         self._changed()
 

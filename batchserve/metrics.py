@@ -281,7 +281,7 @@ class _StateCollector(Collector):
                     "queued": self._batcher.queued_for(version),
                     "arrival_rps": version.arrivals.at(now),
                     "device_seconds_per_s": version.device_time.at(now),
-                    "batches": self._batcher.batch_fill[version, "batches"],
+                    "batches": self._batcher.batch_fill[version.name, version.version, "batches"],
                 }
                 for version in self._registry
             ],
@@ -335,10 +335,8 @@ class _StateCollector(Collector):
             " lengths). Never labelled with params.",
             labels=["model", "version", "kind"],
         )
-        for (version, kind), count in sorted(
-            self._batcher.batch_fill.items(), key=lambda item: (item[0][0].spec.label, item[0][1])
-        ):
-            fill.add_metric([version.name, version.version, kind], count)
+        for labels, count in sorted(self._batcher.batch_fill.items()):
+            fill.add_metric(list(labels), count)
         yield fill
         faults = CounterMetricFamily(
             "batchserve_faults", "Device and batch faults, by kind.", labels=["kind"]

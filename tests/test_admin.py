@@ -123,3 +123,27 @@ async def test_delete_finishes_what_is_queued_then_unloads(served):
     gone = await client.delete(ROUTE, headers=AUTH)
     assert (gone.status, (await gone.json())["error"]) == (404, "MODEL_NOT_FOUND")
     assert (await client.put(ROUTE, json=A2, headers=AUTH)).status == 202  # it can come back
+
+
+async def test_a_version_removed_and_added_again_counts_on_in_one_series(served):
+    # Its batch counts are kept by name, not by the removed version's object: the scrape
+    # has one series for it (a second with the same labels would make Prometheus refuse
+    # the scrape), and the old object is not held.
+    client, engine = served
+    for _ in range(2):
+        assert (await client.put(ROUTE, json=A2, headers=AUTH)).status == 202
+        await engine.settled()
+        answer = await client.post(
+            "/api/inference", json={"input": "x", "model": "a", "version": "2"}
+        )
+        assert (await answer.json())["output"] == "a@2||x"
+        assert (await client.delete(ROUTE, headers=AUTH)).status == 202
+        await engine.settled()
+    scrape = await (await client.get("/metrics")).text()
+    series = [
+        line for line in scrape.splitlines() if line.startswith("batchserve_batch_fill_total")
+    ]
+    assert (
+        series.count('batchserve_batch_fill_total{kind="requests",model="a",version="2"} 2.0') == 1
+    )
+    assert len(series) == len(set(line.rsplit(" ", 1)[0] for line in series))
