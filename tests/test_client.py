@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import random
 import stat
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
-import aiohttp
 import httpx
 import pytest
 
@@ -25,7 +25,7 @@ from batchserve.client import (
     _Attempts,
 )
 
-from .conftest import HANG_GUARD_S, real_server
+from .conftest import HANG_GUARD_S, RealServer, real_server
 
 MODELS = (
     '[[model]]\nname = "tiny"\nversion = "1"\n'
@@ -132,83 +132,102 @@ async def test_the_async_client_serves_a_sidecar_over_a_unix_socket(tmp_path) ->
     assert not await asyncio.to_thread(os.path.exists, path)
 
 
-@contextlib.contextmanager
-def device_gate(folder: Path) -> Iterator[Callable[[int], None]]:
-    """The test's ends of `fifo_gated`'s FIFOs; the callable lets the next n calls finish.
+class DeviceGate:
+    """The test's ends of `fifo_gated`'s FIFOs: when a call has entered the device, and
+    letting the next n calls finish.
 
-    Opened read-write, so neither side ever waits for the other to open: the device's
-    'entered' lines go unread into the pipe, and a call waits only for its byte.
+    Opened read-write, so neither side ever waits for the other to open: a call waits only
+    for its byte.
     """
-    ends = []
-    for name in ("entered", "release"):
-        os.mkfifo(folder / name)
-        ends.append(os.open(folder / name, os.O_RDWR))
 
-    def release(calls: int) -> None:
-        os.write(ends[1], b"g" * calls)
+    def __init__(self, folder: Path) -> None:
+        self._ends = []
+        for name in ("entered", "release"):
+            os.mkfifo(folder / name)
+            self._ends.append(os.open(folder / name, os.O_RDWR))
 
-    try:
-        yield release
-    finally:
-        for end in ends:
+    async def entered(self) -> None:
+        """Returns once a call has entered the device (read from its line, not polled)."""
+        line = b""
+        while not line.endswith(b"\n"):
+            line += await asyncio.to_thread(os.read, self._ends[0], 1)
+
+    def release(self, calls: int) -> None:
+        os.write(self._ends[1], b"g" * calls)
+
+    def close(self) -> None:
+        for end in self._ends:
             os.close(end)
 
 
-async def metrics_show(url: str, *wanted: str) -> None:
-    """Polls /metrics until every wanted line is there; used only for states that last."""
-    async with aiohttp.ClientSession() as session:
-        while True:
-            async with session.get(f"{url}/metrics") as answer:
-                text = await answer.text()
-            if all(line in text for line in wanted):
-                return
-            await asyncio.sleep(0.01)
+async def answered(server: RealServer, request_id: str, status: int) -> None:
+    """Reads the server's access log (stdout) until it has answered `request_id` with
+    `status`: the server says so itself, so nothing is polled."""
+    assert server.process.stdout is not None
+    while True:
+        line = json.loads(await server.process.stdout.readline())
+        if (line["request_id"], line["status"]) == (request_id, status):
+            return
 
 
-async def queued_behind_one(client: AsyncClient, url: str) -> list[asyncio.Task[Inference]]:
-    """Two requests sent: one held in the gated device's only batch, one filling the queue
-    of one. Both stay there until the test releases the device."""
-    held = [asyncio.create_task(client.infer(f"held-{n}")) for n in range(2)]
-    await metrics_show(url, "batchserve_queue_depth 1.0", "batchserve_in_flight_requests 1.0")
-    return held
+async def queued_behind_one(
+    client: AsyncClient, gate: DeviceGate
+) -> tuple[asyncio.Task[Inference], str]:
+    """Two requests: one held in the gated device's only batch, then one submitted into the
+    queue of one (its 202 says it is queued). Both stay there until the device is released;
+    the second's id is returned, for polling."""
+    held = asyncio.create_task(client.infer("held-0"))
+    await gate.entered()
+    return held, await client.submit("held-1")
+
+
+async def both_answered(client: AsyncClient, held: asyncio.Task[Inference], queued: str) -> None:
+    assert (await held).output == "0-dleh"
+    status = await client.poll(queued, wait=10)
+    while status.status in {"queued", "running"}:  # only if 10 s were not enough
+        status = await client.poll(queued, wait=10)
+    assert status.result is not None
+    assert status.result.output == "1-dleh"
 
 
 OVERLOADABLE = ("--devices", "sim:1", "--max-batch-size", "1", "--max-queue", "1",
-                "--fn-per-device", "tests.sample_models:fifo_gated")  # fmt: skip
-OVERLOADED = 'code="503",error="OVERLOADED"'
+                "--fn-per-device", "tests.sample_models:fifo_gated",
+                "--access-log", "on")  # fmt: skip
 
 
 @contextlib.asynccontextmanager
-async def overloadable(
-    tmp_path: Path,
-) -> AsyncIterator[tuple[str, AsyncClient, Callable[[int], None]]]:
-    """A real server whose one device is gated, a client, and the gate's release."""
-    with device_gate(tmp_path) as release:
+async def overloadable(tmp_path: Path) -> AsyncIterator[tuple[RealServer, AsyncClient, DeviceGate]]:
+    """A real server whose one device is gated (its access log on stdout), a client, and
+    the gate."""
+    gate = DeviceGate(tmp_path)
+    try:
         async with (
             asyncio.timeout(HANG_GUARD_S),
             real_server(*OVERLOADABLE, env={"BATCHSERVE_TEST_FIFOS": str(tmp_path)}) as server,
             AsyncClient(server.url) as client,
         ):
-            yield server.url, client, release
+            yield server, client, gate
+    finally:
+        gate.close()
 
 
 async def test_a_503_is_retried_after_its_retry_after_under_the_same_request_id(tmp_path) -> None:
-    async with overloadable(tmp_path) as (url, client, release):
-        held = await queued_behind_one(client, url)
+    async with overloadable(tmp_path) as (server, client, gate):
+        held, queued = await queued_behind_one(client, gate)
         third = asyncio.create_task(client.infer("third", request_id="retried"))
-        await metrics_show(url, OVERLOADED)
-        release(3)
+        await answered(server, "retried", 503)
+        gate.release(3)
         answer = await third
         assert (answer.output, answer.request_id) == ("driht", "retried")
-        assert [a.output for a in await asyncio.gather(*held)] == ["0-dleh", "1-dleh"]
+        await both_answered(client, held, queued)
 
 
 async def test_a_deadline_that_runs_out_while_retrying_raises_deadline_exceeded(tmp_path) -> None:
-    async with overloadable(tmp_path) as (url, client, release):
-        held = await queued_behind_one(client, url)
+    async with overloadable(tmp_path) as (_, client, gate):
+        held, queued = await queued_behind_one(client, gate)
         with pytest.raises(DeadlineExceeded) as raised:
             await client.infer("third", timeout=0.5)
         assert isinstance(raised.value.last_error, Unavailable)
         assert raised.value.last_error.code == "OVERLOADED"
-        release(2)
-        assert [a.output for a in await asyncio.gather(*held)] == ["0-dleh", "1-dleh"]
+        gate.release(2)
+        await both_answered(client, held, queued)
