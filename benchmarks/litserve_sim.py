@@ -5,8 +5,9 @@ size (1 to `--max-batch-size` inputs) and answers each input reversed; D workers
 (`--workers`, LitServe's `workers_per_device` on one cpu "device") each run one batch at a
 time. LitServe's own defaults otherwise (one API server process per worker, FastAPI on
 uvicorn), with its access log off as batchserve's is at WARNING. Prints one line on stdout
-once /health answers, which is what `servers.start_server` waits for; LitServe's own
-output goes to stderr.
+once /health answers, which is what `servers.start_server` waits for (and refuses to start
+if the port is already taken, so that a server left from an earlier run cannot answer that
+/health in its place); LitServe's own output goes to stderr.
 
     taskset -c 0 python benchmarks/litserve_sim.py --port 8765 --workers 4
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import sys
 import threading
 import time
@@ -41,6 +43,18 @@ class SimulatedModel(ls.LitAPI):  # type: ignore[misc]
 
     def encode_response(self, output: tuple[str, int]) -> dict[str, object]:
         return {"output": output[0], "batch_size": output[1]}
+
+
+def port_is_free(port: int) -> bool:
+    """Whether no server listens on `port`. Bound as servers bind (SO_REUSEADDR), so that a
+    port left in TIME_WAIT by an earlier run counts as free."""
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def announce_when_healthy(port: int, stdout: int) -> None:
@@ -71,6 +85,8 @@ def main() -> None:
         help="LitServe's num_api_servers (default: its own, one per worker)",
     )
     args = parser.parse_args()
+    if not port_is_free(args.port):
+        parser.error(f"port {args.port} is taken (a server left from an earlier run?)")
     # stdout carries only the start-up line; LitServe logs to stdout, so it gets stderr.
     start_line = os.dup(1)
     os.dup2(2, 1)
