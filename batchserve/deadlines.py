@@ -4,10 +4,11 @@ A timer a request cost about 2.7 us on uvloop (arming it, cancelling it once ans
 closing its handle), more than the rest of admission. Requests mostly arrive in deadline
 order, the server's timeout after each arrival, so they wait in a deque in that order
 behind a single timer; a request whose deadline falls before the last one added (a shorter
-timeout of its own, a tier's) gets a timer of its own instead. Entries are weak references,
-so an answered request is freed at once; answered ones leave the front at each add, and
-the whole deque is swept of them whenever it has doubled since the last sweep, so it holds
-little more than the requests still waiting whatever the timeout.
+timeout of its own, a tier's) gets a timer of its own instead. Entries are weak references
+and nothing else (each object a request keeps while it waits costs: benchmarks/README.md,
+section 4), so an answered request is freed at once; answered ones leave the front at each
+add, and the whole deque is swept of them whenever it has doubled since the last sweep, so
+it holds little more than the requests still waiting whatever the timeout.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from .item import QueuedRequest
 MIN_SWEEP = 1024
 """The deque's length below which it is never swept (the front is dropped at each add)."""
 
-_Entry = tuple[float, "weakref.ref[QueuedRequest]"]
+_Entry = weakref.ref[QueuedRequest]
 
 
 class Deadlines:
@@ -53,7 +54,7 @@ class Deadlines:
         self._last_deadline = deadline
         in_order = self._in_order
         _drop_answered(in_order)
-        in_order.append((deadline, weakref.ref(request)))
+        in_order.append(weakref.ref(request))
         if len(in_order) >= self._sweep_at:
             self._sweep()
         if self._timer is None:
@@ -68,7 +69,10 @@ class Deadlines:
         self._in_order.clear()
 
     def _arm(self) -> None:
-        self._armed_for = self._in_order[0][0]
+        """For the first request, which is still waiting (`_drop_answered` has run)."""
+        first = self._in_order[0]()
+        assert first is not None
+        self._armed_for = first.deadline
         self._timer = self._clock.call_at(self._armed_for, self._fire)
 
     def _fire(self) -> None:
@@ -77,11 +81,13 @@ class Deadlines:
         # earlier, as a timer of its own would have fired for it.
         due = max(self._clock.time(), self._armed_for)
         in_order = self._in_order
-        while in_order and in_order[0][0] <= due:
-            request = in_order.popleft()[1]()
-            if request is not None:
+        while in_order:
+            request = in_order[0]()
+            if request is not None and not request.future.done():
+                if request.deadline > due:
+                    break
                 request.expire()
-        _drop_answered(in_order)
+            in_order.popleft()
         if in_order:
             self._arm()
 
@@ -91,7 +97,7 @@ class Deadlines:
 
 
 def _waiting(entry: _Entry) -> bool:
-    request = entry[1]()
+    request = entry()
     return request is not None and not request.future.done()
 
 
