@@ -224,11 +224,11 @@ class Engine:
         tenant's tier deadline). `arrival` is when the caller received the request
         (default: now); `route` names the door it came through, in metrics and logs.
         """
-        # The Ask is not kept while the request waits: each object a request keeps for its
-        # wait costs the loop (benchmarks/README.md, section 4).
-        ask = Ask(text, model, version, params, timeout_ms)
-        request, expiry = self._admit(route, ask, request_id, tenant, arrival)
-        del ask
+        # The Ask is not bound, so not kept while the request waits: each object a request
+        # keeps for its wait costs the loop (benchmarks/README.md, section 4).
+        request, expiry = self._admit(
+            route, Ask(text, model, version, params, timeout_ms), request_id, tenant, arrival
+        )
         try:
             result = await request.future
         except BatchserveError as error:
