@@ -399,19 +399,23 @@ async def warm(engine: Engine, clock: FakeClock, stepped: SteppedDevice) -> None
 
 
 async def pair_then_fresh(
-    engine: Engine, clock: FakeClock, stepped: SteppedDevice
+    engine: Engine,
+    clock: FakeClock,
+    stepped: SteppedDevice,
+    pair: tuple[str, str] = ("s0", f"p{POISON_MARKER}"),
+    fresh: tuple[str, str] = ("f0", f"g{POISON_MARKER}"),
 ) -> list[Result | BaseException]:
     """[s0, p] fails while [f0, g] (g poison too) waits; then everything runs to the end."""
     held = engine.submit("held")
     await reach(engine, lambda s: s.in_flight == 1)
-    first = [engine.submit(t) for t in ["s0", f"p{POISON_MARKER}"]]
+    first = [engine.submit(t) for t in pair]
     await reach(engine, lambda s: s.queued == 2)
     stepped.permits.release()  # "held" answers; [s0, p] starts
     await reach(engine, lambda s: s.in_flight == 2)
-    fresh = [engine.submit(t) for t in ["f0", f"g{POISON_MARKER}"]]
+    then = [engine.submit(t) for t in fresh]
     await reach(engine, lambda s: s.queued == 2)
     stepped.permits.release(100)
-    return await to_the_end(engine, clock, [held, *first, *fresh])
+    return await to_the_end(engine, clock, [held, *first, *then])
 
 
 FAILING = [f"a{n}" + (POISON_MARKER if n == 1 else "") for n in range(20)]
@@ -469,6 +473,25 @@ async def test_rescue_does_not_ride_while_many_fresh_batches_fail(gated):
     assert not any("f0" in inputs and "s0" in inputs for inputs in stepped.calls)
     assert engine.recoveries["rides"] == 0
     assert [isinstance(r, Result) for r in results] == [True, True, False, True, False]
+
+
+async def test_rides_stop_while_most_of_them_sink_and_are_tried_again_later(gated):
+    """A ride saves its group a call and a sunk one costs its fresh requests one: while
+    most rides sink (rescue groups carry the poison that failed their batch), groups run on
+    their own; once the sunk rides are a while back, a group rides again."""
+    stepped = SteppedDevice()
+    clock = FakeClock()
+    async with Engine(Config(), fn_per_device=stepped, devices="sim:1", clock=clock) as engine:
+        for _ in range(8):
+            await warm(engine, clock, stepped)  # enough fresh batches that few fail
+        await pair_then_fresh(engine, clock, stepped)
+        assert ["f0", f"g{POISON_MARKER}", "s0"] in stepped.calls  # s0 rode, and sank
+        await pair_then_fresh(engine, clock, stepped, ("s1", f"q{POISON_MARKER}"), ("f1", "f2"))
+        assert not any("s1" in inputs and "f1" in inputs for inputs in stepped.calls)
+        clock.advance(2.0)  # the sunk ride decays in the record, below RIDE_PROBE_RATE
+        await pair_then_fresh(engine, clock, stepped, ("s2", f"r{POISON_MARKER}"), ("f3", "f4"))
+        assert ["f3", "f4", "s2"] in stepped.calls  # s2 rode again
+    assert engine.recoveries["rides"] == 2
 
 
 async def test_a_rescue_group_rides_in_a_fresh_batchs_room_and_sinks_only_it(gated):
