@@ -56,9 +56,9 @@ RIDE_MAX_FAILING = 0.25
 poison in batches of 90 fails 9 %, 1 % fails 60 %): under a flood of poison a ride would
 sink more fresh requests than it answers."""
 RIDE_MAX_SUNK = 0.5
-"""...and while at most this share of rides sinks its batch: a ride saves its group a call,
-a sunk one costs the fresh requests a call again (measured: 18-21 % sink at 0.1 % poison,
-53-55 % at 1 %)."""
+"""Rescue rides only while at most this share of rides sinks its batch too: a ride saves
+its group a call, a sunk one costs its fresh requests a call again (measured: 18-21 % sink
+at 0.1 % poison, 53-55 % at 1 %, since a group carries the poison that failed its batch)."""
 RIDE_PROBE_RATE = 0.25
 """Sunk rides a second (decayed) under which rides are tried again after they stopped."""
 
@@ -330,13 +330,14 @@ class Batcher:
 
     def _rides_pay(self, key: Key, now: float) -> bool:
         """Whether rescue groups of `key` may ride in fresh batches: a flat-cost model's
-        call costs the same however full, while few fresh batches fail on their own."""
+        call costs the same however full, while few fresh batches fail on their own and
+        few rides sink theirs."""
         if key.version.spec.cost != "flat":
             return False
+        few_fail = self._first_tries_failed.at(now) <= RIDE_MAX_FAILING * self._first_tries.at(now)
         sunk = self._rides_sunk.at(now)
-        return self._first_tries_failed.at(now) <= RIDE_MAX_FAILING * self._first_tries.at(
-            now
-        ) and (sunk <= RIDE_MAX_SUNK * self._rides_sent.at(now) or sunk < RIDE_PROBE_RATE)
+        few_sink = sunk <= RIDE_MAX_SUNK * self._rides_sent.at(now) or sunk < RIDE_PROBE_RATE
+        return few_fail and few_sink
 
     def _in_spare_time(self, key: Key, groups: list[list[QueuedRequest]]) -> list[bool]:
         """For each of `groups`, in turn, whether spare device time should reach it before
