@@ -163,11 +163,11 @@ class StatusApi:
         if ticket is not None:
             await ticket.wait(clock, until)
             return await self._state(request_id, tenant)
-        now: dict[str, Any] | None = answer
-        while now is not None and now["status"] in UNFINISHED and clock.time() < until:
+        state: dict[str, Any] | None = answer
+        while state is not None and state["status"] in UNFINISHED and clock.time() < until:
             await sleep_until(clock, min(until, clock.time() + SHARED_POLL_S))
-            now = await self._state(request_id, tenant)
-        return now
+            state = await self._state(request_id, tenant)
+        return state
 
     def _finished(self, tenant: Tenant | None, ticket: Ticket) -> None:
         answer = self._answer(ticket)
