@@ -180,6 +180,7 @@ class StepLoop:
         started = self._clock.time()
         try:
             answer = await self._watched(generator.step, [gen.seq for gen in gens], "step")
+            self._longest_step_s = max(self._longest_step_s or 0.0, self._clock.time() - started)
             tokens = check_step(answer, len(gens))
         except _Hung:
             return []
@@ -205,7 +206,6 @@ class StepLoop:
                 return made
             return made + await self._step(gens[half:])
         self._model.steps += 1
-        self._longest_step_s = max(self._longest_step_s or 0.0, self._clock.time() - started)
         return list(zip(gens, tokens, strict=True))
 
     async def _watched(self, call: Callable[[Arg], Ret], arg: Arg, what: str) -> Ret:
