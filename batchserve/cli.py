@@ -352,14 +352,15 @@ async def serve(engine: Engine, settings: Callable[[], tuple[Config, str]] | Non
     A drain first stops taking connections: the listening sockets close and so does every
     keep-alive connection once its request in hand (if any) is answered, so that a load
     balancer in front (nginx) finds this replica gone and sends new requests to another,
-    while every request already accepted here finishes."""
+    while every request already accepted here finishes, and so does one an open connection
+    received as the drain began."""
     config = engine.config
     app = create_app(engine)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5)
     await runner.setup()
     loop = asyncio.get_running_loop()
     try:
-        sites, where = await _listen(runner, config)
+        where = await _listen(runner, config)
         # Everything loaded so far lives for the whole run: keep it out of the collector's
         # scans, and collect young objects less often (each request makes a few).
         gc.freeze()
@@ -392,15 +393,12 @@ async def serve(engine: Engine, settings: Callable[[], tuple[Config, str]] | Non
             log.critical("exiting 1: %s", engine.failure)
             return 1
         log.info("stopping: draining %d accepted requests", engine.stats().pending)
-        for site in sites:
-            await site.stop()
-        assert runner.server is not None
-        runner.server.pre_shutdown()  # each connection closes once its request is answered
-        await engine.drain()
         return 0
     finally:
         for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             loop.remove_signal_handler(signum)
+        # Closes the listeners, then each connection once its request in hand is answered;
+        # drains the engine (server.py's on_shutdown) and stops it.
         await runner.cleanup()
         if config.uds:
             with contextlib.suppress(FileNotFoundError):
@@ -423,15 +421,13 @@ def _reload(engine: Engine, settings: Callable[[], tuple[Config, str]]) -> None:
                     ", ".join(changes.kept))  # fmt: skip
 
 
-async def _listen(runner: web.AppRunner, config: Config) -> tuple[list[web.BaseSite], str]:
-    """The TCP site (unless --tcp off) and the Unix socket's (--uds), started; and where
-    they listen, in words."""
-    sites: list[web.BaseSite] = []
+async def _listen(runner: web.AppRunner, config: Config) -> str:
+    """Starts the TCP site (unless --tcp off) and the Unix socket's (--uds); returns where
+    they listen, in words. The runner owns them and closes them in its cleanup."""
     where: list[str] = []
     if config.tcp:
         tcp = web.TCPSite(runner, config.host, config.port, backlog=4096)
         await _start(tcp, f"{config.host}:{config.port}")
-        sites.append(tcp)
         host, port = runner.addresses[0][:2]
         where.append(f"http://{host}:{port}")
     if config.uds:
@@ -443,9 +439,8 @@ async def _listen(runner: web.AppRunner, config: Config) -> tuple[list[web.BaseS
         finally:
             os.umask(umask)
         os.chmod(config.uds, config.uds_mode)
-        sites.append(unix)
         where.append(f"unix:{config.uds}")
-    return sites, " and ".join(where)
+    return " and ".join(where)
 
 
 async def _start(site: web.BaseSite, where: str) -> None:

@@ -172,6 +172,8 @@ class Engine:
         self._changes = TaskSet(self._crashed)
         """Loads and unloads of model versions asked for while serving."""
         self._drained: asyncio.Task[None] | None = None
+        self._drain_takes_stragglers = False
+        """See drain(refuse_new=False)."""
 
     def __repr__(self) -> str:
         return f"<Engine {self.phase.value} pending={len(self._pending)} {self._pool!r}>"
@@ -329,7 +331,7 @@ class Engine:
         """Checks a generation request as `_queue` checks a batch one, and its tokens: a
         prompt that can never fit a device's budget is refused at once (413)."""
         self._admission.take_token(tenant, arrival, self._batcher.capacity_rps)
-        if self.phase is not Phase.READY:
+        if self.phase is not Phase.READY and not self._takes_stragglers():
             raise NotReady(f"the server is {self.phase.value}")
         try:
             generation_model = self._generators.route(model, version, request_id)
@@ -428,7 +430,7 @@ class Engine:
         arms its deadline."""
         if tenant is not None:
             self._admission.take_token(tenant, arrival, self._batcher.capacity_rps)
-        if self.phase is not Phase.READY:
+        if self.phase is not Phase.READY and not self._takes_stragglers():
             raise NotReady(f"the server is {self.phase.value}")
         try:
             version = self._registry.route(ask.model, ask.version, request_id)
@@ -619,17 +621,27 @@ class Engine:
 
     # Lifecycle
 
-    async def drain(self) -> None:
-        """Stops taking requests and answers every accepted one; safe to call twice.
+    async def drain(self, *, refuse_new: bool = True) -> None:
+        """Turns readiness off, stops taking requests and answers every accepted one; safe
+        to call twice. What has not run `drain_timeout_s` after the drain began is answered
+        503.
 
-        What has not run `drain_timeout_s` after the drain began is answered 503."""
+        `refuse_new=False` is for a server that has already closed its doors (listeners
+        closed, each connection closing after the request in hand): what still arrives was
+        sent before the drain began, at most one request per connection, and is served
+        rather than answered 503 (nginx does not retry a 503)."""
         if self._drained is None:
             # Readiness turns off now, not when the task first runs.
             if self.phase is not Phase.FAILED:
                 self.phase = Phase.DRAINING
+            self._drain_takes_stragglers = not refuse_new
             deadline = self.clock.time() + self.config.drain_timeout_s
             self._drained = asyncio.create_task(self._drain(deadline), name="batchserve-drain")
         await asyncio.shield(self._drained)
+
+    def _takes_stragglers(self) -> bool:
+        """Draining for a server whose doors are closed: see drain(refuse_new=False)."""
+        return self.phase is Phase.DRAINING and self._drain_takes_stragglers
 
     async def _drain(self, deadline: float) -> None:
         idle = asyncio.gather(

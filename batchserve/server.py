@@ -93,7 +93,9 @@ def create_app(engine: Engine) -> web.Application:
             yield
 
     async def drain_on_shutdown(app: web.Application) -> None:
-        await engine.drain()
+        """aiohttp has stopped the sites and told each connection to close after the request
+        in hand when this runs, so what still arrives was sent before: served, not refused."""
+        await engine.drain(refuse_new=False)
 
     app.cleanup_ctx.append(lifespan)
     app.on_shutdown.append(drain_on_shutdown)

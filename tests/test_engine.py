@@ -163,6 +163,25 @@ async def test_a_ticket_goes_queued_running_completed(gated):
         assert (first.status, second.status) == ("completed", "completed")
 
 
+async def test_a_drain_that_does_not_refuse_serves_what_still_arrives(gated):
+    """drain(refuse_new=False), a server's whose doors are already closed: readiness is
+    off, and a request its open connections still bring is run and answered; the drain
+    waits for it."""
+    async with running(gated, FakeClock()) as engine:
+        held = asyncio.ensure_future(engine.infer("held"))
+        await reach(engine, lambda s: s.in_flight == 1)
+        draining = asyncio.ensure_future(engine.drain(refuse_new=False))
+        await asyncio.sleep(0)
+        assert engine.readiness() == (False, "draining")
+        late = asyncio.ensure_future(engine.infer("late"))
+        await reach(engine, lambda s: s.queued == 1)
+        assert not draining.done()
+        gated.gate.set()
+        assert [(await held).output, (await late).output] == ["dleh", "etal"]
+        await draining
+        assert engine.stats().pending == 0
+
+
 async def test_drain_runs_out_in_virtual_time_and_a_blocked_device_thread_is_left_behind(gated):
     """The gate stays closed through teardown: the engine still exits, answering 503, and
     never waits for the wedged thread (the fixture opens the gate after the test)."""

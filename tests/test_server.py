@@ -7,6 +7,7 @@ import io
 import threading
 from collections.abc import AsyncIterator
 
+import orjson
 import pytest
 from aiohttp import ClientResponse
 
@@ -300,6 +301,42 @@ async def test_drain_answers_everything_accepted_and_refuses_new_work(start_serv
     await draining
     assert outputs == ["0a", "1a", "2a"]
     assert engine.stats().pending == 0
+
+
+async def test_a_request_that_arrives_as_the_server_shuts_down_is_served_not_refused(
+    start_server,
+):
+    """A keep-alive connection's request, received in the same loop turn that the shutdown
+    (aiohttp's cleanup: sites closed, each connection closing after its request in hand, then
+    the engine's drain) begins, reaches the engine after the drain began. It was sent
+    before the server closed its doors and a load balancer does not retry a 503: served."""
+    client, engine = await start_server(simulated_factory(0.0, 100))
+    reader, writer = await asyncio.open_connection(client.host, client.port)
+
+    async def post(text: str) -> None:
+        body = b'{"input": "%s"}' % text.encode()
+        writer.write(
+            b"POST /api/inference HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
+
+    async def answer() -> tuple[bytes, bytes]:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = int(head.split(b"Content-Length: ")[1].split(b"\r\n")[0])
+        return head, await reader.readexactly(length)
+
+    await post("first")
+    assert (await answer())[0].startswith(b"HTTP/1.1 200 OK")  # now an idle keep-alive
+    await post("late")
+    closing = asyncio.ensure_future(client.server.close())  # no turn of the loop between
+    head, body = await answer()
+    await closing
+    assert head.startswith(b"HTTP/1.1 200 OK"), body
+    assert orjson.loads(body)["output"] == "etal"
+    assert engine.readiness() == (False, "draining")
+    assert await reader.read() == b"", "the connection closes after its request in hand"
+    writer.close()
+    await writer.wait_closed()
 
 
 async def test_drain_timeout_answers_the_rest_503(start_server, gated):
