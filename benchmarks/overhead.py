@@ -46,12 +46,13 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / TICKS  # utime, stime
 
 
+BARE = "bare aiohttp, 100 ms hold"
 FLOOR = "bare, batched"
 BATCHSERVE = ["-m", "batchserve", "--devices", "sim:4", "--log-level", "WARNING"]
 SERVERS = {
     "metrics on": [*BATCHSERVE, "--metrics", "on"],
     "metrics off": [*BATCHSERVE, "--metrics", "off"],
-    "bare aiohttp, 100 ms hold": ["benchmarks/bare_server.py", "--hold-ms", "100"],
+    BARE: ["benchmarks/bare_server.py", "--hold-ms", "100"],
     "bare, batchserve's answer": ["benchmarks/bare_server.py", "--hold-ms", "100", "--full-answer"],
     FLOOR: [
         "benchmarks/bare_server.py",
@@ -62,7 +63,6 @@ SERVERS = {
         "4",
     ],
 }
-BARE = "bare aiohttp, 100 ms hold"
 
 
 def run(servers: dict[str, list[str]], rate: float, seconds: float, seed: int) -> dict[str, float]:
