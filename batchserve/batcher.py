@@ -200,7 +200,7 @@ class Batcher:
         self._queued += 1
         self._arrival_rate.add(request.arrival, 1)
         request.key.version.arrivals.add(request.arrival, 1)
-        if self._pool.free_count:
+        if not self._wakeup.is_set() and self._pool.free_count:
             self._wakeup.set()
         self._changed()
 

@@ -53,7 +53,11 @@ class Deadlines:
             return self._clock.call_at(deadline, request.expire)
         self._last_deadline = deadline
         in_order = self._in_order
-        _drop_answered(in_order)
+        while in_order:  # answered ones leave the front (inline: this runs at every arrival)
+            first = in_order[0]()
+            if first is not None and not first.future.done():
+                break
+            in_order.popleft()
         in_order.append(weakref.ref(request))
         if len(in_order) >= self._sweep_at:
             self._sweep()
@@ -69,7 +73,8 @@ class Deadlines:
         self._in_order.clear()
 
     def _arm(self) -> None:
-        """For the first request, which is still waiting (`_drop_answered` has run)."""
+        """For the first request, which is still waiting (`add` dropped the answered ones
+        before it)."""
         first = self._in_order[0]()
         assert first is not None
         self._armed_for = first.deadline
@@ -99,8 +104,3 @@ class Deadlines:
 def _waiting(entry: _Entry) -> bool:
     request = entry()
     return request is not None and not request.future.done()
-
-
-def _drop_answered(in_order: deque[_Entry]) -> None:
-    while in_order and not _waiting(in_order[0]):
-        in_order.popleft()
