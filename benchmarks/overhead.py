@@ -21,8 +21,13 @@ drift together (ratios within about 1 % between repeats). `--apart` runs them on
 alternating, at `--rate` each: absolute costs without the shared core, but noisy ratios.
 Medians over repeats.
 
+`--only` runs the bare handler with the servers named, at once: fewer processes share core 0
+(each raises the others' cost, batchserve's most), so `--only on --rate 3000` is the pair at
+the rate the issue "Performance" first measured at.
+
     python benchmarks/overhead.py                       # 6 repeats, all at once, about 2.5 minutes
     python benchmarks/overhead.py --apart --rate 3000   # one at a time, about 4 minutes
+    python benchmarks/overhead.py --only on --rate 3000 # bare and metrics on, about 1 minute
 """
 
 from __future__ import annotations
@@ -63,6 +68,13 @@ SERVERS = {
         "4",
     ],
 }
+SHORT_NAMES = {
+    "on": "metrics on",
+    "off": "metrics off",
+    "answer": "bare, batchserve's answer",
+    "floor": FLOOR,
+}
+"""`--only`'s names for the servers other than the bare handler, which always runs."""
 
 
 def run(servers: dict[str, list[str]], rate: float, seconds: float, seed: int) -> dict[str, float]:
@@ -107,11 +119,23 @@ def main() -> None:
     parser.add_argument(
         "--apart", action="store_true", help="one server at a time, alternating (noisy ratios)"
     )
+    parser.add_argument(
+        "--only", action="append", choices=SHORT_NAMES, metavar="NAME",
+        help="run the bare handler and this server at once (repeat for more; one of"
+        f" {', '.join(SHORT_NAMES)}); default: all, the floor in a run of its own",
+    )  # fmt: skip
     args = parser.parse_args()
     if args.seconds <= 1 or args.repeats < 1:
         parser.error("--seconds must exceed the 1 s warm-up and --repeats be at least 1")
+    if args.only and args.apart:
+        parser.error("--only runs its servers at once; it does not go with --apart")
     rate = args.rate or (3000.0 if args.apart else 800.0)
-    if args.apart:
+    servers = SERVERS
+    if args.only:
+        chosen = [BARE, *(SHORT_NAMES[name] for name in args.only)]
+        servers = {name: SERVERS[name] for name in chosen}
+        groups = [servers]
+    elif args.apart:
         groups = [{name: SERVERS[name]} for name in SERVERS]
     else:
         # The floor runs beside the bare handler alone: a fifth process on core 0 raised
@@ -120,8 +144,8 @@ def main() -> None:
             {name: command for name, command in SERVERS.items() if name != FLOOR},
             {name: SERVERS[name] for name in (BARE, FLOOR)},
         ]
-    costs: dict[str, list[float]] = {name: [] for name in SERVERS}
-    ratios: dict[str, list[float]] = {name: [] for name in SERVERS}
+    costs: dict[str, list[float]] = {name: [] for name in servers}
+    ratios: dict[str, list[float]] = {name: [] for name in servers}
     progress = Progress(args.repeats * len(groups))
     for seed in range(1, args.repeats + 1):
         cycle: dict[str, float] = {}
@@ -141,19 +165,20 @@ def main() -> None:
     how = "apart, alternating" if args.apart else "all at once"
     print(f"{how}, {rate:g} rps each, {args.repeats} repeats; median us/request and median of"
           " the repeats' ratios to the bare handler:")  # fmt: skip
-    for name in SERVERS:
+    for name in servers:
         each = "" if name == BARE else f" ({', '.join(f'{r:.3f}' for r in ratios[name])})"
         print(f"  {name}: {median[name]:.1f} us, {ratio[name]:.3f} x bare{each}")
-    on_off = statistics.median(
-        on / off for on, off in zip(costs["metrics on"], costs["metrics off"], strict=True)
-    )
-    answer = ratio["bare, batchserve's answer"]
-    print(
-        f"on/off = {on_off:.3f} (saturation throughput with metrics = {1 / on_off:.3f} of"
-        f" without); batchserve/bare = {ratio['metrics on']:.3f}, of which the answer"
-        f" {answer:.3f} and batching {ratio['metrics on'] / answer:.3f}; batchserve/floor"
-        f" (bare, batched) = {ratio['metrics on'] / ratio[FLOOR]:.3f}"
-    )
+    if servers is SERVERS:
+        on_off = statistics.median(
+            on / off for on, off in zip(costs["metrics on"], costs["metrics off"], strict=True)
+        )
+        answer = ratio["bare, batchserve's answer"]
+        print(
+            f"on/off = {on_off:.3f} (saturation throughput with metrics = {1 / on_off:.3f} of"
+            f" without); batchserve/bare = {ratio['metrics on']:.3f}, of which the answer"
+            f" {answer:.3f} and batching {ratio['metrics on'] / answer:.3f}; batchserve/floor"
+            f" (bare, batched) = {ratio['metrics on'] / ratio[FLOOR]:.3f}"
+        )
 
 
 if __name__ == "__main__":
