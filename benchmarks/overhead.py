@@ -168,7 +168,7 @@ def main() -> None:
     for name in servers:
         each = "" if name == BARE else f" ({', '.join(f'{r:.3f}' for r in ratios[name])})"
         print(f"  {name}: {median[name]:.1f} us, {ratio[name]:.3f} x bare{each}")
-    if servers is SERVERS:
+    if not args.only:  # the summary needs every server
         on_off = statistics.median(
             on / off for on, off in zip(costs["metrics on"], costs["metrics off"], strict=True)
         )
