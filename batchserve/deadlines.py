@@ -53,10 +53,7 @@ class Deadlines:
             return self._clock.call_at(deadline, request.expire)
         self._last_deadline = deadline
         in_order = self._in_order
-        while in_order:  # answered ones leave the front (inline: this runs at every arrival)
-            first = in_order[0]()
-            if first is not None and not first.future.done():
-                break
+        while in_order and not _waiting(in_order[0]):  # answered ones leave the front
             in_order.popleft()
         in_order.append(weakref.ref(request))
         if len(in_order) >= self._sweep_at:
