@@ -52,13 +52,15 @@ def cpu_seconds(pid: int) -> float:
 
 
 BARE = "bare aiohttp, 100 ms hold"
+ON, OFF = "metrics on", "metrics off"
+ANSWER = "bare, batchserve's answer"
 FLOOR = "bare, batched"
 BATCHSERVE = ["-m", "batchserve", "--devices", "sim:4", "--log-level", "WARNING"]
 SERVERS = {
-    "metrics on": [*BATCHSERVE, "--metrics", "on"],
-    "metrics off": [*BATCHSERVE, "--metrics", "off"],
+    ON: [*BATCHSERVE, "--metrics", "on"],
+    OFF: [*BATCHSERVE, "--metrics", "off"],
     BARE: ["benchmarks/bare_server.py", "--hold-ms", "100"],
-    "bare, batchserve's answer": ["benchmarks/bare_server.py", "--hold-ms", "100", "--full-answer"],
+    ANSWER: ["benchmarks/bare_server.py", "--hold-ms", "100", "--full-answer"],
     FLOOR: [
         "benchmarks/bare_server.py",
         "--hold-ms",
@@ -68,12 +70,7 @@ SERVERS = {
         "4",
     ],
 }
-SHORT_NAMES = {
-    "on": "metrics on",
-    "off": "metrics off",
-    "answer": "bare, batchserve's answer",
-    "floor": FLOOR,
-}
+SHORT_NAMES = {"on": ON, "off": OFF, "answer": ANSWER, "floor": FLOOR}
 """`--only`'s names for the servers other than the bare handler, which always runs."""
 
 
@@ -169,15 +166,13 @@ def main() -> None:
         each = "" if name == BARE else f" ({', '.join(f'{r:.3f}' for r in ratios[name])})"
         print(f"  {name}: {median[name]:.1f} us, {ratio[name]:.3f} x bare{each}")
     if not args.only:  # the summary needs every server
-        on_off = statistics.median(
-            on / off for on, off in zip(costs["metrics on"], costs["metrics off"], strict=True)
-        )
-        answer = ratio["bare, batchserve's answer"]
+        on_off = statistics.median(on / off for on, off in zip(costs[ON], costs[OFF], strict=True))
+        answer = ratio[ANSWER]
         print(
             f"on/off = {on_off:.3f} (saturation throughput with metrics = {1 / on_off:.3f} of"
-            f" without); batchserve/bare = {ratio['metrics on']:.3f}, of which the answer"
-            f" {answer:.3f} and batching {ratio['metrics on'] / answer:.3f}; batchserve/floor"
-            f" (bare, batched) = {ratio['metrics on'] / ratio[FLOOR]:.3f}"
+            f" without); batchserve/bare = {ratio[ON]:.3f}, of which the answer"
+            f" {answer:.3f} and batching {ratio[ON] / answer:.3f}; batchserve/floor"
+            f" (bare, batched) = {ratio[ON] / ratio[FLOOR]:.3f}"
         )
 
 
