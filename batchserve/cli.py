@@ -21,7 +21,7 @@ from .config import BACKEND_BATCH_LIMIT, GENERATE_MODES, POLICIES, Config
 from .engine import Engine
 from .errors import StartupError
 from .live_config import read_config_file
-from .server import create_app
+from .server import AppRunner, create_app
 
 log = logging.getLogger("batchserve")
 
@@ -356,7 +356,7 @@ async def serve(engine: Engine, settings: Callable[[], tuple[Config, str]] | Non
     received as the drain began."""
     config = engine.config
     app = create_app(engine)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5)
+    runner = AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5)
     await runner.setup()
     loop = asyncio.get_running_loop()
     try:

@@ -44,6 +44,9 @@ class Body(NamedTuple):
 
 
 AskedFor = TypeVar("AskedFor")
+AnyRequest = TypeVar("AnyRequest", bound=web.BaseRequest)
+"""A door's request: `web.Request` from aiohttp's routing, `web.BaseRequest` from the
+runner's inference door (server.py), which skips routing."""
 
 
 class Call(NamedTuple, Generic[AskedFor]):
@@ -55,11 +58,11 @@ class Call(NamedTuple, Generic[AskedFor]):
 
 
 async def read_call(
-    request: web.Request,
+    request: AnyRequest,
     engine: Engine,
     route: str,
     arrival: float,
-    parse_body: Callable[[dict[str, Any], web.Request], AskedFor],
+    parse_body: Callable[[dict[str, Any], AnyRequest], AskedFor],
     *,
     openai_shape: bool = False,
 ) -> Call[AskedFor] | web.Response:
@@ -79,7 +82,7 @@ async def read_call(
     return Call(request_id, tenant, body)
 
 
-def request_id_of(request: web.Request) -> tuple[str, InvalidInput | None]:
+def request_id_of(request: web.BaseRequest) -> tuple[str, InvalidInput | None]:
     """The client's X-Request-Id, or a fresh one; an unusable id is replaced, never echoed."""
     given = request.headers.get("X-Request-Id")
     if not given:
@@ -92,7 +95,7 @@ def request_id_of(request: web.Request) -> tuple[str, InvalidInput | None]:
     return given, None
 
 
-async def read_json(request: web.Request, limit: int) -> dict[str, Any]:
+async def read_json(request: web.BaseRequest, limit: int) -> dict[str, Any]:
     """The body as a JSON object, within `limit` bytes."""
     length = request.content_length  # parsed from the header at each read
     if length is not None and length > limit:
@@ -110,7 +113,7 @@ async def read_json(request: web.Request, limit: int) -> dict[str, Any]:
     return payload
 
 
-def parse_input(payload: dict[str, Any], request: web.Request) -> Body:
+def parse_input(payload: dict[str, Any], request: web.BaseRequest) -> Body:
     """The body's input text, its model, version and params, and the request's own timeout
     in ms (None: the server's).
 
@@ -159,7 +162,7 @@ def _json_problem(exc: orjson.JSONDecodeError) -> str:
     return f"the body is not valid UTF-8 JSON: {exc}"
 
 
-def timeout_ms_of(in_body: object, request: web.Request) -> float | None:
+def timeout_ms_of(in_body: object, request: web.BaseRequest) -> float | None:
     """The request's own timeout: the body's, else the header's, else None."""
     requested: object = in_body
     if requested is None and TIMEOUT_HEADER in request.headers:

@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import pytest
 from aiohttp import ClientResponse
-from aiohttp.test_utils import TestClient
+from aiohttp.test_utils import TestClient, TestServer
 
 from batchserve.backends import POISON_MARKER, simulate
 from batchserve.clock import Clock
@@ -24,7 +24,7 @@ from batchserve.engine import Engine, EngineStats
 from batchserve.item import Key
 from batchserve.policy import Policy
 from batchserve.registry import ModelVersion, build_version
-from batchserve.server import create_app
+from batchserve.server import AppRunner, create_app
 from batchserve.specs import BatchFn, default_spec
 
 Factory = Callable[[str], BatchFn]
@@ -113,6 +113,13 @@ def gated() -> Iterator[GatedBackend]:
     backend.unstick.set()
 
 
+class BatchserveTestServer(TestServer):
+    """Serves the app with server.py's `AppRunner`, as `python -m batchserve` does."""
+
+    async def _make_runner(self, **kwargs: object) -> AppRunner:
+        return AppRunner(self.app, **kwargs)
+
+
 @pytest.fixture
 def start_server(
     aiohttp_client: Callable[..., object],
@@ -131,7 +138,7 @@ def start_server(
             config, fn_per_device=factory, devices=f"sim:{devices}", clock=clock, policy=policy
         )
         client = await aiohttp_client(  # type: ignore[operator]
-            create_app(engine), server_kwargs={"handler_cancellation": True}
+            BatchserveTestServer(create_app(engine))
         )
         return client, engine
 

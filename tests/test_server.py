@@ -3,19 +3,23 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import io
 import threading
 from collections.abc import AsyncIterator
 
 import orjson
 import pytest
-from aiohttp import ClientResponse
+from aiohttp import ClientResponse, web
+from aiohttp.typedefs import Handler
 
 from batchserve.backends import simulate, simulated_factory
 from batchserve.clock import FakeClock
+from batchserve.config import Config
 from batchserve.engine import Engine
+from batchserve.server import create_app
 
-from .conftest import GatedBackend, hold_one_and_queue_one, reach
+from .conftest import BatchserveTestServer, GatedBackend, hold_one_and_queue_one, reach
 
 
 async def finish_and_check_never_ran(
@@ -411,3 +415,42 @@ async def test_the_dashboard_s_vendored_files_are_served(start_server):
     client, _ = await start_server(simulated_factory(0.0, 100))
     for name in ("uPlot.iife.min.js", "uPlot.min.css"):
         assert (await client.get(f"/static/vendor/{name}")).status == 200
+
+
+async def test_the_runner_answers_inference_ahead_of_routing_and_routes_the_rest(aiohttp_client):
+    """server.py's `AppRunner` hands `POST /api/inference` to the inference door itself; a
+    middleware (which only aiohttp's routing runs) sees every other request, and the same
+    request with a query or `Expect: 100-continue`, all answered as before. Under aiohttp's
+    own runner the middleware sees the plain request too."""
+    routed: list[str] = []
+
+    @web.middleware
+    async def note_routed(request: web.Request, handler: Handler) -> web.StreamResponse:
+        routed.append(f"{request.method} {request.path_qs}")
+        return await handler(request)
+
+    def app() -> web.Application:
+        app = create_app(Engine(Config(sim_latency_ms=0)))
+        app.middlewares.append(note_routed)
+        return app
+
+    client = await aiohttp_client(BatchserveTestServer(app()))
+    post = functools.partial(client.post, json={"input": "abc"})
+    for response in [
+        await post("/api/inference"),
+        await post("/api/inference?trace=1"),
+        await post("/api/inference", expect100=True),
+    ]:
+        assert (response.status, (await response.json())["output"]) == (200, "cba")
+    assert (await client.get("/healthz")).status == 200
+    assert (await client.get("/api/inference")).status == 405
+    assert routed == [
+        "POST /api/inference?trace=1",
+        "POST /api/inference",
+        "GET /healthz",
+        "GET /api/inference",
+    ]
+    routed.clear()
+    plain = await aiohttp_client(app())
+    assert (await plain.post("/api/inference", json={"input": "abc"})).status == 200
+    assert routed == ["POST /api/inference"]
