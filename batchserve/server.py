@@ -144,9 +144,9 @@ class AppRunner(web.AppRunner):
     to the inference door itself, before aiohttp's routing: the resolve, match info and
     signals a request pass through there cost about 4 % of the server's CPU a request
     (benchmarks/README.md, section 4), and nearly every request takes that route. Any other
-    request, and one that asks `Expect: 100-continue` (which the routing answers), goes
-    through the app's routing as before. The door skips middlewares and
-    `on_response_prepare`, so the app has none."""
+    request, and that one with a query string or asking `Expect: 100-continue` (which the
+    routing answers), goes through the app's routing as before. The door skips middlewares
+    and `on_response_prepare`, so the app has none."""
 
     async def _make_server(self) -> web.Server:
         server = await super()._make_server()
