@@ -45,8 +45,9 @@ class Body(NamedTuple):
 
 AskedFor = TypeVar("AskedFor")
 AnyRequest = TypeVar("AnyRequest", bound=web.BaseRequest)
-"""A door's request: `web.Request` from aiohttp's routing, `web.BaseRequest` from the
-runner's inference door (server.py), which skips routing."""
+"""A door's request: a `web.Request` as aiohttp's routing hands it, or typed as the
+`web.BaseRequest` a server hands its handler, as server.py's `AppRunner` hands the
+inference door."""
 
 
 class Call(NamedTuple, Generic[AskedFor]):

@@ -35,6 +35,8 @@ from .openai_completions import OpenAICompletionsApi
 from .status_api import StatusApi
 
 ENGINE_KEY: web.AppKey[Engine] = web.AppKey("batchserve_engine")
+INFERENCE_KEY: web.AppKey[InferenceApi] = web.AppKey("batchserve_inference")
+"""The app's inference door, which `AppRunner`'s server calls without routing."""
 INFERENCE_PATH = "/api/inference"
 MAX_PATH_SHOWN = 200
 """An unknown path is echoed in the error message up to this many characters."""
@@ -133,10 +135,6 @@ def create_app(engine: Engine) -> web.Application:
     # plain text); a route on the hot path pays nothing for it, unlike a middleware.
     app.router.add_route("*", "/{path:.*}", _no_route)
     return app
-
-
-INFERENCE_KEY = web.AppKey("batchserve_inference", InferenceApi)
-"""The app's inference door, which `AppRunner`'s server calls without routing."""
 
 
 class AppRunner(web.AppRunner):
