@@ -184,14 +184,16 @@ def timeout_ms_of(in_body: object, request: web.BaseRequest) -> float | None:
 
 
 def answer_body(request_id: str, result: Result, latency_s: float) -> dict[str, Any]:
+    # Milliseconds to 3 decimals as round(s * 1e3, 3) gives them, at half its cost: a whole
+    # number of microseconds over 1e3 is the nearest float to that decimal.
     return {
         "output": result.output,
         "model": result.model,
         "version": result.version,
         "request_id": request_id,
-        "latency_ms": round(latency_s * 1e3, 3),
-        "queue_ms": round(result.queue_s * 1e3, 3),
-        "compute_ms": round(result.compute_s * 1e3, 3),
+        "latency_ms": round(latency_s * 1e6) / 1e3,
+        "queue_ms": round(result.queue_s * 1e6) / 1e3,
+        "compute_ms": round(result.compute_s * 1e6) / 1e3,
         "batch_size": result.batch_size,
     }
 
