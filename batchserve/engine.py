@@ -27,7 +27,7 @@ import sys
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import asdict, dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 from .admission import Admission
 from .batcher import Batcher, BatcherStats, length_bucket
@@ -51,7 +51,7 @@ from .generation import Generation
 from .generation_models import GenerationModel, Generators, build_generation_model
 from .generators import Seq
 from .gpu_pool import GpuPool
-from .item import Key, QueuedRequest, Result, Ticket, new_request_id
+from .item import Ask, Key, QueuedRequest, Result, Ticket, new_request_id
 from .live_config import LiveChanges, live_changes, model_changes
 from .metrics import Metrics
 from .policy import Policy, make_policy
@@ -70,16 +70,6 @@ class Phase(enum.Enum):
     DRAINING = "draining"
     FAILED = "failed"
     """One of the engine's tasks crashed: nothing more is served."""
-
-
-class Ask(NamedTuple):
-    """What a request asks for, as its caller gave it."""
-
-    text: str
-    model: str | None
-    version: str | None
-    params: Mapping[str, Any] | None
-    timeout_ms: float | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,18 +218,18 @@ class Engine:
         """
         # The Ask is not bound, so not kept while the request waits: each object a request
         # keeps for its wait costs the loop (benchmarks/README.md, section 4).
-        request, expiry = self._admit(
-            route, Ask(text, model, version, params, timeout_ms), request_id, tenant, arrival
+        request, expiry = self.admit(
+            route, Ask(text, timeout_ms, model, version, params), request_id, tenant, arrival
         )
+        outcome: Result | BatchserveError | None = None
         try:
-            result = await request.future
+            outcome = await request.future
+            return outcome
         except BatchserveError as error:
-            self.record(route, request.request_id, request.arrival, error, tenant)
+            outcome = error
             raise
         finally:
-            self._release(request, expiry)
-        self.record(route, request.request_id, request.arrival, result, tenant)
-        return result
+            self.settle(route, request, expiry, tenant, outcome)
 
     def submit(
         self,
@@ -255,8 +245,8 @@ class Engine:
     ) -> Ticket:
         """Queues one input and returns at once: the ticket tells its status and, awaited,
         gives its result. It runs exactly like `infer` (same queue, deadline, faults)."""
-        ask = Ask(text, model, version, params, timeout_ms)
-        request, expiry = self._admit("requests", ask, request_id, tenant, arrival)
+        ask = Ask(text, timeout_ms, model, version, params)
+        request, expiry = self.admit("requests", ask, request_id, tenant, arrival)
         ticket = Ticket(request)
         ticket.add_done_callback(functools.partial(self._submitted_done, request, expiry, tenant))
         return ticket
@@ -404,7 +394,7 @@ class Engine:
         now = self.clock.time()
         self._recorder.record(route, request_id, tenant, now - arrival, outcome, now)
 
-    def _admit(
+    def admit(
         self,
         route: str,
         ask: Ask,
@@ -413,7 +403,11 @@ class Engine:
         arrival: float | None,
     ) -> tuple[QueuedRequest, Timer | None]:
         """Queues the request and arms its deadline (the timer to cancel, if it has one of
-        its own); a refusal is recorded under `route` and raised."""
+        its own); a refusal is recorded under `route` and raised.
+
+        `infer` in parts, for a door that awaits the request's future itself and then hands
+        its outcome to `settle`: `infer`'s coroutine would be one more object each waiting
+        request keeps (benchmarks/README.md, section 4)."""
         arrival = self.clock.time() if arrival is None else arrival
         request_id = request_id or new_request_id()
         try:
@@ -467,19 +461,29 @@ class Engine:
         # needs no Timeout object and no task-cancel round trip.
         return request, self._deadlines.add(request)
 
-    def _release(self, request: QueuedRequest, expiry: Timer | None) -> None:
-        """Forgets a request whose waiter is done with it; still queued (a timeout, a
-        disconnect), it leaves the queue before any batch is formed."""
+    def settle(
+        self,
+        route: str,
+        request: QueuedRequest,
+        expiry: Timer | None,
+        tenant: Tenant | None,
+        outcome: Result | BatchserveError | None,
+    ) -> None:
+        """Forgets a request of `admit` whose waiter is done with it, and records its
+        outcome: its result, the error it was answered with, or None for a waiter that left
+        with nothing answered. Still queued (a timeout, a disconnect), it leaves the queue
+        before any batch is formed."""
         if expiry is not None:
             expiry.cancel()
         del self._pending[request.request_id]
         self._batcher.discard(request)
+        if outcome is not None:
+            self.record(route, request.request_id, request.arrival, outcome, tenant)
 
     def _submitted_done(
         self, request: QueuedRequest, expiry: Timer | None, tenant: Tenant | None, ticket: Ticket
     ) -> None:
-        self._release(request, expiry)
-        self.record("requests", ticket.request_id, ticket.arrival, ticket.outcome(), tenant)
+        self.settle("requests", request, expiry, tenant, ticket.outcome())
 
     # The pool's listener: it tells what happened to a batch or a device.
 

@@ -22,7 +22,7 @@ from .errors import (
     RateLimited,
     Unauthenticated,
 )
-from .item import Result, new_request_id
+from .item import Ask, Result, new_request_id
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -31,16 +31,6 @@ if TYPE_CHECKING:
 _BODY_FIELDS = frozenset({"input", "timeout_ms", "model", "version", "params"})
 MAX_REQUEST_ID = 128
 TIMEOUT_HEADER = "X-Request-Timeout-Ms"
-
-
-class Body(NamedTuple):
-    """What a request's body asks for; only its shape is checked here."""
-
-    text: str
-    timeout_ms: float | None
-    model: str | None = None
-    version: str | None = None
-    params: dict[str, Any] | None = None
 
 
 AskedFor = TypeVar("AskedFor")
@@ -75,7 +65,8 @@ async def read_call(
     try:
         if problem is not None:
             raise problem
-        tenant = engine.authenticate(request.headers.get("Authorization"))
+        if engine.config.keys_file:  # else it runs open: no key to look for
+            tenant = engine.authenticate(request.headers.get("Authorization"))
         body = parse_body(await read_json(request, engine.config.max_body_bytes), request)
     except BatchserveError as error:
         engine.record(route, request_id, arrival, error, tenant)
@@ -114,7 +105,7 @@ async def read_json(request: web.BaseRequest, limit: int) -> dict[str, Any]:
     return payload
 
 
-def parse_input(payload: dict[str, Any], request: web.BaseRequest) -> Body:
+def parse_input(payload: dict[str, Any], request: web.BaseRequest) -> Ask:
     """The body's input text, its model, version and params, and the request's own timeout
     in ms (None: the server's).
 
@@ -124,14 +115,14 @@ def parse_input(payload: dict[str, Any], request: web.BaseRequest) -> Body:
     """
     text = payload.get("input")
     if len(payload) == 1 and isinstance(text, str) and TIMEOUT_HEADER not in request.headers:
-        return Body(text, None)  # {"input": "..."} alone, the common body: nothing more to read
+        return Ask(text)  # {"input": "..."} alone, the common body: nothing more to read
     refuse_unknown_fields(payload, _BODY_FIELDS)
     if not isinstance(text, str):
         raise InvalidInput('the body needs a string field "input"')
     timeout_ms = timeout_ms_of(payload.get("timeout_ms"), request)
     if len(payload) == 1 or (len(payload) == 2 and "timeout_ms" in payload):
-        return Body(text, timeout_ms)
-    return Body(text, timeout_ms, *model_fields(payload))
+        return Ask(text, timeout_ms)
+    return Ask(text, timeout_ms, *model_fields(payload))
 
 
 def refuse_unknown_fields(payload: dict[str, Any], known: frozenset[str]) -> None:

@@ -22,6 +22,18 @@ _unused_ids: deque[str] = deque()
 os.register_at_fork(after_in_child=_unused_ids.clear)  # a child never reuses its parent's
 
 
+class Ask(NamedTuple):
+    """What one request asks for, as its caller gave it: a door checks its shape
+    (`http_io.parse_input`), the engine the rest as it admits it."""
+
+    text: str
+    timeout_ms: float | None = None
+    """Its own timeout; None: the server's."""
+    model: str | None = None
+    version: str | None = None
+    params: Mapping[str, Any] | None = None
+
+
 def new_request_id() -> str:
     """Unguessable, since an id is what the status API is polled by: 16 bytes from the OS's
     random source, drawn for IDS_PER_DRAW ids at once (a system call per request showed in

@@ -30,6 +30,7 @@ from .http_io import (
     read_call,
     request_id_of,
 )
+from .item import Result
 from .openai_api import OpenAIApi
 from .openai_completions import OpenAICompletionsApi
 from .status_api import StatusApi
@@ -54,23 +55,24 @@ class InferenceApi:
         call = await read_call(request, engine, "inference", arrival, parse_input)
         if isinstance(call, web.Response):
             return call
-        request_id, tenant, (text, timeout_ms, model, version, params) = call
-        # Not kept while the request waits: each object a request keeps for its wait costs
-        # the loop (benchmarks/README.md, section 4).
+        request_id, tenant, ask = call
+        # `engine.infer` in parts (admit, await, settle), and nothing more bound than the
+        # request: each object a request keeps for its wait, `infer`'s coroutine as much as
+        # the parsed call, costs the loop (benchmarks/README.md, section 4).
         del call
         try:
-            result = await engine.infer(
-                text,
-                model=model,
-                version=version,
-                params=params,
-                timeout_ms=timeout_ms,
-                request_id=request_id,
-                tenant=tenant,
-                arrival=arrival,
-            )
+            queued, expiry = engine.admit("inference", ask, request_id, tenant, arrival)
         except BatchserveError as error:
             return error_response(error, request_id)
+        del ask
+        outcome: Result | BatchserveError | None = None
+        try:
+            outcome = result = await queued.future
+        except BatchserveError as error:
+            outcome = error
+            return error_response(error, request_id)
+        finally:
+            engine.settle("inference", queued, expiry, tenant, outcome)
         return answer_response(request_id, result, engine.clock.time() - arrival)
 
     async def models(self, request: web.Request) -> web.Response:
