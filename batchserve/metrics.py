@@ -9,10 +9,13 @@ the batcher and the pool when scraped, so it costs the hot path nothing.
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
+from array import array
+from bisect import bisect_left
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -117,29 +120,34 @@ class Metrics:
             ["model", "version"],
             registry=self.registry,
         )
-        self._answered: dict[tuple[str, str, str, str], tuple[LoopCount, LoopHistogram]] = {}
-        """Per route, tier, model and version, its counter and latency children: bound once,
-        since finding a child costs more than the increment. Every key is the server's own (routes,
-        tiers, registered models), so this stays small."""
+        self._answered: dict[
+            tuple[str, str, str, str], tuple[LoopCount, LoopHistogram, RecentWindow]
+        ] = {}
+        """Per route, tier, model and version, its counter and latency children and its
+        version's window: bound once, since finding them costs more than counting. Every key
+        is the server's own (routes, tiers, registered models), so this stays small."""
+        self._windows: dict[str, RecentWindow] = {}
+        """Each model version's recent answers, by its label (model@version)."""
         self._state = _StateCollector(batcher, pool, registry, clock, slo_s)
         self.registry.register(self._state)
         self._generation_state = _GenerationCollector(generators, clock)
         self.registry.register(self._generation_state)
         self._first_tokens: deque[tuple[float, float, str]] = deque()
         """(time, time to first token, model label) of recent generations, for the page."""
-        self.recent = RecentWindow()
 
     def ok(self, route: str, tier: str, now: float, latency_s: float, result: Result) -> None:
         key = (route, tier, result.model, result.version)
         children = self._answered.get(key)
         if children is None:
+            label = f"{result.model}@{result.version}"
             children = self._answered[key] = (
                 self._requests.child(route, "200", tier, "", result.model, result.version),
                 self._latency.child(result.model, result.version),
+                self._windows.setdefault(label, RecentWindow()),
             )
         children[0].value += 1
         self._latency.observe(children[1], latency_s)
-        self.recent.add(now, latency_s, result)
+        children[2].add(now, latency_s, result)
 
     def batch_ran(self, batch: list[QueuedRequest], started: float, finished: float) -> None:
         """Each request's queue wait and the call's duration, for a batch call that succeeded:
@@ -170,51 +178,64 @@ class Metrics:
         """The dashboard's numbers: the last WINDOW_S of answers and the state right now,
         for all and for each model version. `time` is wall-clock, for the time axis."""
         now = self._clock.time()
-        recent = self.recent.summary(now)
-        answered = recent.pop("by_model")
+        answered = {label: window.columns(now) for label, window in self._windows.items()}
+        everything = [
+            list(itertools.chain.from_iterable(columns[field] for columns in answered.values()))
+            for field in range(ROW)
+        ]
         state = self._state.summary(now)
         for row in state["models"]:
-            row.update(answered.get(row["label"], _window_numbers(())))
+            row.update(_window_numbers(answered.get(row["label"], [()] * ROW)))
         _keep_recent(self._first_tokens, now)
         generation = self._generation_state.summary(now)
         for row in generation:
             ttfts = tuple(t for _, t, label in self._first_tokens if label == row["label"])
             row["ttft_p50_ms"] = _percentile_ms(ttfts, 0.50)
             row["ttft_p99_ms"] = _percentile_ms(ttfts, 0.99)
-        return {"time": time.time(), **recent, **state, "generation": generation}
+        return {
+            "time": time.time(),
+            **_window_numbers(everything),
+            **state,
+            "generation": generation,
+        }
 
 
-Answer = tuple[float, float, float, float, int, str, str]
-"""(time, latency, queue wait, compute, batch size, model, version) of one 200."""
+ROW = 5
+"""The numbers a window keeps of an answer: time, latency, queue wait, compute, batch size."""
 
 
 class RecentWindow:
-    """The answers of the last WINDOW_S, for live percentiles (Prometheus keeps buckets)."""
+    """A model version's answers of the last WINDOW_S, for live percentiles (Prometheus
+    keeps buckets).
+
+    An answer is ROW numbers in a flat array of doubles, not a tuple of objects: a window
+    keeps seconds of answers, and each object kept that long after its answer costs the
+    loop (benchmarks/README.md, section 4). Rows go in two generations of WINDOW_S each;
+    the add that finds the newer one over starts another and drops the older, so a window
+    that nobody reads holds at most two windows' worth."""
 
     def __init__(self) -> None:
-        self._answers: deque[Answer] = deque()
+        self._older: array[float] = array("d")
+        self._newer: array[float] = array("d")
+        self._turn_at = -math.inf
 
     def __len__(self) -> int:
-        return len(self._answers)
+        return (len(self._older) + len(self._newer)) // ROW
 
     def add(self, now: float, latency_s: float, result: Result) -> None:
-        self._answers.append(
-            (now, latency_s, result.queue_s, result.compute_s, result.batch_size,
-             result.model, result.version)
-        )  # fmt: skip
-        if self._answers[0][0] < now - 2 * WINDOW_S:  # a pass per WINDOW_S, not per answer
-            _keep_recent(self._answers, now)
+        if now >= self._turn_at:
+            self._older, self._newer = self._newer, array("d")
+            self._turn_at = now + WINDOW_S
+        self._newer.extend((now, latency_s, result.queue_s, result.compute_s, result.batch_size))
 
-    def summary(self, now: float) -> dict[str, Any]:
-        """The window's numbers for all answers, and under "by_model" for each version's."""
-        _keep_recent(self._answers, now)
-        by_model: dict[str, list[Answer]] = {}
-        for answer in self._answers:
-            by_model.setdefault(f"{answer[5]}@{answer[6]}", []).append(answer)
-        return {
-            **_window_numbers(self._answers),
-            "by_model": {label: _window_numbers(rows) for label, rows in by_model.items()},
-        }
+    def columns(self, now: float) -> list[array[float]]:
+        """The answers of the last WINDOW_S: a column for each of an answer's ROW numbers."""
+        rows = self._older + self._newer
+        first = bisect_left(rows[0::ROW], now - WINDOW_S)  # rows are added in time order
+        return [rows[field::ROW][first:] for field in range(ROW)]
+
+    def summary(self, now: float) -> dict[str, float | None]:
+        return _window_numbers(self.columns(now))
 
 
 def _keep_recent(window: deque[Any], now: float) -> None:
@@ -226,19 +247,20 @@ def _keep_recent(window: deque[Any], now: float) -> None:
         window.popleft()
 
 
-def _window_numbers(answers: Iterable[Answer]) -> dict[str, float | None]:
-    columns = list(zip(*answers, strict=True)) or [()] * 7
+def _window_numbers(columns: Sequence[Sequence[float]]) -> dict[str, float | None]:
+    """A window's numbers from its columns (see ROW)."""
+    _, latencies, queue_waits, computes, batch_sizes = columns
     return {
-        "throughput_rps": len(columns[0]) / WINDOW_S,
-        "p50_ms": _percentile_ms(columns[1], 0.50),
-        "p99_ms": _percentile_ms(columns[1], 0.99),
-        "queue_p50_ms": _percentile_ms(columns[2], 0.50),
-        "compute_p50_ms": _percentile_ms(columns[3], 0.50),
-        "mean_batch": sum(columns[4]) / len(columns[4]) if columns[4] else None,
+        "throughput_rps": len(latencies) / WINDOW_S,
+        "p50_ms": _percentile_ms(latencies, 0.50),
+        "p99_ms": _percentile_ms(latencies, 0.99),
+        "queue_p50_ms": _percentile_ms(queue_waits, 0.50),
+        "compute_p50_ms": _percentile_ms(computes, 0.50),
+        "mean_batch": sum(batch_sizes) / len(batch_sizes) if batch_sizes else None,
     }
 
 
-def _percentile_ms(values: tuple[float, ...] | tuple[()], q: float) -> float | None:
+def _percentile_ms(values: Sequence[float], q: float) -> float | None:
     if not values:
         return None
     ordered = sorted(values)
