@@ -158,6 +158,28 @@ async def test_ten_megabyte_chunked_body_without_length_gets_413(start_server):
     assert (await response.json())["error"] == "INPUT_TOO_LARGE"
 
 
+async def test_a_whole_chunked_body_over_the_limit_gets_413_and_one_within_is_served(
+    start_server,
+):
+    """A body without Content-Length that has all arrived when its handler runs is taken
+    at once; its size is checked as a streamed one's is."""
+    client, _ = await start_server(simulated_factory(0.0, 100), max_input_bytes=10)
+    limit = (10 * 6) + 4096  # Config.max_body_bytes
+    reader, writer = await asyncio.open_connection(client.host, client.port)
+    for size, status in [(limit + 1, b"413"), (limit, b"200")]:
+        body = b'{"input": "x"}'.ljust(size)
+        writer.write(
+            b"POST /api/inference HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+            b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
+        )
+        head = await reader.readuntil(b"\r\n\r\n")
+        assert head.split()[1] == status
+        length = int(head.split(b"Content-Length: ")[1].split(b"\r\n")[0])
+        await reader.readexactly(length)
+    writer.close()
+    await writer.wait_closed()
+
+
 async def test_input_over_the_byte_limit_gets_413(start_server):
     client, _ = await start_server(simulated_factory(0.0, 100), max_input_bytes=10)
     response = await client.post("/api/inference", json={"input": "é" * 6})  # 12 bytes
