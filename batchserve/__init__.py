@@ -8,7 +8,7 @@ Embedded in a Python program, the same engine serves without HTTP:
 
 from .config import Config
 from .engine import Engine
-from .item import Result, Ticket
+from .item import Ask, Result, Ticket
 
-__all__ = ["Config", "Engine", "Result", "Ticket"]
+__all__ = ["Ask", "Config", "Engine", "Result", "Ticket"]
 __version__ = "0.1.0"

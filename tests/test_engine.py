@@ -16,11 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from batchserve import Config, Engine
+from batchserve import Ask, Config, Engine
 from batchserve.backends import simulate
 from batchserve.clock import FakeClock
 from batchserve.errors import DeadlineExceeded, NotReady, RateLimited
 from batchserve.item import IDS_PER_DRAW, new_request_id
+from batchserve.metrics import WINDOW_S
 from batchserve.policy import Decision, QueueView
 from batchserve.tenants import Tenant
 
@@ -64,6 +65,22 @@ async def test_concurrent_calls_are_batched_and_each_gets_its_own_output(gated):
         assert max(result.batch_size for result in results) > 1
         assert engine.stats().pending == 0
     assert set(gated.max_concurrent.values()) == {1}
+
+
+async def test_admit_and_settle_run_a_request_as_infer_does(gated):
+    gated.gate.set()
+    async with running(gated, FakeClock(), timeout_ms=50) as engine:
+        request, expiry = engine.admit("inference", Ask("mine"), "id-1", None, None)
+        assert engine.stats().pending == 1
+        result = await request.future
+        engine.settle("inference", request, expiry, None, result)
+        assert (result.output, engine.stats().pending) == (simulate("mine"), 0)
+        left, expiry = engine.admit("inference", Ask("left"), "id-2", None, None)
+        engine.settle("inference", left, expiry, None, None)  # its waiter left unanswered
+        assert engine.stats().pending == 0
+        assert (await engine.infer("again", request_id="id-2")).output == simulate("again")
+        assert engine.metrics is not None
+        assert engine.metrics.snapshot()["throughput_rps"] == 2 / WINDOW_S  # not "left"
 
 
 async def test_a_deadline_passes_at_its_exact_virtual_time_and_never_reaches_a_device(gated):
