@@ -91,7 +91,7 @@ async def read_json(request: web.BaseRequest, limit: int) -> dict[str, Any]:
     """The body as a JSON object, within `limit` bytes."""
     length = request.content_length  # parsed from the header at each read
     if length is not None and length > limit:
-        raise InputTooLarge(f"the body is over the limit of {limit} bytes")
+        raise _too_large(limit)
     content = request.content
     if content.is_eof():
         # All of it has arrived, as a small body has by the time its handler runs: taken
@@ -99,12 +99,12 @@ async def read_json(request: web.BaseRequest, limit: int) -> dict[str, Any]:
         # a request, benchmarks/README.md, section 4).
         body = content.read_nowait()
         if len(body) > limit:
-            raise InputTooLarge(f"the body is over the limit of {limit} bytes")
+            raise _too_large(limit)
     else:
         try:
             body = await request.read()
         except web.HTTPRequestEntityTooLarge:
-            raise InputTooLarge(f"the body is over the limit of {limit} bytes") from None
+            raise _too_large(limit) from None
     try:
         payload: Any = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
@@ -112,6 +112,10 @@ async def read_json(request: web.BaseRequest, limit: int) -> dict[str, Any]:
     if not isinstance(payload, dict):
         raise InvalidInput('the body must be a JSON object like {"input": "..."}')
     return payload
+
+
+def _too_large(limit: int) -> InputTooLarge:
+    return InputTooLarge(f"the body is over the limit of {limit} bytes")
 
 
 def parse_input(payload: dict[str, Any], request: web.BaseRequest) -> Ask:
