@@ -185,7 +185,7 @@ class Metrics:
         ]
         state = self._state.summary(now)
         for row in state["models"]:
-            row.update(_window_numbers(answered.get(row["label"], [()] * ROW)))
+            row.update(window_numbers(answered.get(row["label"], [()] * ROW)))
         _keep_recent(self._first_tokens, now)
         generation = self._generation_state.summary(now)
         for row in generation:
@@ -194,7 +194,7 @@ class Metrics:
             row["ttft_p99_ms"] = _percentile_ms(ttfts, 0.99)
         return {
             "time": time.time(),
-            **_window_numbers(everything),
+            **window_numbers(everything),
             **state,
             "generation": generation,
         }
@@ -234,9 +234,6 @@ class RecentWindow:
         first = bisect_left(rows[0::ROW], now - WINDOW_S)  # rows are added in time order
         return [rows[field::ROW][first:] for field in range(ROW)]
 
-    def summary(self, now: float) -> dict[str, float | None]:
-        return _window_numbers(self.columns(now))
-
 
 def _keep_recent(window: deque[Any], now: float) -> None:
     """Drops the rows (time first) older than WINDOW_S. Adds drop them too, not only reads: a
@@ -247,8 +244,9 @@ def _keep_recent(window: deque[Any], now: float) -> None:
         window.popleft()
 
 
-def _window_numbers(columns: Sequence[Sequence[float]]) -> dict[str, float | None]:
-    """A window's numbers from its columns (see ROW)."""
+def window_numbers(columns: Sequence[Sequence[float]]) -> dict[str, float | None]:
+    """The dashboard's numbers of a window's columns (`RecentWindow.columns`, or several
+    windows' joined)."""
     _, latencies, queue_waits, computes, batch_sizes = columns
     return {
         "throughput_rps": len(latencies) / WINDOW_S,

@@ -14,7 +14,7 @@ from batchserve.backends import POISON_MARKER, simulated_factory
 from batchserve.clock import FakeClock
 from batchserve.gpu_pool import BUSY_WINDOW_S, Device
 from batchserve.item import Result
-from batchserve.metrics import WINDOW_S, RecentWindow, desired_replicas
+from batchserve.metrics import WINDOW_S, RecentWindow, desired_replicas, window_numbers
 
 from .conftest import hold_one_and_queue_one, reach
 
@@ -137,7 +137,7 @@ def test_recent_window_percentiles_and_throughput():
     window.add(5.0, 9.0, Result("x", 0.0, 0.1, 4, 1, "sim:0"))  # older than the window
     for n in range(100):
         window.add(10.0, (n + 1) / 1000, Result("x", 0.0, 0.1, 4, 1, "sim:0"))
-    summary = window.summary(now=10.5)
+    summary = window_numbers(window.columns(now=10.5))
     assert summary["throughput_rps"] == 50.0
     assert summary["p50_ms"] == pytest.approx(51.0)
     assert summary["p99_ms"] == pytest.approx(100.0)
@@ -151,7 +151,8 @@ def test_recent_window_forgets_old_answers_without_being_read():
     for n in range(1000):
         window.add(n / 8, 0.001, Result("x", 0.0, 0.1, 4, 1, "sim:0"))  # 8 a second
     assert len(window) <= 8 * 2 * WINDOW_S + 1  # at most two windows' worth between reads
-    assert window.summary(now=999 / 8)["throughput_rps"] == (8 * WINDOW_S + 1) / WINDOW_S
+    summary = window_numbers(window.columns(now=999 / 8))
+    assert summary["throughput_rps"] == (8 * WINDOW_S + 1) / WINDOW_S
 
 
 def test_busy_ratio_counts_the_last_window_and_the_running_call():
