@@ -361,13 +361,7 @@ async def serve(engine: Engine, settings: Callable[[], tuple[Config, str]] | Non
     loop = asyncio.get_running_loop()
     try:
         where = await _listen(runner, config)
-        # Everything loaded so far lives for the whole run: keep it out of the collector's
-        # scans, and collect young objects less often (each request makes a few).
-        gc.freeze()
-        gc.set_threshold(10_000, 50, 1000)
-        # A device thread must take the GIL to start and to return each batch call; while the
-        # loop writes a batch's responses, the default 5 ms switch interval idles the device.
-        sys.setswitchinterval(0.001)
+        tune_for_serving()
         models = ",".join(
             f"{model['name']}@{version['version']}"
             for model in engine.models()
@@ -403,6 +397,18 @@ async def serve(engine: Engine, settings: Callable[[], tuple[Config, str]] | Non
         if config.uds:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(config.uds)
+
+
+def tune_for_serving() -> None:
+    """The interpreter's settings for serving, once everything is loaded; for `serve` and
+    for benchmarks that serve as it does."""
+    # Everything loaded so far lives for the whole run: keep it out of the collector's
+    # scans, and collect young objects less often (each request makes a few).
+    gc.freeze()
+    gc.set_threshold(10_000, 50, 1000)
+    # A device thread must take the GIL to start and to return each batch call; while the
+    # loop writes a batch's responses, the default 5 ms switch interval idles the device.
+    sys.setswitchinterval(0.001)
 
 
 def _reload(engine: Engine, settings: Callable[[], tuple[Config, str]]) -> None:

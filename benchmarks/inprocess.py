@@ -9,8 +9,8 @@ overhead.py's numbers and most of its noise. All servers run at once, so that th
 the same seconds of this machine's drifting speed; each repeat gives each one's CPU per
 answer as a ratio to the bare handler's (`bare_server.py --hold-ms 100`). The ratios are
 larger than overhead.py's, since the kernel's share, the same for every server, is left
-out: use this to tell apart two versions of the request path (`--tree`), overhead.py for
-the target.
+out: use this to tell apart two versions of the request path (`--tree`, a checkout that
+has `batchserve.cli.tune_for_serving`, from 2026-11-24 on), overhead.py for the target.
 
     python benchmarks/inprocess.py                          # bare and batchserve, 1 min
     python benchmarks/inprocess.py --tree before=/tmp/base  # and batchserve of another tree
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import importlib.util
 import json
 import statistics
@@ -31,8 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from progress import Progress
+from servers import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 TICK_S = 0.01
 WARM_UP_S = 2.0
 
@@ -115,15 +114,12 @@ async def _runner(kind: str, tree: str) -> Any:
         app.router.add_post("/api/inference", bare.inference)
         return web.AppRunner(app, access_log=None)
     sys.path.insert(0, tree)
-    from batchserve.cli import config_from_args
+    from batchserve.cli import config_from_args, tune_for_serving
     from batchserve.engine import Engine
     from batchserve.server import AppRunner, create_app
 
     config, _ = config_from_args(["--devices", "sim:4", "--metrics", "on"])
-    # As cli.serve tunes the process it serves from.
-    gc.freeze()
-    gc.set_threshold(10_000, 50, 1000)
-    sys.setswitchinterval(0.001)
+    tune_for_serving()
     return AppRunner(create_app(Engine(config)), handler_cancellation=True, access_log=None)
 
 
@@ -194,6 +190,10 @@ def _start(kind: str, tree: str, rate: float, seconds: float) -> subprocess.Pope
     )  # fmt: skip
 
 
+def _text(path: Path) -> str:
+    return path.read_text() if path.is_file() else ""
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rate", type=float, default=3000.0, help="requests/s per server")
@@ -201,8 +201,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=6, help="runs (medians over them)")
     parser.add_argument(
         "--tree", action="append", default=[], metavar="NAME=DIR",
-        help="also batchserve as checked out in DIR (e.g. a git worktree of another commit)"
-        " under NAME; repeat for more",
+        help="also batchserve as checked out in DIR (e.g. a git worktree of another commit,"
+        " one with batchserve.cli.tune_for_serving) under NAME; repeat for more",
     )  # fmt: skip
     parser.add_argument("--child", nargs=2, metavar=("KIND", "TREE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -214,8 +214,12 @@ def main() -> None:
     servers = {"bare": ("bare", ""), "batchserve": ("batchserve", str(ROOT))}
     for named in args.tree:
         name, _, tree = named.partition("=")
-        if not name or not (Path(tree) / "batchserve").is_dir() or name in servers:
-            parser.error(f"--tree {named}: give a new NAME=DIR, DIR a checkout of batchserve")
+        cli = Path(tree) / "batchserve/cli.py"
+        if not name or name in servers or "def tune_for_serving" not in _text(cli):
+            parser.error(
+                f"--tree {named}: give a new NAME=DIR, DIR a checkout of batchserve that has"
+                " cli.tune_for_serving (serve's process settings, which each server here takes)"
+            )
         servers[name] = ("batchserve", tree)
     ratios: dict[str, list[float]] = {name: [] for name in servers}
     costs: dict[str, list[float]] = {name: [] for name in servers}
