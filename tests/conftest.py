@@ -159,6 +159,19 @@ async def reach(engine: Engine, predicate: Callable[[EngineStats], bool]) -> Non
         pytest.fail(f"the engine never reached the state; it is {engine.stats()}")
 
 
+async def recovering(engine: Engine, device: str) -> None:
+    """Waits until the wedged call on `device` has returned (its thread, in real time) and
+    its probe back-off has begun on the engine's clock; bounded by the hang guard, not by a
+    count of loop passes, which a slow machine can run through before the thread returns."""
+    try:
+        async with asyncio.timeout(HANG_GUARD_S):
+            # Polled: the state follows a thread's return, which nothing on the loop announces.
+            while engine.device_states()[device] != "recovering":  # noqa: ASYNC110
+                await asyncio.sleep(0)
+    except TimeoutError:
+        pytest.fail(f"{device} never began recovering: {engine.device_states()}")
+
+
 async def hold_one_and_queue_one(
     client: TestClient, engine: Engine
 ) -> tuple[asyncio.Future[ClientResponse], asyncio.Future[ClientResponse]]:

@@ -25,7 +25,7 @@ from batchserve.metrics import WINDOW_S
 from batchserve.policy import Decision, QueueView
 from batchserve.tenants import Tenant
 
-from .conftest import GatedBackend, reach
+from .conftest import GatedBackend, reach, recovering
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -144,10 +144,7 @@ async def test_a_hung_call_moves_to_the_other_device_and_a_probe_brings_it_back(
         assert (await answer).device == "sim:1"
         assert engine.device_states() == {"sim:0": "hung", "sim:1": "idle"}
         gated.unstick.set()
-        for _ in range(1000):
-            if engine.device_states()["sim:0"] == "recovering":
-                break
-            await asyncio.sleep(0)
+        await recovering(engine, "sim:0")
         clock.advance(0.200)  # one budget of back-off, then the probe
         await reach(engine, lambda s: s.healthy_devices == 2)
         assert engine.faults["late_result_discarded"] == 1

@@ -24,22 +24,12 @@ from batchserve.faults import PROBE_INPUT
 from batchserve.gpu_pool import WARM_UP_INPUT
 from batchserve.item import Result
 
-from .conftest import HANG_GUARD_S, GatedBackend, reach
+from .conftest import HANG_GUARD_S, GatedBackend, reach, recovering
 
 
 async def ask(client: TestClient, text: str) -> tuple[int, dict[str, object]]:
     response = await client.post("/api/inference", json={"input": text})
     return response.status, await response.json()
-
-
-async def recovering(engine: Engine, device: str) -> None:
-    """Waits (bounded, in loop passes) until the wedged call on `device` has returned and
-    its probe back-off has begun on the engine's clock."""
-    for _ in range(10_000):
-        if engine.device_states()[device] == "recovering":
-            return
-        await asyncio.sleep(0)
-    raise AssertionError(f"{device} never began recovering: {engine.device_states()}")
 
 
 async def fill_one_batch(
