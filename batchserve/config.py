@@ -15,6 +15,8 @@ BACKEND_BATCH_LIMIT = 100
 PolicyName = Literal["adaptive", "fixed"]
 GenerateMode = Literal["continuous", "static"]
 GENERATE_MODES: tuple[GenerateMode, ...] = ("continuous", "static")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+"""A real generator's precision; auto: float32 on CPU, bfloat16 on a GPU that has it."""
 POLICIES: tuple[PolicyName, ...] = ("adaptive", "fixed")
 
 
@@ -34,6 +36,13 @@ class Config:
     max_tokens: int = 256
     """What a generation request without max_tokens may generate (at most the cap)."""
     max_tokens_cap: int = 4096
+    model_path: str | None = None
+    """A real generator's local model folder or GGUF file (None: its own default)."""
+    dtype: str = "auto"
+    kv_cache_bytes: int = 256 * 2**20
+    """The KV cache a real generator preallocates on each device: its token budget."""
+    step_tokens: int = 256
+    """Tokens one generation step processes at most: a longer prefill goes in chunks."""
     policy: PolicyName = "adaptive"
     max_batch_size: int = BACKEND_BATCH_LIMIT
     max_linger_ms: float = 50.0
@@ -111,6 +120,9 @@ class Config:
             (self.generate_mode in GENERATE_MODES, "generate_mode must be continuous or static"),
             (min(self.sim_step_ms) >= 0, "sim_step_ms must be two numbers a,b of 0 or more"),
             (self.sim_kv_budget >= 1, "sim_kv_budget must be 1 or more"),
+            (self.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}"),
+            (self.kv_cache_bytes >= 2**20, "kv_cache_bytes must be 1 MiB (1048576) or more"),
+            (self.step_tokens >= 1, "step_tokens must be 1 or more"),
             (
                 self.generator is None or (self.fn is None and self.fn_per_device is None),
                 "--generator makes the model a generation model: give it or --fn/--fn-per-device",

@@ -42,6 +42,12 @@ class DeviceThread:
         """Lets the thread end after the calls already submitted; does not wait for them."""
         self._jobs.put(None)
 
+    async def join(self, wait_s: float) -> None:
+        """Waits, up to `wait_s`, for a stopped thread to end: a process that exits while a
+        call is still inside torch can abort in C++ instead of exiting."""
+        if self._thread.is_alive():
+            await asyncio.to_thread(self._thread.join, wait_s)
+
     def submit(self, fn: Callable[[Arg], Ret], arg: Arg) -> asyncio.Future[Ret]:
         assert self._loop is not None, "submit only to a started thread"
         future: asyncio.Future[Ret] = self._loop.create_future()

@@ -1,8 +1,9 @@
 """One generation request: its sequence, its place in line, and the text it streams out.
 
 The scheduler (`step_loop.py`) feeds it each token a step makes; it cuts the text at a stop
-string (which is not part of the output), holding back only what could still turn out to be
-the start of one, and ends at the end of sequence or at `max_tokens`. Whoever waits reads the
+string (which is not part of the output; looked for once `min_tokens` are made), holding back
+only what could still turn out to be the start of one, and ends at the end of sequence or at
+`max_tokens`. Whoever waits reads the
 text as it comes (`pieces`) and, once it ends, the outcome. `cancel` (a client that left, a
 deadline before the first token) tells the scheduler to drop and release the sequence before
 its next step.
@@ -16,7 +17,7 @@ from collections.abc import AsyncGenerator
 from typing import Any, Literal
 
 from .errors import BatchserveError, DeadlineExceeded
-from .generators import Seq
+from .generators import Made, Seq, StepAnswer
 
 FinishReason = Literal["stop", "length"]
 
@@ -62,8 +63,13 @@ class Generation:
         self.error: BatchserveError | None = None
         self.preemptions = 0
         self.times_passed = 0
+        self.computed = 0
+        """Its tokens in its device's KV cache; 0 once released (preempted, handed on)."""
         """Sequences admitted past it while it waited for room (the scheduler bounds it)."""
         self._stops = tuple(s for s in stops if s)
+        self._min_tokens = int(seq.params.get("min_tokens") or 0)
+        """Stop strings are not looked for before it has made this many tokens (vLLM's)."""
+        seq.max_tokens = max_tokens
         self._held = ""
         """Made but not yet given out: it may be the start of a stop string."""
         self._output: list[str] = []
@@ -82,6 +88,12 @@ class Generation:
         return self.prompt_tokens + len(self.seq.tokens) + 1
 
     @property
+    def uncomputed(self) -> int:
+        """Tokens its next step must process: its prompt's and made tokens not yet cached
+        (at least one: the token to decode from)."""
+        return max(1, self.prompt_tokens + len(self.seq.tokens) - self.computed)
+
+    @property
     def output(self) -> str:
         return "".join(self._output)
 
@@ -91,18 +103,29 @@ class Generation:
 
     # The scheduler's side
 
-    def add(self, token: str | None, now: float) -> bool:
-        """Takes the token a step made (None: the end of sequence); True once it has ended."""
+    def add(self, token: StepAnswer, now: float) -> bool:
+        """Takes what a step made for it (None: the end of sequence; `Made()`: nothing yet, a
+        prefill chunk); True once it has ended."""
+        if isinstance(token, Made):
+            if token.token_id is None and not token.end:
+                return False  # still prefilling: no token, no first-token time
+            text, ended = token.text, token.end
+            if token.token_id is not None:
+                self.seq.token_ids.append(token.token_id)
+        else:
+            text, ended = token or "", token is None
         if self.first_token_at is None:
             self.first_token_at = now
-        if token is None:
-            self._finish("stop", now)
-            return True
-        self.seq.tokens.append(token)
-        self._held += token
-        cut = min((i for s in self._stops if (i := self._held.find(s)) >= 0), default=-1)
-        if cut >= 0:
-            self._held = self._held[:cut]
+        if not ended or (isinstance(token, Made) and token.token_id is not None):
+            self.seq.tokens.append(text)
+        self._held += text
+        if len(self.seq.tokens) >= self._min_tokens:
+            cut = min((i for s in self._stops if (i := self._held.find(s)) >= 0), default=-1)
+            if cut >= 0:
+                self._held = self._held[:cut]
+                self._finish("stop", now)
+                return True
+        if ended:
             self._finish("stop", now)
             return True
         if len(self.seq.tokens) >= self.max_tokens:

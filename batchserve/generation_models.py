@@ -30,6 +30,7 @@ from .generation import Generation, GenState
 from .generators import (
     SIM,
     GeneratorFactory,
+    GeneratorSettings,
     chat_formatter,
     generator_factory,
     plain_chat_prompt,
@@ -66,13 +67,19 @@ def build_generation_model(
         hang_s=config.sim_hang_ms / 1e3,
         seed=config.sim_seed,
     )
+    settings = GeneratorSettings(
+        model_path=spec.model_path or config.model_path,
+        dtype=spec.dtype or config.dtype,
+        kv_cache_bytes=config.kv_cache_bytes,
+    )
     return GenerationModel(
         spec,
-        generator_factory(spec.generator, flag, simulated),
+        generator_factory(spec.generator, flag, simulated, settings),
         names,
         clock=clock,
         mode=config.generate_mode,
         step_budget=BatchBudget(fixed_s=config.batch_timeout_ms / 1e3 or None),
+        step_tokens=config.step_tokens,
         on_crash=on_crash,
     )
 
@@ -87,12 +94,16 @@ class GenerationModel:
         clock: Clock,
         mode: GenerateMode,
         step_budget: BatchBudget,
+        step_tokens: int,
         on_crash: CrashHandler,
     ) -> None:
         self.spec = spec
         self.mode = mode
         self._factory = factory
-        self.loops = [StepLoop(name, self, clock, step_budget) for name in device_names]
+        self._stop_wait_s = step_budget.seconds(None)
+        self.loops = [
+            StepLoop(name, self, clock, step_budget, step_tokens) for name in device_names
+        ]
         self._waiting: FairQueue[Generation] = FairQueue()
         self._resumed: deque[Generation] = deque()
         """Preempted, or taken and found too big for the device that took it: next in line."""
@@ -145,8 +156,7 @@ class GenerationModel:
 
     async def aclose(self) -> None:
         await self._tasks.aclose()
-        for loop in self.loops:
-            loop.stop()
+        await asyncio.gather(*(loop.stop(self._stop_wait_s) for loop in self.loops))
 
     def submit(self, gen: Generation) -> None:
         self._waiting.push(gen)

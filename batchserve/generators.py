@@ -1,20 +1,31 @@
 """Generation models: the backend contract, the simulated generator, and how one loads.
 
 A generator is loaded once per device by a factory (`--generator pkg.mod:attr`, or a models
-file entry's `generator`), called on that device's thread with its name. What it returns has
-`kv_budget_tokens`, `step(seqs)` (one decoding step; a sequence's first step includes its
-prompt's prefill) and `release(seq_ids)`, and may have `count_tokens(text)`; without it a
-prompt's UTF-8 bytes count. A sequence in a step holds `count_tokens(prompt) + len(tokens) +
-1` tokens of the budget. The scheduler (`step_loop.py`) keeps to the contract; this module
-checks what a generator gives back.
+file entry's `generator`), called on that device's thread with its name (and, if the factory
+takes a keyword `settings`, the server's `GeneratorSettings`: a model path, dtype, KV cache
+bytes). What it returns has `kv_budget_tokens`, `step(seqs)` (one decoding step; a sequence's
+first step includes its prompt's prefill) and `release(seq_ids)`, and may have
+`count_tokens(text)`; without it a prompt's UTF-8 bytes count. A sequence in a step holds
+`count_tokens(prompt) + len(tokens) + 1` tokens of the budget. The scheduler (`step_loop.py`)
+keeps to the contract; this module checks what a generator gives back.
+
+A step answers each sequence with a `str` (one token's text), None (the end of sequence), or
+a `Made`: the id of the token made and the whole characters it completed (a tokenizer's
+token may end inside a character), the end with the text held back until then, or nothing
+yet. A generator that sets `chunked_prefill = True` is handed at most `Seq.chunk` of a
+sequence's uncomputed tokens a step, and answers `Made()` (nothing yet) until its prompt is
+all in: the scheduler then spreads a long prefill over several steps beside the decoding
+sequences.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -32,14 +43,37 @@ class Seq:
     id: str
     prompt: str
     tokens: list[str] = field(default_factory=list)
+    """The text of each token made (a `Made` token that completed no character: "")."""
     params: dict[str, Any] = field(default_factory=dict)
+    token_ids: list[int] = field(default_factory=list)
+    """The ids of the tokens made, for generators that answer `Made` (kept across a release,
+    so a preempted sequence is recomputed from the same ids, not from re-tokenized text)."""
+    max_tokens: int | None = None
+    """The most tokens it may make: a generator flushes held-back text with the last one."""
+    chunk: int | None = None
+    """For a `chunked_prefill` generator: how many of its uncomputed tokens this step takes
+    (None: all of them)."""
+
+
+@dataclass(slots=True, frozen=True)
+class Made:
+    """What one step made for one sequence: a token (`token_id`, and `text`, the whole
+    characters it completed), the end (`end`, with any text held back until then), or
+    nothing yet (a prefill chunk short of the prompt's end)."""
+
+    text: str = ""
+    token_id: int | None = None
+    end: bool = False
+
+
+StepAnswer = str | Made | None
 
 
 @runtime_checkable
 class Generator(Protocol):
     kv_budget_tokens: int
 
-    def step(self, seqs: list[Seq]) -> list[str | None]: ...
+    def step(self, seqs: list[Seq]) -> Sequence[StepAnswer]: ...
 
     def release(self, seq_ids: list[str]) -> None: ...
 
@@ -47,17 +81,30 @@ class Generator(Protocol):
 GeneratorFactory = Callable[[str], Generator]
 
 
+@dataclass(slots=True, frozen=True, kw_only=True)
+class GeneratorSettings:
+    """What the server's flags (or a models file entry) say about a real model, handed to a
+    factory that takes a keyword `settings`: the generators that load weights read them."""
+
+    model_path: str | None = None
+    """A local model folder or GGUF file; None: the factory's own default."""
+    dtype: str = "auto"
+    """float32, bfloat16 or float16; auto: float32 on CPU, bfloat16 on a GPU that has it."""
+    kv_cache_bytes: int = 256 * 2**20
+    """The KV cache preallocated on each device, from which its token budget follows."""
+
+
 class BadStep(RuntimeError):
-    """A step answered with something other than one str or None per sequence."""
+    """A step answered with something other than one str, Made or None per sequence."""
 
 
-def check_step(tokens: object, count: int) -> list[str | None]:
+def check_step(tokens: object, count: int) -> list[StepAnswer]:
     """A step's answer, if it keeps the contract."""
     if not isinstance(tokens, list) or len(tokens) != count:
         size = len(tokens) if isinstance(tokens, list) else type(tokens).__name__
         raise BadStep(f"step answered {size} for {count} sequences")
-    if not all(token is None or isinstance(token, str) for token in tokens):
-        raise BadStep("step answered something other than str or None")
+    if not all(token is None or isinstance(token, str | Made) for token in tokens):
+        raise BadStep("step answered something other than str, Made or None")
     return tokens
 
 
@@ -182,17 +229,23 @@ def simulated_generator_factory(
 
 
 def generator_factory(
-    path_or_factory: str | GeneratorFactory, flag: str, simulated: GeneratorFactory
+    path_or_factory: str | GeneratorFactory,
+    flag: str,
+    simulated: GeneratorFactory,
+    settings: GeneratorSettings | None = None,
 ) -> GeneratorFactory:
-    """The factory `path_or_factory` names ("sim": `simulated`), wrapped to check what it
-    loads on each device."""
+    """The factory `path_or_factory` names ("sim": `simulated`), wrapped to hand it the
+    settings if it takes them and to check what it loads on each device."""
     if path_or_factory == SIM:
-        factory: Callable[[str], object] = simulated
+        factory: Callable[..., object] = simulated
     elif isinstance(path_or_factory, str):
         factory = import_attr(path_or_factory, flag)
     else:
         factory = path_or_factory
     name = path_or_factory if isinstance(path_or_factory, str) else "the generator factory"
+
+    if settings is not None and _takes_settings(factory):
+        factory = functools.partial(factory, settings=settings)
 
     def load(device: str) -> Generator:
         generator = factory(device)
@@ -207,3 +260,11 @@ def generator_factory(
         return generator
 
     return load
+
+
+def _takes_settings(factory: Callable[..., object]) -> bool:
+    try:
+        parameters = inspect.signature(factory).parameters
+    except (TypeError, ValueError):  # a builtin or C callable: it takes the device only
+        return False
+    return "settings" in parameters

@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, Literal
 
-from .config import BACKEND_BATCH_LIMIT, Config, read_toml
+from .config import BACKEND_BATCH_LIMIT, DTYPES, Config, read_toml
 from .errors import StartupError
 
 if TYPE_CHECKING:
@@ -62,6 +62,10 @@ class ModelSpec:
     slo_ms: float | None = None
     max_linger_ms: float | None = None
     """None: derived from `slo_ms` when given, else the server's --max-linger-ms."""
+    model_path: str | None = None
+    """A generation model's local folder or GGUF file; None: the server's --model-path."""
+    dtype: str | None = None
+    """A generation model's dtype; None: the server's --dtype."""
 
     @property
     def label(self) -> str:
@@ -86,6 +90,8 @@ _KINDS: dict[str, tuple[type, ...]] = {
     "max_batch_tokens": (int,),
     "slo_ms": (int, float),
     "max_linger_ms": (int, float),
+    "model_path": (str,),
+    "dtype": (str,),
 }
 FIELDS = frozenset(field.name for field in fields(ModelSpec))
 
@@ -139,6 +145,12 @@ def _check(spec: ModelSpec) -> None:
             'needs cost = "length"',
         ),
         ("slo_ms", spec.slo_ms is None or _positive(spec.slo_ms), "must be more than 0"),
+        (
+            "dtype",
+            spec.dtype is None or spec.dtype in DTYPES,
+            f"must be one of {', '.join(DTYPES)}",
+        ),
+        ("model_path", spec.model_path is None or spec.generator is not None, "needs a generator"),
         (
             "max_linger_ms",
             spec.max_linger_ms is None

@@ -20,8 +20,14 @@ preempted, and nothing joins it until its longest sequence ends.
 A step that raises is retried in halves, each half released first so the model recomputes
 it, until only the sequences that make it fail are failed (500), as batches are bisected.
 
-A step that runs past its budget (`--batch-timeout-ms`, or 5x the longest step seen, at least
-1 s) hangs its device: its sequences go back to the head of the line with their tokens, for
+A generator that prefills in chunks (`chunked_prefill`) is handed at most `step_tokens`
+tokens a step: every decoding sequence's one token first, then the prompts still prefilling,
+in the order they were admitted, each a chunk of what the budget has left, so running streams
+keep making a token a step while a long prompt comes in.
+
+A step that runs past its budget (`--batch-timeout-ms`, or 5x the step's predicted time,
+`a + b x tokens` learned from the steps before it over the tokens it processes, at least 1 s)
+hangs its device: its sequences go back to the head of the line with their tokens, for
 another device to recompute and go on with (500 where no other device can), and the device
 takes nothing new until the step returns; what it returns then is dropped, and the sequences
 it held are released on it. A release (of ended or preempted sequences) runs under the same
@@ -35,13 +41,14 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeVar
 
+from .capacity import LengthCost
 from .clock import Clock
 from .config import GenerateMode
 from .device_thread import DeviceThread
 from .errors import BackendError
 from .faults import BatchBudget
 from .generation import Generation, GenState
-from .generators import Generator, GeneratorFactory, check_step
+from .generators import Generator, GeneratorFactory, StepAnswer, check_step
 
 if TYPE_CHECKING:
     from .generation_models import GenerationModel
@@ -65,13 +72,22 @@ class StepLoop:
     """One device: its thread, its generator and the sequences running on it."""
 
     def __init__(
-        self, device: str, model: GenerationModel, clock: Clock, budget: BatchBudget
+        self,
+        device: str,
+        model: GenerationModel,
+        clock: Clock,
+        budget: BatchBudget,
+        step_tokens: int,
     ) -> None:
         self.device = device
         self._model = model
         self._clock = clock
         self._budget = budget
-        self._longest_step_s: float | None = None
+        self._step_tokens = step_tokens
+        self._chunked = False
+        """The generator prefills in chunks of `step_tokens` (it said `chunked_prefill`)."""
+        self.step_cost = LengthCost()
+        """A step's seconds over the tokens it processes: its hang budget's prediction."""
         self.hung = False
         """A step ran past its budget and has not returned yet."""
         self._thread = DeviceThread(device)
@@ -95,10 +111,14 @@ class StepLoop:
         """Starts the device's thread and loads the generator on it."""
         self._thread.start(asyncio.get_running_loop())
         self._generator = await self._thread.submit(factory, self.device)
+        self._chunked = getattr(self._generator, "chunked_prefill", False) is True
         return self._generator
 
-    def stop(self) -> None:
+    async def stop(self, wait_s: float) -> None:
+        """Ends the device's thread, waiting up to `wait_s` for a call still inside the model
+        (a process that exits under a thread inside torch aborts)."""
         self._thread.stop()
+        await self._thread.join(wait_s)
 
     async def run(self, mode: GenerateMode) -> None:
         """Steps back to back while anything runs; sleeps until work arrives otherwise."""
@@ -113,7 +133,7 @@ class StepLoop:
             if not self.running:
                 await self._model.wait_for_work()
                 continue
-            made = await self._step(list(self.running))
+            made = await self._step(self._plan())
             now = self._clock.time()
             for gen, token in made:
                 if not gen.cancelled and not gen.done:
@@ -129,6 +149,28 @@ class StepLoop:
             else:
                 kept.append(gen)
         self.running = kept
+
+    def _plan(self) -> list[Generation]:
+        """The sequences this step takes, each with its `seq.chunk`: all of them, or (chunked)
+        every decoding one first, then prefills in admission order while the budget lasts."""
+        if not self._chunked:
+            for gen in self.running:
+                gen.seq.chunk = None
+            return list(self.running)
+        left = self._step_tokens
+        decoding = [gen for gen in self.running if gen.uncomputed <= 1]
+        for gen in decoding:
+            gen.seq.chunk = 1
+        left -= len(decoding)
+        prefilling: list[Generation] = []
+        for gen in self.running:
+            if left <= 0:
+                break
+            if gen.uncomputed > 1:
+                gen.seq.chunk = min(gen.uncomputed, left)
+                left -= gen.seq.chunk
+                prefilling.append(gen)
+        return decoding + prefilling
 
     def _admit(self, *, reserve: bool) -> None:
         """Takes waiting sequences, in the queue's order, while they fit the budget as they
@@ -168,20 +210,25 @@ class StepLoop:
             gen = self.running.pop()
             used -= gen.held_tokens
             gen.state = GenState.WAITING
+            gen.computed = 0
             gen.preemptions += 1
             self._model.preemptions += 1
             self._to_release.append(gen.request_id)
             self._model.put_back(gen)
 
-    async def _step(self, gens: list[Generation]) -> list[tuple[Generation, str | None]]:
+    async def _step(self, gens: list[Generation]) -> list[tuple[Generation, StepAnswer]]:
         """One step over `gens`; on a failure, the halves again, down to the culprits."""
         generator = self._generator
         assert generator is not None
+        tokens = sum(gen.uncomputed if gen.seq.chunk is None else gen.seq.chunk for gen in gens)
         started = self._clock.time()
         try:
-            answer = await self._watched(generator.step, [gen.seq for gen in gens], "step")
-            self._longest_step_s = max(self._longest_step_s or 0.0, self._clock.time() - started)
-            tokens = check_step(answer, len(gens))
+            budget_s = self._budget.seconds(self.step_cost.predict(tokens))
+            answer = await self._watched(
+                generator.step, [gen.seq for gen in gens], "step", budget_s
+            )
+            self.step_cost.observe(self._clock.time() - started, tokens)
+            made = check_step(answer, len(gens))
         except _Hung:
             return []
         except Exception as exc:
@@ -199,20 +246,25 @@ class StepLoop:
                     self._clock.time(),
                 )
                 return []
+            for gen in gens:
+                gen.computed = 0
             await self._release([gen.request_id for gen in gens])  # the halves recompute
             half = len(gens) // 2
-            made = await self._step(gens[:half])
+            first = await self._step(gens[:half])
             if not self.running:  # handed back: the first half's step hung
-                return made
-            return made + await self._step(gens[half:])
+                return first
+            return first + await self._step(gens[half:])
         self._model.steps += 1
-        return list(zip(gens, tokens, strict=True))
+        for gen in gens:
+            gen.computed += gen.uncomputed if gen.seq.chunk is None else gen.seq.chunk
+        return list(zip(gens, made, strict=True))
 
-    async def _watched(self, call: Callable[[Arg], Ret], arg: Arg, what: str) -> Ret:
+    async def _watched(
+        self, call: Callable[[Arg], Ret], arg: Arg, what: str, budget_s: float
+    ) -> Ret:
         """`call(arg)` (a step, or a release) on the device's thread, under a watchdog: past
         its budget the running sequences are handed back at once, and this waits for the
         late call."""
-        budget_s = self._budget.seconds(self._longest_step_s)
         done = self._thread.submit(call, arg)
         watchdog = self._clock.call_at(self._clock.time() + budget_s, self._hang, budget_s, what)
         try:
@@ -240,6 +292,8 @@ class StepLoop:
             budget_s * 1e3,
         )
         handed_back, self.running = self.running, []
+        for gen in handed_back:
+            gen.computed = 0
         self._to_release += [gen.request_id for gen in handed_back]  # once it is back
         now = self._clock.time()
         self._model.hand_back(handed_back, f"the {what} on {self.device}", budget_s, now)
@@ -250,7 +304,8 @@ class StepLoop:
         generator = self._generator
         assert generator is not None
         try:
-            await self._watched(generator.release, seq_ids, "release")
+            budget_s = self._budget.seconds(self.step_cost.predict(0))
+            await self._watched(generator.release, seq_ids, "release", budget_s)
         except _Hung:
             return  # the running sequences went on elsewhere meanwhile
         except Exception as exc:
