@@ -57,6 +57,7 @@ from .metrics import Metrics
 from .policy import Policy, make_policy
 from .recorder import Recorder
 from .registry import ModelVersion, Registry, VersionState, build_version
+from .sampling_params import checked_params
 from .specs import BatchFn, DeviceFactory, ModelSpec, default_spec, load_models_file
 from .tasks import TaskSet
 from .tenants import Tenant
@@ -274,9 +275,10 @@ class Engine:
                 async for piece in gen.pieces():
                     print(piece, end="")
 
-        A refusal raises on entry (`errors.py`'s, like `infer`'s). `timeout_ms` bounds the
-        wait for the first token; the sequence then runs to its end. Leaving the block
-        before it ends cancels it: its sequence is released before the next step.
+        A refusal raises on entry (`errors.py`'s, like `infer`'s), among them `params` that
+        break `sampling_params.py`'s rules, so the generator never sees them. `timeout_ms`
+        bounds the wait for the first token; the sequence then runs to its end. Leaving the
+        block before it ends cancels it: its sequence is released before the next step.
         """
         arrival = self.clock.time() if arrival is None else arrival
         request_id = request_id or new_request_id()
@@ -349,11 +351,10 @@ class Engine:
                 f"the prompt's {prompt_tokens} tokens and max_tokens {limit} do not fit a"
                 f" device's budget of {generation_model.kv_budget} tokens"
             )
-        if params is not None and not isinstance(params, Mapping):
-            raise InvalidInput(f"params must be a JSON object, not {type(params).__name__}")
+        sampling = checked_params(params, limit)
         deadline = arrival + self._admission.timeout_s(timeout_ms, tenant)
         gen = Generation(
-            Seq(request_id, prompt, params=dict(params or {})),
+            Seq(request_id, prompt, params=sampling),
             prompt_tokens=prompt_tokens,
             max_tokens=limit,
             stops=_stop_strings(stop),
