@@ -342,14 +342,20 @@ class Engine:
                 retry_after_s=1.0,
             )
         prompt_tokens = generation_model.count_tokens(prompt)
-        room = generation_model.kv_budget - prompt_tokens
+        budget = generation_model.kv_budget
         limit = _max_tokens(max_tokens, self.config.max_tokens_cap)
+        if prompt_tokens >= budget:
+            raise InputTooLarge(
+                f"the prompt is {prompt_tokens} tokens; a device holds {budget} in all,"
+                " the prompt and at least one new token: shorten the prompt"
+            )
         if limit is None:
-            limit = min(self.config.max_tokens, self.config.max_tokens_cap, room)
-        if prompt_tokens + limit > generation_model.kv_budget or limit < 1:
+            limit = min(self.config.max_tokens, self.config.max_tokens_cap, budget - prompt_tokens)
+        if prompt_tokens + limit > budget:
             raise InputTooLarge(
                 f"the prompt's {prompt_tokens} tokens and max_tokens {limit} do not fit a"
-                f" device's budget of {generation_model.kv_budget} tokens"
+                f" device's budget of {budget} tokens: ask for at most"
+                f" {budget - prompt_tokens} new tokens"
             )
         sampling = checked_params(params, limit)
         deadline = arrival + self._admission.timeout_s(timeout_ms, tenant)
@@ -716,7 +722,14 @@ class Engine:
 
     def embedding_dim(self, model: str) -> int:
         """The length of the vectors `model` returns; InvalidInput if it returns none."""
-        return self._registry.embedding_dim(model)
+        try:
+            return self._registry.embedding_dim(model)
+        except ModelNotFound:
+            if model in self._generators:
+                raise InvalidInput(
+                    f"model {model} generates text, not embedding vectors: POST /v1/completions"
+                ) from None
+            raise
 
     def count_tokens(self, result: Result, text: str) -> int:
         """`text`'s length in the tokens of the version that answered `result`."""
