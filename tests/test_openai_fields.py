@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import openai
+import pytest
 from aiohttp.test_utils import TestClient
 
 from batchserve.config import Config
@@ -24,6 +25,20 @@ async def sim_client(aiohttp_client: Any, **settings: object) -> TestClient:  # 
 
 def openai_for(client: TestClient) -> openai.AsyncOpenAI:  # type: ignore[type-arg]
     return openai.AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key="unused", max_retries=0)
+
+
+async def test_the_openai_client_retrieves_a_model_by_id(aiohttp_client):
+    client = await sim_client(aiohttp_client)
+    async with openai_for(client) as ai:
+        model = await ai.models.retrieve("default")
+        assert (model.id, model.object, model.owned_by) == ("default", "model", "batchserve")
+        with pytest.raises(openai.NotFoundError, match="no model 'nope'"):
+            await ai.models.retrieve("nope")
+    response = await client.get("/v1/models/org/with-slash")
+    assert response.status == 404
+    body = await response.json()
+    assert body["error"]["code"] == "MODEL_NOT_FOUND"
+    assert response.headers["X-Request-Id"] == body["request_id"]
 
 
 async def test_a_prompt_over_the_budget_is_told_so_in_plain_terms(aiohttp_client):
