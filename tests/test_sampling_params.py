@@ -199,3 +199,37 @@ async def test_the_simulated_generator_holds_its_end_back_for_ignore_eos_and_min
             async with engine.generate("abc", max_tokens=max_tokens, params=params) as gen:
                 output = await gen.result()
                 assert (output, gen.finish_reason) == expected, params
+
+
+def test_tiny_gpt_steps_with_every_key_at_its_extremes_and_holds_its_end_back():
+    pytest.importorskip("torch")
+    from batchserve.models.tiny_gpt import load
+
+    model = load("cpu")
+
+    def run(seqs: list[Seq], steps: int = 12) -> None:
+        running = list(seqs)
+        for _ in range(steps):
+            for seq, token in zip(list(running), model.step(running), strict=True):
+                if token is None:
+                    running.remove(seq)
+                    model.release([seq.id])
+                else:
+                    seq.tokens.append(token)
+            if not running:
+                return
+
+    # "p159" ends after 6 tokens, greedy
+    greedy = Seq("greedy", "p159")
+    run([greedy])
+    assert len(greedy.tokens) == 6
+    held = [
+        Seq("ignore", "p159", params=checked_params({"ignore_eos": True}, 12)),
+        Seq("min", "p159", params=checked_params({"min_tokens": 9}, 12)),
+        Seq("hot", "a", params=checked_params({"temperature": 100, "seed": 2**63 - 1}, 12)),
+        Seq("cold", "b", params=checked_params({"seed": -(2**63), "top_k": 1, "top_p": 1e-9}, 12)),
+    ]
+    run(held)
+    assert len(held[0].tokens) == 12
+    assert held[0].tokens[:6] == greedy.tokens
+    assert len(held[1].tokens) >= 9
