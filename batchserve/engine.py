@@ -57,6 +57,7 @@ from .metrics import Metrics
 from .policy import Policy, make_policy
 from .recorder import Recorder
 from .registry import ModelVersion, Registry, VersionState, build_version
+from .sampling_params import checked_params
 from .specs import BatchFn, DeviceFactory, ModelSpec, default_spec, load_models_file
 from .tasks import TaskSet
 from .tenants import Tenant
@@ -274,9 +275,10 @@ class Engine:
                 async for piece in gen.pieces():
                     print(piece, end="")
 
-        A refusal raises on entry (`errors.py`'s, like `infer`'s). `timeout_ms` bounds the
-        wait for the first token; the sequence then runs to its end. Leaving the block
-        before it ends cancels it: its sequence is released before the next step.
+        A refusal raises on entry (`errors.py`'s, like `infer`'s), among them `params` that
+        break `sampling_params.py`'s rules, so the generator never sees them. `timeout_ms`
+        bounds the wait for the first token; the sequence then runs to its end. Leaving the
+        block before it ends cancels it: its sequence is released before the next step.
         """
         arrival = self.clock.time() if arrival is None else arrival
         request_id = request_id or new_request_id()
@@ -340,20 +342,25 @@ class Engine:
                 retry_after_s=1.0,
             )
         prompt_tokens = generation_model.count_tokens(prompt)
-        room = generation_model.kv_budget - prompt_tokens
+        budget = generation_model.kv_budget
         limit = _max_tokens(max_tokens, self.config.max_tokens_cap)
+        if prompt_tokens >= budget:
+            raise InputTooLarge(
+                f"the prompt is {prompt_tokens} tokens; a device holds {budget} in all,"
+                " the prompt and at least one new token: shorten the prompt"
+            )
         if limit is None:
-            limit = min(self.config.max_tokens, self.config.max_tokens_cap, room)
-        if prompt_tokens + limit > generation_model.kv_budget or limit < 1:
+            limit = min(self.config.max_tokens, self.config.max_tokens_cap, budget - prompt_tokens)
+        if prompt_tokens + limit > budget:
             raise InputTooLarge(
                 f"the prompt's {prompt_tokens} tokens and max_tokens {limit} do not fit a"
-                f" device's budget of {generation_model.kv_budget} tokens"
+                f" device's budget of {budget} tokens: ask for at most"
+                f" {budget - prompt_tokens} new tokens"
             )
-        if params is not None and not isinstance(params, Mapping):
-            raise InvalidInput(f"params must be a JSON object, not {type(params).__name__}")
+        sampling = checked_params(params, limit)
         deadline = arrival + self._admission.timeout_s(timeout_ms, tenant)
         gen = Generation(
-            Seq(request_id, prompt, params=dict(params or {})),
+            Seq(request_id, prompt, params=sampling),
             prompt_tokens=prompt_tokens,
             max_tokens=limit,
             stops=_stop_strings(stop),
@@ -715,7 +722,14 @@ class Engine:
 
     def embedding_dim(self, model: str) -> int:
         """The length of the vectors `model` returns; InvalidInput if it returns none."""
-        return self._registry.embedding_dim(model)
+        try:
+            return self._registry.embedding_dim(model)
+        except ModelNotFound:
+            if model in self._generators:
+                raise InvalidInput(
+                    f"model {model} generates text, not embedding vectors: POST /v1/completions"
+                ) from None
+            raise
 
     def count_tokens(self, result: Result, text: str) -> int:
         """`text`'s length in the tokens of the version that answered `result`."""

@@ -3,6 +3,10 @@
     {"prompt": "...", "max_tokens": 64, "stop": ["\\n"], "params": {}, "stream": true,
      "timeout_ms": 2000, "model": "...", "version": "..."}
 
+`params` goes to the generator: its sampling keys (`temperature`, `top_p`, `top_k`, `seed`,
+`ignore_eos`, `min_tokens`) are checked by `sampling_params.py` (400 naming the key; `null` is
+absent), and any other key passes through unchanged for a custom generator to read.
+
 Not streaming: 200 {"output", "tokens", "finish_reason", "ttft_ms", "latency_ms", ...}.
 Streaming: `data: {"token": "..."}` per piece, a final event with `finish_reason` and the
 timings, then `data: [DONE]`; a failure once the stream has started is `event: error` with

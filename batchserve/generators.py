@@ -132,13 +132,14 @@ class SimulatedGenerator:
     """Stands in for a decoder the way `SimulatedDevice` stands in for a batch model.
 
     Its answer to a prompt is the prompt reversed, one character a token, then the end of
-    sequence, so a test can check every stream against its own prompt. A step sleeps `fixed_s`
-    plus `per_token_s` for each token it processes: a new sequence's prompt and what it has
-    generated (prefill, also after a release), one for each sequence already decoding. A
-    concurrent step, or one over the budget, raises; a prompt carrying the poison marker
-    makes every step that carries it raise, `fail_rate` makes a share of steps raise, and the
-    first step that carries a prompt with the hang marker sleeps `hang_s` (once, on whichever
-    device runs it first).
+    sequence, so a test can check every stream against its own prompt; with `ignore_eos`, or
+    before `min_tokens`, it goes on reversing from the top (other params change nothing). A
+    step sleeps `fixed_s` plus `per_token_s` for each token it processes: a new sequence's
+    prompt and what it has generated (prefill, also after a release), one for each sequence
+    already decoding. A concurrent step, or one over the budget, raises; a prompt carrying
+    the poison marker makes every step that carries it raise, `fail_rate` makes a share of
+    steps raise, and the first step that carries a prompt with the hang marker sleeps
+    `hang_s` (once, on whichever device runs it first).
     """
 
     def __init__(
@@ -189,7 +190,7 @@ class SimulatedGenerator:
             if self._random.random() < self._fail_rate:
                 raise SimulatedFault("injected step failure")
             self._prefilled.update(s.id for s in new)
-            return [sim_token(s.prompt, len(s.tokens)) for s in seqs]
+            return [sim_token(s.prompt, len(s.tokens), _ends_held(s)) for s in seqs]
         finally:
             self._busy.release()
 
@@ -197,9 +198,20 @@ class SimulatedGenerator:
         self._prefilled.difference_update(seq_ids)
 
 
-def sim_token(prompt: str, index: int) -> str | None:
-    """The simulated generator's token `index` for `prompt`: None once it has said it all."""
-    return prompt[-1 - index] if index < len(prompt) else None
+def sim_token(prompt: str, index: int, held: bool = False) -> str | None:
+    """The simulated generator's token `index` for `prompt`: None once it has said it all,
+    unless the end is `held`; then it says it again (a space for an empty prompt)."""
+    if index < len(prompt):
+        return prompt[-1 - index]
+    if held:
+        return prompt[-1 - index % len(prompt)] if prompt else " "
+    return None
+
+
+def _ends_held(seq: Seq) -> bool:
+    """Whether the sequence's params hold its end of sequence back at this token (vLLM's
+    `ignore_eos` and `min_tokens`, checked at admission by `sampling_params.py`)."""
+    return bool(seq.params.get("ignore_eos")) or len(seq.tokens) < seq.params.get("min_tokens", 0)
 
 
 def simulated_generator_factory(

@@ -1,5 +1,5 @@
-"""The OpenAI-shaped door: `POST /v1/embeddings` and `GET /v1/models`, so OpenAI client
-libraries work unchanged (generation: `openai_completions.py`).
+"""The OpenAI-shaped door: `POST /v1/embeddings`, `GET /v1/models` and `/v1/models/{id}`,
+so OpenAI client libraries work unchanged (generation: `openai_completions.py`).
 
     client = openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="unused")
     client.embeddings.create(model="minilm", input=["a", "b"]).data[0].embedding
@@ -22,14 +22,16 @@ from typing import Any
 from aiohttp import web
 
 from .engine import Engine
-from .errors import BatchserveError, InvalidInput
+from .errors import BatchserveError, InvalidInput, ModelNotFound
 from .http_io import (
     error_response,
     json_response,
     read_call,
     refuse_unknown_fields,
+    request_id_of,
 )
 from .item import Result
+from .specs import MAX_NAME
 
 MAX_EMBEDDING_INPUTS = 2048
 """OpenAI's own limit on inputs per embeddings request."""
@@ -88,11 +90,17 @@ class OpenAIApi:
 
     async def models(self, request: web.Request) -> web.Response:
         """GET /v1/models: every model this server runs, batch and generation."""
-        data = [
-            {"id": model["name"], "object": "model", "created": 0, "owned_by": "batchserve"}
-            for model in self._engine.models()
-        ]
+        data = [_model_object(model["name"]) for model in self._engine.models()]
         return json_response(200, {"object": "list", "data": data})
+
+    async def model(self, request: web.Request) -> web.Response:
+        """GET /v1/models/{model}: one model's object (`client.models.retrieve`), or 404."""
+        name = request.match_info["model"]
+        if any(model["name"] == name for model in self._engine.models()):
+            return json_response(200, _model_object(name))
+        request_id, _ = request_id_of(request)
+        error = ModelNotFound(f"no model {name[:MAX_NAME]!r} (GET /v1/models lists them)")
+        return error_response(error, request_id, openai_shape=True)
 
     def _parse_embeddings(
         self, payload: dict[str, Any], request: web.Request
@@ -123,6 +131,10 @@ def _embeddings_request(payload: dict[str, Any]) -> tuple[str, list[str], bool]:
     if encoding not in ("float", "base64"):
         raise InvalidInput('"encoding_format" must be "float" or "base64"')
     return model, texts, encoding == "base64"
+
+
+def _model_object(name: str) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "batchserve"}
 
 
 def _encoded(vector: list[float]) -> str:

@@ -7,10 +7,12 @@
 
 Both run one generation through the engine, exactly as `/api/generate` does; a chat's
 messages become one prompt by the generator's `chat_prompt(messages)` when it has one, else
-by a plain role-tagged template. `temperature`, `top_p` and `seed` go to the generator as
-params. What the server cannot honour (`n` above 1, `echo`, `logprobs`) is refused (400), not
-ignored. Errors carry OpenAI's body shape, which its clients raise as typed exceptions; a
-failure mid-stream is a `data: {"error": ...}` chunk, which the official client raises.
+by a plain role-tagged template. `temperature`, `top_p`, `seed` and vLLM's `top_k`,
+`ignore_eos` and `min_tokens` go to the generator as params. OpenAI's other fields are taken
+where their value changes nothing here (`tools: []`, `n: 1`, `store`, ...) and refused (400,
+naming the field) where it would change the answer (`openai_fields.py`), never ignored.
+Errors carry OpenAI's body shape, which its clients raise as typed exceptions; a failure
+mid-stream is a `data: {"error": ...}` chunk, which the official client raises.
 """
 
 from __future__ import annotations
@@ -24,21 +26,8 @@ from .engine import Engine
 from .errors import BatchserveError, InvalidInput
 from .generation import Generation
 from .generation_http import Events, answer_generation, data_event
-from .http_io import (
-    read_call,
-    refuse_unknown_fields,
-    timeout_ms_of,
-)
-
-_COMMON = frozenset(
-    {
-        "model", "max_tokens", "stop", "stream", "stream_options", "temperature", "top_p",
-        "n", "seed", "user", "presence_penalty", "frequency_penalty", "logprobs", "logit_bias",
-    }
-)  # fmt: skip
-_COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "suffix", "best_of"}
-_CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs"}
-_TO_PARAMS = ("temperature", "top_p", "seed")
+from .http_io import read_call, timeout_ms_of
+from .openai_fields import check_fields, sampling_params
 
 
 class Completion(NamedTuple):
@@ -176,17 +165,15 @@ def _failure_chunk(error: BatchserveError) -> bytes:
 
 
 def _read_completion(payload: dict[str, Any], request: web.Request, *, chat: bool) -> Completion:
-    refuse_unknown_fields(payload, _CHAT_FIELDS if chat else _COMPLETION_FIELDS)
+    check_fields(payload, chat=chat)
     model = payload.get("model")
     if not isinstance(model, str):
         raise InvalidInput('the body needs a string field "model"')
-    if payload.get("n", 1) != 1 or payload.get("best_of", 1) != 1:
-        raise InvalidInput('"n" and "best_of" other than 1 are not supported')
-    if payload.get("echo") or payload.get("logprobs") or payload.get("suffix"):
-        raise InvalidInput('"echo", "logprobs" and "suffix" are not supported')
     messages = _messages(payload.get("messages")) if chat else None
     prompt = "" if chat else _prompt(payload.get("prompt"))
-    max_tokens = payload.get("max_completion_tokens", payload.get("max_tokens"))
+    max_tokens = payload.get("max_completion_tokens")
+    if max_tokens is None:
+        max_tokens = payload.get("max_tokens")
     stream = payload.get("stream") or False
     options = payload.get("stream_options") or {}
     if not isinstance(stream, bool) or not isinstance(options, dict):
@@ -197,7 +184,7 @@ def _read_completion(payload: dict[str, Any], request: web.Request, *, chat: boo
         messages,
         max_tokens,
         payload.get("stop"),
-        {name: payload[name] for name in _TO_PARAMS if payload.get(name) is not None},
+        sampling_params(payload),
         stream,
         options.get("include_usage") is True,
         timeout_ms_of(None, request),

@@ -272,7 +272,7 @@ class Registry:
         if versions is None:
             raise ModelNotFound(
                 f"no model {model[:MAX_NAME]!r}; this server runs"
-                f" {', '.join(sorted(self._by_name))} (GET /api/models)"
+                f" {', '.join(sorted(self._by_name)) or 'no batch model'} (GET /api/models)"
             )
         return versions
 

@@ -113,6 +113,7 @@ def create_app(engine: Engine) -> web.Application:
     openai = OpenAIApi(engine)
     app.router.add_post("/v1/embeddings", openai.embeddings)
     app.router.add_get("/v1/models", openai.models)
+    app.router.add_get("/v1/models/{model:.+}", openai.model)
     completions = OpenAICompletionsApi(engine)
     app.router.add_post("/v1/completions", completions.completions)
     app.router.add_post("/v1/chat/completions", completions.chat_completions)

@@ -9,7 +9,8 @@ token, or ends the sequence), no files. Each sequence keeps its keys and values 
 the device; a step prefills new sequences (one by one, their whole prompt and tokens) and
 then decodes every sequence's next token in one batched pass over the padded caches, as a
 continuous-batching server's model does. Greedy unless `params` has a `temperature` above 0
-(then sampled, seeded by `seed` and the sequence's length, so it repeats).
+(then sampled, seeded by `seed` and the sequence's length, so it repeats); `ignore_eos` and
+`min_tokens` hold its end of sequence back; it ignores `top_p` and `top_k`.
 """
 
 from __future__ import annotations
@@ -142,6 +143,8 @@ class TinyGPT:
     def _choose(self, seq: Seq, logits: Any) -> str | None:
         """Greedy, or sampled at the sequence's `temperature` (seeded: it repeats)."""
         logits = logits.float() + self._allowed
+        if seq.params.get("ignore_eos") or len(seq.tokens) < seq.params.get("min_tokens", 0):
+            logits[EOS] = -math.inf
         token = choose_token(self._torch, logits, seq.params, len(seq.tokens))
         return None if token == EOS else chr(token)
 
