@@ -52,7 +52,8 @@ class AdminApi:
 
     def _authorize(self, authorization: str | None) -> None:
         scheme, _, given = (authorization or "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), self._key):
+        sent = given.strip().encode("utf-8", "surrogateescape")  # the bytes, UTF-8 or not
+        if scheme.lower() != "bearer" or not hmac.compare_digest(sent, self._key):
             raise Unauthenticated("send Authorization: Bearer <admin key>")
 
     async def _put(self, request: web.Request, name: str, version: str) -> dict[str, Any]:
