@@ -44,16 +44,11 @@ class AdminApi:
     async def _answer(self, request: web.Request, change: Change, status: int) -> web.Response:
         request_id = request_id_of(request)[0]
         try:
-            self._authorize(request.headers.get("Authorization"))
+            authorize(request.headers.get("Authorization"), self._key)
             body = await change(request, request.match_info["name"], request.match_info["version"])
         except BatchserveError as error:
             return error_response(error, request_id)
         return json_response(status, body, {"X-Request-Id": request_id})
-
-    def _authorize(self, authorization: str | None) -> None:
-        scheme, _, given = (authorization or "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), self._key):
-            raise Unauthenticated("send Authorization: Bearer <admin key>")
 
     async def _put(self, request: web.Request, name: str, version: str) -> dict[str, Any]:
         fields = await read_json(request, self._engine.config.max_body_bytes)
@@ -77,3 +72,11 @@ class AdminApi:
 
     async def _delete(self, request: web.Request, name: str, version: str) -> dict[str, Any]:
         return {"name": name, **self._engine.remove_version(name, version)}
+
+
+def authorize(authorization: str | None, key: bytes) -> None:
+    """Raises Unauthenticated unless `authorization` is `Bearer <key>`."""
+    scheme, _, given = (authorization or "").partition(" ")
+    sent = given.strip().encode("utf-8", "surrogateescape")  # the bytes, UTF-8 or not
+    if scheme.lower() != "bearer" or not hmac.compare_digest(sent, key):
+        raise Unauthenticated("send Authorization: Bearer <admin key>")

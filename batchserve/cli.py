@@ -157,6 +157,35 @@ _FLAGS: list[tuple[str, Callable[[str], object], str]] = [
         "on SIGTERM/SIGINT, how long accepted requests may take to finish before 503",
     ),
     (
+        "header-timeout-s",
+        float,
+        "a request's head (request line and headers) must arrive whole within this of the"
+        " connection's opening or of its first byte; else the connection is closed",
+    ),
+    (
+        "body-timeout-s",
+        float,
+        "a request body that stalls this long between two of its bytes has its connection closed",
+    ),
+    (
+        "keepalive-timeout-s",
+        float,
+        "an idle keep-alive connection (answered, no next request begun) is closed after this",
+    ),
+    (
+        "write-timeout-s",
+        float,
+        "an answer the client does not take (bytes left unsent) within this has its"
+        " connection closed",
+    ),
+    (
+        "max-unfinished-body-bytes",
+        int,
+        "most bytes that request bodies still arriving may hold, over all connections; each"
+        " counts its Content-Length (the body limit when chunked) until its last byte. A"
+        " request whose body does not fit gets 503 OVERLOADED and its connection closes",
+    ),
+    (
         "keys-file",
         str,
         "TOML file of API keys (tenant, tier) and tier limits; without it the server is open."

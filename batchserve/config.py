@@ -76,6 +76,12 @@ class Config:
     sim_step_ms: tuple[float, float] = (10.0, 0.05)
     """(a, b): a simulated generation step takes a ms + b ms per token it processes."""
     sim_kv_budget: int = 16_384
+    header_timeout_s: float = 10.0
+    """A request's head must arrive whole within this (connections.py has every deadline)."""
+    body_timeout_s: float = 30.0
+    keepalive_timeout_s: float = 15.0
+    write_timeout_s: float = 30.0
+    max_unfinished_body_bytes: int = 128 << 20
 
     def __post_init__(self) -> None:
         rules: list[tuple[bool, str]] = [
@@ -124,6 +130,14 @@ class Config:
             (self.kv_cache_bytes >= 2**20, "kv_cache_bytes must be 1 MiB (1048576) or more"),
             (self.step_tokens >= 1, "step_tokens must be 1 or more"),
             (
+                all(0 < timeout <= 86_400 for timeout in self.connection_timeouts),
+                "header, body, keepalive and write timeouts must be more than 0 s, at most a day",
+            ),
+            (
+                self.max_unfinished_body_bytes >= 1,
+                "max_unfinished_body_bytes must be 1 or more",
+            ),
+            (
                 self.generator is None or (self.fn is None and self.fn_per_device is None),
                 "--generator makes the model a generation model: give it or --fn/--fn-per-device",
             ),
@@ -142,6 +156,15 @@ class Config:
         broken = [message for ok, message in rules if not ok]
         if broken:
             raise StartupError("; ".join(broken))
+
+    @property
+    def connection_timeouts(self) -> tuple[float, float, float, float]:
+        return (
+            self.header_timeout_s,
+            self.body_timeout_s,
+            self.keepalive_timeout_s,
+            self.write_timeout_s,
+        )
 
     @property
     def sim_fault_rates(self) -> tuple[float, float, float]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from http import HTTPStatus
 from typing import TYPE_CHECKING, Any, Generic, NamedTuple, TypeVar
 
 import orjson
@@ -91,20 +92,24 @@ async def read_json(request: web.BaseRequest, limit: int) -> dict[str, Any]:
     """The body as a JSON object, within `limit` bytes."""
     length = request.content_length  # parsed from the header at each read
     if length is not None and length > limit:
-        raise _too_large(limit)
+        raise too_large(limit)
     content = request.content
-    if content.is_eof():
+    if content.is_eof() and content.exception() is None:
         # All of it has arrived, as a small body has by the time its handler runs: taken
         # as it is, without `read`'s copies and two waits for more (3 % of the server's CPU
         # a request, benchmarks/README.md, section 4).
         body = content.read_nowait()
         if len(body) > limit:
-            raise _too_large(limit)
+            raise too_large(limit)
     else:
         try:
             body = await request.read()
         except web.HTTPRequestEntityTooLarge:
-            raise _too_large(limit) from None
+            raise too_large(limit) from None
+        except web.RequestPayloadError as exc:
+            # A body its Content-Encoding does not describe (gzip that is not gzip), or a
+            # chunked body that breaks off: the client's fault, not the server's.
+            raise InvalidInput(f"the body could not be read: {_last_line(exc)}") from None
     try:
         payload: Any = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
@@ -114,7 +119,13 @@ async def read_json(request: web.BaseRequest, limit: int) -> dict[str, Any]:
     return payload
 
 
-def _too_large(limit: int) -> InputTooLarge:
+def _last_line(exc: BaseException) -> str:
+    """aiohttp's payload errors read "400, message:\n  <what>"; the what, bounded."""
+    lines = str(exc).strip().splitlines()
+    return lines[-1].strip()[:200] if lines else type(exc).__name__
+
+
+def too_large(limit: int) -> InputTooLarge:
     return InputTooLarge(f"the body is over the limit of {limit} bytes")
 
 
@@ -232,6 +243,15 @@ def json_response(
         body=orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY),
         headers=_JSON_TYPE if headers is None else _JSON_TYPE | headers,
     )
+
+
+def status_response(
+    status: int, message: str, request_id: str, headers: dict[str, str] | None = None
+) -> web.Response:
+    """An error answer for a status outside the error tree (aiohttp's own refusals, a
+    server fault), in the same shape: its code is the status's name (UNSUPPORTED_MEDIA_TYPE)."""
+    body = {"error": HTTPStatus(status).name, "message": message, "request_id": request_id}
+    return json_response(status, body, {"X-Request-Id": request_id, **(headers or {})})
 
 
 def error_response(

@@ -12,15 +12,23 @@ inference door ahead of aiohttp's routing.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable
+import functools
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from aiohttp import hdrs, web
 
 from .admin_api import ROUTE as ADMIN_ROUTE
-from .admin_api import AdminApi
+from .admin_api import AdminApi, authorize
+from .connections import Connection, ConnectionServer
 from .dashboard import Dashboard
 from .engine import Engine
-from .errors import BatchserveError, MethodNotAllowed, NotFound
+from .errors import (
+    BatchserveError,
+    InputTooLarge,
+    MethodNotAllowed,
+    NotFound,
+    Unauthenticated,
+)
 from .generate_api import GenerateApi
 from .http_io import (
     answer_response,
@@ -29,6 +37,8 @@ from .http_io import (
     parse_input,
     read_call,
     request_id_of,
+    status_response,
+    too_large,
 )
 from .item import Result
 from .openai_api import OpenAIApi
@@ -39,6 +49,7 @@ ENGINE_KEY: web.AppKey[Engine] = web.AppKey("batchserve_engine")
 INFERENCE_KEY: web.AppKey[InferenceApi] = web.AppKey("batchserve_inference")
 """The app's inference door, which `AppRunner`'s server calls without routing."""
 INFERENCE_PATH = "/api/inference"
+ADMIN_PREFIX = ADMIN_ROUTE.split("{", 1)[0]
 MAX_PATH_SHOWN = 200
 """An unknown path is echoed in the error message up to this many characters."""
 
@@ -145,26 +156,99 @@ class AppRunner(web.AppRunner):
     to the inference door itself, before aiohttp's routing: the resolve, match info and
     signals a request pass through there cost about 4 % of the server's CPU a request
     (benchmarks/README.md, section 4), and nearly every request takes that route. Any other
-    request, and that one with a query string or asking `Expect: 100-continue` (which the
-    routing answers), goes through the app's routing as before. The door skips middlewares
-    and `on_response_prepare`, so the app has none."""
+    request, and that one asking `Expect: 100-continue`, goes through the app's routing,
+    which adds `X-Request-Id` to answers that lack it and writes aiohttp's own HTTP errors
+    as the API's JSON. The door skips middlewares and `on_response_prepare`, so the app has
+    none. Each connection is a `connections.Connection`: deadlines, the budget of unfinished
+    bodies, and JSON for what aiohttp refuses before any handler runs."""
 
     async def _make_server(self) -> web.Server:
         server = await super()._make_server()
+        engine = self.app[ENGINE_KEY]
         inference, routed = self.app[INFERENCE_KEY].inference, server.request_handler
+        answer_routed = functools.partial(_answer_routed, routed)
+        expecting = functools.partial(_expecting, engine, answer_routed)
 
         def handle(request: web.BaseRequest) -> Awaitable[web.StreamResponse]:
             # Not a coroutine: it hands on the handler's, one frame less per waiting request.
-            if (
-                request.method == "POST"
-                and request.raw_path == INFERENCE_PATH
-                and hdrs.EXPECT not in request.headers
-            ):
+            if hdrs.EXPECT in request.headers:
+                return expecting(request)
+            if request.method == "POST" and request.raw_path == INFERENCE_PATH:
                 return inference(request)
-            return routed(request)
+            return answer_routed(request)
 
-        server.request_handler = handle
-        return server
+        return ConnectionServer(
+            handle,
+            request_factory=server.request_factory,
+            handler_cancellation=server.handler_cancellation,
+            settings=lambda: engine.config,
+            **server._kwargs,
+        )
+
+
+async def _answer_routed(
+    routed: Callable[[web.BaseRequest], Awaitable[web.StreamResponse]], request: web.BaseRequest
+) -> web.StreamResponse:
+    """A routed answer, with the request's `X-Request-Id` if its handler set none (a probe,
+    a file, a listing); an HTTP error aiohttp raised, as the API's JSON error."""
+    try:
+        response = await routed(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            exc.headers.setdefault("X-Request-Id", request_id_of(request)[0])
+            raise
+        request_id = request_id_of(request)[0]
+        if exc.status == 413:
+            return error_response(InputTooLarge("the body is over the limit"), request_id)
+        return status_response(exc.status, exc.reason, request_id)
+    if not response.prepared and "X-Request-Id" not in response.headers:
+        response.headers["X-Request-Id"] = request_id_of(request)[0]
+    return response
+
+
+async def _expecting(
+    engine: Engine,
+    answer_routed: Callable[[web.BaseRequest], Awaitable[web.StreamResponse]],
+    request: web.BaseRequest,
+) -> web.StreamResponse:
+    """`Expect: 100-continue`: a request whose answer is known from its head alone (its
+    Content-Length over the limit, no valid key) gets that answer instead of 100 Continue,
+    and its connection closes, the body unsent; the rest are routed, and the routing sends
+    100 Continue."""
+    request_id = request_id_of(request)[0]
+    refusal: web.Response
+    if request.headers[hdrs.EXPECT].lower() != "100-continue":
+        refusal = status_response(417, "the only expectation met is 100-continue", request_id)
+    else:
+        error = _refused_by_head(engine, request)
+        if error is None:
+            return await answer_routed(request)
+        refusal = error_response(error, request_id)
+    refusal.force_close()
+    if isinstance(request.protocol, Connection):
+        request.protocol.drop_body()
+    return refusal
+
+
+def _refused_by_head(engine: Engine, request: web.BaseRequest) -> BatchserveError | None:
+    """What a request with a body would be refused for before its body is read: 413 for a
+    Content-Length over the limit, 401 for a missing or unknown key (the admin key on the
+    admin routes)."""
+    config = engine.config
+    length = request.content_length
+    if length is not None and length > config.max_body_bytes:
+        return too_large(config.max_body_bytes)
+    if request.method not in ("POST", "PUT", "PATCH"):
+        return None
+    authorization = request.headers.get("Authorization")
+    try:
+        if request.path.startswith(ADMIN_PREFIX) and config.admin_key:
+            authorize(authorization, config.admin_key.encode())
+        elif config.keys_file:
+            engine.authenticate(authorization)
+    except Unauthenticated as error:
+        return error
+    return None
 
 
 async def _no_route(request: web.Request) -> web.Response:

@@ -140,7 +140,7 @@ class StatusApi:
         if answer is None:
             missing = NotFound(f"no request {request_id}: never submitted, or its result expired")
             return error_response(missing, request_id)
-        return json_response(200, answer)
+        return json_response(200, answer, {"X-Request-Id": request_id})
 
     async def _state(self, request_id: str, tenant: Tenant | None) -> dict[str, Any] | None:
         """What a poll says now: from this replica's store, else from the shared one."""

@@ -153,7 +153,9 @@ class KeyRing:
         scheme, _, key = (authorization or "").partition(" ")
         if scheme.lower() != "bearer" or not key:
             return self.anonymous
-        secret = key.strip().encode()
+        # aiohttp decodes a header's bytes that are not UTF-8 to lone surrogates, which
+        # `surrogateescape` turns back into the bytes sent: such a key is just unknown.
+        secret = key.strip().encode("utf-8", "surrogateescape")
         found = self.tenants_by_digest.get(hashlib.sha256(secret).digest())
         if found is None or not hmac.compare_digest(found[0], secret):
             return self.anonymous

@@ -12,7 +12,7 @@ from batchserve.config import Config
 from batchserve.engine import Engine
 from batchserve.server import create_app
 
-from . import sample_models
+from . import raw_http, sample_models
 
 KEY = "admin-s3cret"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -147,3 +147,14 @@ async def test_a_version_removed_and_added_again_counts_on_in_one_series(served)
         series.count('batchserve_batch_fill_total{kind="requests",model="a",version="2"} 2.0') == 1
     )
     assert len(series) == len(set(line.rsplit(" ", 1)[0] for line in series))
+
+
+async def test_an_admin_key_that_is_not_utf_8_is_401(served):
+    client, _ = served
+    for method in (b"PUT", b"PATCH", b"DELETE"):
+        request = raw_http.post(
+            ROUTE, b"{}", b"Authorization: Bearer \xffadmin", b"Connection: close"
+        ).replace(b"POST", method, 1)
+        [answer] = await raw_http.exchange(client.host, client.port, request)
+        assert (answer.status, answer.json()["error"]) == (401, "UNAUTHENTICATED"), method
+    assert list(await versions(client)) == ["1"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import gzip
 import io
 import threading
 from collections.abc import AsyncIterator
@@ -19,6 +20,7 @@ from batchserve.config import Config
 from batchserve.engine import Engine
 from batchserve.server import create_app
 
+from . import raw_http
 from .conftest import BatchserveTestServer, GatedBackend, hold_one_and_queue_one, reach
 
 
@@ -476,3 +478,82 @@ async def test_the_runner_answers_inference_ahead_of_routing_and_routes_the_rest
     plain = await aiohttp_client(app())
     assert (await plain.post("/api/inference", json={"input": "abc"})).status == 200
     assert routed == ["POST /api/inference"]
+
+
+@pytest.mark.parametrize(
+    ("encoding", "status", "code"),
+    [
+        ("gzip", 400, "INVALID_INPUT"),
+        ("deflate", 400, "INVALID_INPUT"),
+        ("br", 415, "UNSUPPORTED_MEDIA_TYPE"),
+        ("zstd", 415, "UNSUPPORTED_MEDIA_TYPE"),
+    ],
+)
+async def test_a_body_that_is_not_what_its_content_encoding_says_gets_a_json_error(
+    start_server, caplog, encoding, status, code
+):
+    client, engine = await start_server(simulated_factory(0.0, 100))
+    request = raw_http.post(
+        "/api/inference", b'{"input": "abc"}', b"Content-Encoding: %s" % encoding.encode()
+    )
+    [answer] = await raw_http.exchange(client.host, client.port, request)
+    assert (answer.status, answer.json()["error"]) == (status, code)
+    assert answer.headers["x-request-id"] == answer.json()["request_id"]
+    if status == 415:
+        assert answer.headers["accept-encoding"] == "gzip, deflate"
+    assert not [r for r in caplog.records if r.exc_info], "no traceback"
+    compressed = await client.post(
+        "/api/inference", data=gzip.compress(b'{"input": "abc"}'),
+        headers={"Content-Encoding": "gzip"},
+    )  # fmt: skip
+    assert (compressed.status, (await compressed.json())["output"]) == (200, "cba")
+    assert engine.stats().pending == 0
+
+
+async def test_every_routed_answer_carries_the_request_s_id(start_server):
+    client, _ = await start_server(simulated_factory(0.0, 100))
+    submitted = await client.post("/api/requests", json={"input": "abc"})
+    request_id = (await submitted.json())["request_id"]
+    polled = await client.get(f"/api/requests/{request_id}", params={"wait_ms": "5000"})
+    assert polled.status == 200
+    assert polled.headers["X-Request-Id"] == request_id
+    for path in (
+        "/healthz", "/readyz", "/metrics", "/api/models", "/v1/models", "/api/stats", "/",
+        "/static/vendor/uPlot.min.css",
+    ):  # fmt: skip
+        given = await client.get(path, headers={"X-Request-Id": "mine-1"})
+        assert (given.status, given.headers.get("X-Request-Id")) == (200, "mine-1"), path
+        fresh = await client.get(path)
+        assert len(fresh.headers.get("X-Request-Id", "")) == 32, path
+
+
+async def test_expect_100_continue_is_refused_first_when_the_answer_is_known(
+    start_server, tmp_path
+):
+    keys = tmp_path / "keys.toml"
+    keys.write_text('[keys."sk-1"]\ntenant = "acme"\ntier = "paid"\n')
+    client, _ = await start_server(
+        simulated_factory(0.0, 100), keys_file=str(keys), max_input_bytes=10
+    )
+    limit = 10 * 6 + 4096  # Config.max_body_bytes
+    head = "POST /api/inference HTTP/1.1\r\nHost: x\r\nExpect: {}\r\nContent-Length: {}\r\n{}\r\n"
+    for expect, length, key, status in [
+        ("100-continue", 16, "", 401),
+        ("100-continue", limit + 1, "Authorization: Bearer sk-1\r\n", 413),
+        ("something-else", 16, "Authorization: Bearer sk-1\r\n", 417),
+    ]:
+        sent = head.format(expect, length, key).encode()
+        answers = await raw_http.exchange(client.host, client.port, sent)  # no body sent
+        assert [a.status for a in answers] == [status], expect  # no 100 first, then closed
+        assert answers[0].headers["x-request-id"] == answers[0].json()["request_id"]
+    reader, writer = await asyncio.open_connection(client.host, client.port)
+    writer.write(head.format("100-continue", 16, "Authorization: Bearer sk-1\r\n").encode())
+    go_on = await raw_http.read_answer(reader)
+    assert go_on is not None
+    assert go_on.status == 100
+    writer.write(b'{"input": "abc"}')
+    answer = await raw_http.read_answer(reader)
+    assert answer is not None
+    assert (answer.status, answer.json()["output"]) == (200, "cba")
+    writer.close()
+    await writer.wait_closed()

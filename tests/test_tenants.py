@@ -12,6 +12,7 @@ from batchserve.clock import FakeClock
 from batchserve.errors import StartupError
 from batchserve.tenants import KeyRing, Tenant, TokenBucket
 
+from . import raw_http
 from .conftest import GatedBackend, reach
 
 KEYS = """
@@ -251,3 +252,32 @@ async def test_capacity_follows_a_device_that_hangs(start_server, gated: GatedBa
     assert engine.capacity_rps() == pytest.approx(1 * 100 / engine.call_time_s)
     metrics = await (await client.get("/metrics")).text()
     assert f"batchserve_capacity_rps {engine.capacity_rps()}" in metrics
+
+
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [
+        ("POST", "/api/inference"),
+        ("POST", "/api/requests"),
+        ("GET", "/api/requests/some-id"),
+        ("POST", "/v1/embeddings"),
+        ("POST", "/v1/completions"),
+        ("POST", "/v1/chat/completions"),
+        ("POST", "/api/generate"),
+    ],
+)
+async def test_a_key_that_is_not_utf_8_is_401_like_any_unknown_key(
+    start_server, keys_file, method, path
+):
+    """aiohttp decodes header bytes that are not UTF-8 to lone surrogates, which a plain
+    `str.encode` refuses: the key is compared as the bytes the client sent."""
+    client, _ = await start_server(simulated_factory(0.0, 100), keys_file=keys_file)
+    body = b'{"input": "abc", "prompt": "abc", "messages": []}'
+    request = raw_http.post(path, body, b"Authorization: Bearer sk-\xff\xfe", b"Connection: close")
+    if method == "GET":
+        request = request.replace(b"POST", b"GET", 1)
+    [answer] = await raw_http.exchange(client.host, client.port, request)
+    error = answer.json()["error"]
+    code = error["code"] if isinstance(error, dict) else error  # OpenAI's shape nests it
+    assert (answer.status, code) == (401, "UNAUTHENTICATED")
+    assert answer.headers["www-authenticate"] == "Bearer"
