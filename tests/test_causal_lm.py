@@ -79,8 +79,8 @@ class StepLog:
         await event.wait()
 
 
-def engine_for(factory: Callable[[str], Any], **settings: Any) -> Engine:
-    spec = ModelSpec(name="llm", version="1", generator=factory, devices="cpu")
+def engine_for(factory: Callable[[str], Any], devices: str = "cpu", **settings: Any) -> Engine:
+    spec = ModelSpec(name="llm", version="1", generator=factory, devices=devices)
     return Engine(Config(**settings), models=[spec])
 
 
@@ -300,3 +300,28 @@ async def test_smollm2_through_the_server_equals_generate_and_writes_whole_chara
     assert any(ord(char) > 0x2FFF for char in text), f"no CJK in {text!r}"
     # Only the last piece, cut by max_tokens, may end inside a character.
     assert not any("\ufffd" in piece for piece in pieces[:-1]), pieces
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+async def test_greedy_outputs_on_cuda_equal_generate_there(tok, tiny):
+    model = tiny_llama.model(len(tok), tok.eos_token_id).to("cuda")
+    engine = engine_for(
+        lambda device: CausalLM(model, tok, device, kv_cache_bytes=KV_BYTES), "cuda", step_tokens=8
+    )
+    prompts = [" ".join(tiny_llama.CORPUS[i % 3].split()[: 2 + 3 * i]) for i in range(4)]
+
+    async def one(text: str) -> list[int]:
+        async with engine.generate(text, max_tokens=16, params={"ignore_eos": True}) as gen:
+            await gen.result()
+            return list(gen.seq.token_ids)
+
+    async with engine:
+        made = await asyncio.gather(*(one(p) for p in prompts))
+    for prompt, ours in zip(prompts, made, strict=True):
+        encoded = tok(prompt, return_tensors="pt").to("cuda")
+        out = model.generate(
+            **encoded, max_new_tokens=16, min_new_tokens=16, do_sample=False,
+            output_logits=True, return_dict_in_generate=True, pad_token_id=tok.eos_token_id,
+        )  # fmt: skip
+        ref = out.sequences[0, encoded["input_ids"].shape[1] :].tolist()
+        assert_same_or_tied(ours, ref, torch.stack(out.logits)[:, 0].cpu())
