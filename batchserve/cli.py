@@ -374,29 +374,62 @@ async def serve(engine: Engine, settings: Callable[[], tuple[Config, str]] | Non
             flush=True,
         )
         stop = asyncio.Event()
+        # Installed until the drain has answered everything: a signal's default action
+        # would kill the process and drop every request it holds.
         for signum in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(signum, stop.set)
-        if settings is not None:
-            loop.add_signal_handler(signal.SIGHUP, _reload, engine, settings)
+            loop.add_signal_handler(signum, _on_stop_signal, engine, stop, signum)
+        loop.add_signal_handler(signal.SIGHUP, _on_hangup, engine, stop, settings)
         waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(engine.failed.wait())]
         await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         for wait in waits:
             wait.cancel()
         await asyncio.gather(*waits, return_exceptions=True)
+        stop.set()  # failed or stopping: no reload from here on
         if engine.failed.is_set():
             log.critical("exiting 1: %s", engine.failure)
             return 1
         log.info("stopping: draining %d accepted requests", engine.stats().pending)
         return 0
     finally:
-        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            loop.remove_signal_handler(signum)
-        # Closes the listeners, then each connection once its request in hand is answered;
-        # drains the engine (server.py's on_shutdown) and stops it.
-        await runner.cleanup()
-        if config.uds:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(config.uds)
+        try:
+            # Closes the listeners, then each connection once its request in hand is
+            # answered; drains the engine (server.py's on_shutdown) and stops it.
+            await runner.cleanup()
+        finally:
+            for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+                loop.remove_signal_handler(signum)
+            if config.uds:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(config.uds)
+
+
+def _on_stop_signal(engine: Engine, stop: asyncio.Event, signum: int) -> None:
+    """SIGTERM or SIGINT: the first starts the drain; a later one only says how it stands,
+    since every request accepted is answered (or, past --drain-timeout-s, answered 503)
+    whatever the signals. SIGKILL is the way to stop at once."""
+    if not stop.is_set():
+        stop.set()
+        return
+    log.warning(
+        "%s: already draining %d accepted requests; they finish first (at most"
+        " --drain-timeout-s %gs). SIGKILL stops at once and drops them",
+        signal.Signals(signum).name,
+        engine.stats().pending,
+        engine.config.drain_timeout_s,
+    )
+
+
+def _on_hangup(
+    engine: Engine, stop: asyncio.Event, settings: Callable[[], tuple[Config, str]] | None
+) -> None:
+    """SIGHUP: a reload while serving; logged and ignored while draining, or when the
+    server was started without settings to read again."""
+    if stop.is_set():
+        log.warning("SIGHUP ignored: the server is draining")
+    elif settings is None:
+        log.warning("SIGHUP ignored: this server has no settings to read again")
+    else:
+        _reload(engine, settings)
 
 
 def tune_for_serving() -> None:

@@ -187,3 +187,56 @@ async def test_real_process_exits_on_sigterm_while_a_device_is_hung():
             assert sorted(devices.values()) == ["hung", "idle"]
         process.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(process.wait(), 30) == 0
+
+
+async def _log_line(process: asyncio.subprocess.Process, text: str) -> str:
+    """The server's next log line on stderr that contains `text` (the earlier ones skipped);
+    fails if the process exits first."""
+    assert process.stderr is not None
+    while line := (await process.stderr.readline()).decode():
+        if text in line:
+            return line
+    pytest.fail(f"the server exited ({await process.wait()}) before logging {text!r}")
+
+
+async def test_real_process_drains_through_repeated_signals(tmp_path):
+    """A second SIGTERM, a SIGINT and a SIGHUP during the drain drop nothing it accepted."""
+    os.mkfifo(tmp_path / "entered")
+    os.mkfifo(tmp_path / "release")
+    async with real_server(
+        "--devices", "sim:1", "--fn-per-device", "tests.sample_models:fifo_gated",
+        env={"BATCHSERVE_TEST_FIFOS": str(tmp_path)}, stderr=asyncio.subprocess.PIPE,
+    ) as (process, _, url), aiohttp.ClientSession(url) as session:  # fmt: skip
+        inputs = [f"in{i}" for i in range(4)]
+        posts = [
+            asyncio.ensure_future(session.post("/api/inference", json={"input": text}))
+            for text in inputs
+        ]
+        entered = int(await asyncio.to_thread((tmp_path / "entered").read_text))
+        for _ in range(10_000):  # until the server holds them all (one in the device)
+            stats = await (await session.get("/api/stats")).json()
+            if stats["queued"] + entered == len(inputs):
+                break
+        else:
+            pytest.fail(f"the server never held every request: {stats}")
+        async with asyncio.timeout(60):  # a hang guard only
+            process.send_signal(signal.SIGTERM)
+            await _log_line(process, "stopping: draining")
+            process.send_signal(signal.SIGHUP)
+            await _log_line(process, "SIGHUP ignored: the server is draining")
+            process.send_signal(signal.SIGTERM)
+            await _log_line(process, "SIGTERM: already draining")
+            process.send_signal(signal.SIGINT)
+            await _log_line(process, "SIGINT: already draining")
+            assert not any(post.done() for post in posts)
+            await asyncio.to_thread((tmp_path / "release").write_text, "g")
+            while entered < len(inputs):  # the rest, in whatever batches they form
+                entered += int(await asyncio.to_thread((tmp_path / "entered").read_text))
+                await asyncio.to_thread((tmp_path / "release").write_text, "g")
+            answers = await asyncio.gather(*posts)
+            assert [answer.status for answer in answers] == [200] * len(inputs)
+            outputs = [(await answer.json())["output"] for answer in answers]
+            assert outputs == [text[::-1] for text in inputs]
+            assert process.stderr is not None
+            await process.stderr.read()
+            assert await process.wait() == 0
