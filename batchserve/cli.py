@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import dataclasses
 import functools
 import gc
@@ -22,6 +21,7 @@ from .engine import Engine
 from .errors import StartupError
 from .live_config import read_config_file
 from .server import AppRunner, create_app
+from .uds import UnixSocketPath
 
 log = logging.getLogger("batchserve")
 
@@ -63,7 +63,8 @@ _FLAGS: list[tuple[str, Callable[[str], object], str]] = [
     (
         "uds",
         str,
-        "also serve on this Unix domain socket path (a sidecar's local door; see --uds-mode)",
+        "also serve on this Unix domain socket path (a sidecar's local door; see --uds-mode);"
+        " a path holding a file or a live socket is refused, a stale socket replaced",
     ),
     ("uds-mode", _octal, "the socket file's permissions, in octal; 600 lets only this user"),
     (
@@ -359,8 +360,9 @@ async def serve(engine: Engine, settings: Callable[[], tuple[Config, str]] | Non
     runner = AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5)
     await runner.setup()
     loop = asyncio.get_running_loop()
+    uds = UnixSocketPath(config.uds) if config.uds else None
     try:
-        where = await _listen(runner, config)
+        where = await _listen(runner, config, uds)
         tune_for_serving()
         models = ",".join(
             f"{model['name']}@{version['version']}"
@@ -398,9 +400,8 @@ async def serve(engine: Engine, settings: Callable[[], tuple[Config, str]] | Non
         finally:
             for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                 loop.remove_signal_handler(signum)
-            if config.uds:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(config.uds)
+            if uds is not None:
+                uds.release()
 
 
 def _on_stop_signal(engine: Engine, stop: asyncio.Event, signum: int) -> None:
@@ -460,25 +461,28 @@ def _reload(engine: Engine, settings: Callable[[], tuple[Config, str]]) -> None:
                     ", ".join(changes.kept))  # fmt: skip
 
 
-async def _listen(runner: web.AppRunner, config: Config) -> str:
+async def _listen(runner: web.AppRunner, config: Config, uds: UnixSocketPath | None) -> str:
     """Starts the TCP site (unless --tcp off) and the Unix socket's (--uds); returns where
-    they listen, in words. The runner owns them and closes them in its cleanup."""
+    they listen, in words. The runner owns them and closes them in its cleanup; `uds`
+    refuses a path in use and removes only the socket this process made."""
     where: list[str] = []
     if config.tcp:
         tcp = web.TCPSite(runner, config.host, config.port, backlog=4096)
         await _start(tcp, f"{config.host}:{config.port}")
         host, port = runner.addresses[0][:2]
         where.append(f"http://{host}:{port}")
-    if config.uds:
-        unix = web.UnixSite(runner, config.uds, backlog=4096)
+    if uds is not None:
+        uds.claim()
+        unix = web.UnixSite(runner, uds.path, backlog=4096)
         # The socket is created with the mode asked for, never briefly wider.
         umask = os.umask(0o777 & ~config.uds_mode)
         try:
-            await _start(unix, config.uds)
+            await _start(unix, uds.path)
         finally:
             os.umask(umask)
-        os.chmod(config.uds, config.uds_mode)
-        where.append(f"unix:{config.uds}")
+        uds.bound()
+        os.chmod(uds.path, config.uds_mode)
+        where.append(f"unix:{uds.path}")
     return " and ".join(where)
 
 

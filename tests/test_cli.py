@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from batchserve.cli import _FLAGS, build_parser, config_from_args, serve
+from batchserve.client import AsyncClient
 from batchserve.config import Config
 from batchserve.engine import Engine
 from batchserve.errors import NotReady
@@ -240,3 +241,50 @@ async def test_real_process_drains_through_repeated_signals(tmp_path):
             assert process.stderr is not None
             await process.stderr.read()
             assert await process.wait() == 0
+
+
+def test_uds_refuses_a_path_that_is_not_a_socket_and_leaves_it(tmp_path):
+    path = tmp_path / "bs.sock"
+    path.write_text("precious")
+    result = run_cli("--tcp", "off", "--uds", str(path), "--devices", "sim:1")
+    assert result.returncode == 1
+    assert result.stderr == (
+        f"python -m batchserve: error: --uds {path}: something that is not a socket is there;"
+        " remove it or choose another path\n"
+    )
+    assert path.read_text() == "precious"
+
+
+def test_uds_refuses_a_socket_another_process_listens_on(tmp_path):
+    path = str(tmp_path / "bs.sock")
+    with socket.socket(socket.AF_UNIX) as other:
+        other.bind(path)
+        other.listen()
+        result = run_cli("--tcp", "off", "--uds", path, "--devices", "sim:1")
+        assert result.returncode == 1
+        assert result.stderr == (
+            f"python -m batchserve: error: --uds {path}: another process is listening on it;"
+            " stop it or choose another path\n"
+        )
+        with socket.socket(socket.AF_UNIX) as client:
+            client.connect(path)  # still the other process's
+            accepted, _ = other.accept()
+            accepted.close()
+
+
+async def test_uds_replaces_a_stale_socket_and_removes_only_its_own(tmp_path):
+    path = str(tmp_path / "bs.sock")
+    with socket.socket(socket.AF_UNIX) as dead:
+        dead.bind(path)  # closed without removing the file: a crashed process's leftover
+    async with real_server("--tcp", "off", "--uds", path, "--devices", "sim:1") as server:
+        async with AsyncClient(uds=path) as client:
+            assert (await client.infer("abc")).output == "cba"
+        # Another process takes the path over while this one runs (say an operator removed
+        # the file and started a second instance); this one's exit must leave it alone.
+        with socket.socket(socket.AF_UNIX) as successor:
+            os.unlink(path)
+            successor.bind(path)
+            theirs = os.stat(path).st_ino
+            server.process.terminate()
+            assert await server.process.wait() == 0
+            assert os.stat(path).st_ino == theirs
