@@ -123,7 +123,11 @@ _FLAGS: list[tuple[str, Callable[[str], object], str]] = [
         float,
         "longest the oldest queued request waits for its batch to fill while a device is free",
     ),
-    ("timeout-ms", float, "default and largest per-request deadline; later answers are 504"),
+    (
+        "timeout-ms",
+        float,
+        "default and largest per-request deadline; later answers are 504 (at most 86400000)",
+    ),
     ("max-queue", int, "requests waiting at most; beyond it new ones get 503 OVERLOADED"),
     ("max-input-bytes", int, "largest input (UTF-8 bytes); larger gets 413 INPUT_TOO_LARGE"),
     (
@@ -167,7 +171,11 @@ _FLAGS: list[tuple[str, Callable[[str], object], str]] = [
         "on: one JSON line per answered request on stdout (ids, status, timings, batch,"
         " device; never the input)",
     ),
-    ("result-ttl-s", float, "how long the status API keeps a finished request's answer"),
+    (
+        "result-ttl-s",
+        float,
+        "how long the status API keeps a finished request's answer (at most 31536000, a year)",
+    ),
     (
         "result-store",
         str,

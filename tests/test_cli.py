@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import signal
 import socket
@@ -18,7 +19,7 @@ from batchserve.cli import _FLAGS, build_parser, config_from_args, serve
 from batchserve.client import AsyncClient
 from batchserve.config import Config
 from batchserve.engine import Engine
-from batchserve.errors import NotReady
+from batchserve.errors import NotReady, StartupError
 
 from .conftest import ROOT, real_server
 
@@ -121,6 +122,14 @@ def test_switches_take_on_and_off_from_flags_and_the_environment(monkeypatch):
         (
             ["--fn-per-device", "tests.sample_models:broken"],
             "device sim:0 failed to load: RuntimeError: no weights found",
+        ),
+        (
+            ["--timeout-ms", "inf", "--result-store", "redis://127.0.0.1:9/0"],
+            "timeout_ms must be more than 0 and at most 86400000 (a day)",
+        ),
+        (
+            ["--result-ttl-s", "1e300", "--result-store", "redis://127.0.0.1:9/0"],
+            "result_ttl_s must be between 0 and 31536000 (a year)",
         ),
     ],
 )
@@ -288,3 +297,20 @@ async def test_uds_replaces_a_stale_socket_and_removes_only_its_own(tmp_path):
             server.process.terminate()
             assert await server.process.wait() == 0
             assert os.stat(path).st_ino == theirs
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"timeout_ms": math.inf}, "timeout_ms must be more than 0 and at most 86400000"),
+        ({"timeout_ms": math.nan}, "timeout_ms must be more than 0 and at most 86400000"),
+        ({"timeout_ms": 1e300}, "timeout_ms must be more than 0 and at most 86400000"),
+        ({"result_ttl_s": math.inf}, "result_ttl_s must be between 0 and 31536000"),
+        ({"drain_timeout_s": math.inf}, "drain_timeout_s must be finite, not inf or nan"),
+        ({"sim_cost": (1.0, math.inf)}, "sim_cost must be finite, not inf or nan"),
+    ],
+)
+def test_settings_refuse_infinite_and_absurd_numbers(settings, message):
+    with pytest.raises(StartupError) as refused:
+        Config(**settings)
+    assert str(refused.value) == message or str(refused.value).startswith(f"{message} ")
