@@ -157,3 +157,25 @@ async def test_deleted_versions_leave_no_metric_series(served):
     assert len(after) == len(before)
     assert not [line for line in after if 'version="v' in line]
     assert len(after) == len(set(after))  # no series twice (Prometheus refuses that scrape)
+
+
+async def test_a_version_whose_warm_up_fails_serves_only_where_it_passed(
+    served, caplog, monkeypatch
+):
+    client, engine = served
+    cold = {"fn_per_device": "tests.sample_models:cold_on_sim1", "devices": "sim:2"}
+    assert (await client.put(ROUTE, json=cold, headers=AUTH)).status == 202
+    await engine.settled()
+    assert (await versions(client))["2"]["devices"] == ["sim:0"]
+    assert "device sim:1 failed to load a@2: its warm-up batch failed" in caplog.text
+    for n in range(4):
+        answer = await client.post(
+            "/api/inference", json={"input": f"x{n}", "model": "a", "version": "2"}
+        )
+        assert (await answer.json())["output"] == f"warm|x{n}"
+    monkeypatch.setenv("BATCHSERVE_TEST_COLD", "*")  # now it fails everywhere: not added
+    other = "/admin/models/a/versions/3"
+    assert (await client.put(other, json=cold, headers=AUTH)).status == 202
+    await engine.settled()
+    assert "3" not in await versions(client)
+    assert "a@3 loaded on no device and is not added" in caplog.text
