@@ -146,7 +146,13 @@ class Batcher:
         self.batch_fill: Counter[tuple[str, str, str]] = Counter()
         """Per (model, version, kind): batches sent ("batches") and requests in them
         ("requests"). Keyed by names, not the version object, so a removed version is not
-        kept, and one added again under its name counts on in the same series."""
+        kept; `forget` drops a removed version's counts."""
+
+    def forget(self, model: str, version: str) -> None:
+        """Drops the counts of a version that was removed, so that adding and removing
+        versions does not grow them (or the metric series read from them)."""
+        for kind in ("batches", "requests"):
+            self.batch_fill.pop((model, version, kind), None)
 
     def __repr__(self) -> str:
         s = self.stats()

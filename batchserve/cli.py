@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import dataclasses
 import functools
 import gc
@@ -22,6 +21,7 @@ from .engine import Engine
 from .errors import StartupError
 from .live_config import read_config_file
 from .server import AppRunner, create_app
+from .uds import UnixSocketPath
 
 log = logging.getLogger("batchserve")
 
@@ -63,7 +63,8 @@ _FLAGS: list[tuple[str, Callable[[str], object], str]] = [
     (
         "uds",
         str,
-        "also serve on this Unix domain socket path (a sidecar's local door; see --uds-mode)",
+        "also serve on this Unix domain socket path (a sidecar's local door; see --uds-mode);"
+        " a path holding a file or a live socket is refused, a stale socket replaced",
     ),
     ("uds-mode", _octal, "the socket file's permissions, in octal; 600 lets only this user"),
     (
@@ -148,7 +149,11 @@ _FLAGS: list[tuple[str, Callable[[str], object], str]] = [
         float,
         "longest the oldest queued request waits for its batch to fill while a device is free",
     ),
-    ("timeout-ms", float, "default and largest per-request deadline; later answers are 504"),
+    (
+        "timeout-ms",
+        float,
+        "default and largest per-request deadline; later answers are 504 (at most 86400000)",
+    ),
     ("max-queue", int, "requests waiting at most; beyond it new ones get 503 OVERLOADED"),
     ("max-input-bytes", int, "largest input (UTF-8 bytes); larger gets 413 INPUT_TOO_LARGE"),
     (
@@ -221,7 +226,11 @@ _FLAGS: list[tuple[str, Callable[[str], object], str]] = [
         "on: one JSON line per answered request on stdout (ids, status, timings, batch,"
         " device; never the input)",
     ),
-    ("result-ttl-s", float, "how long the status API keeps a finished request's answer"),
+    (
+        "result-ttl-s",
+        float,
+        "how long the status API keeps a finished request's answer (at most 31536000, a year)",
+    ),
     (
         "result-store",
         str,
@@ -418,8 +427,9 @@ async def serve(engine: Engine, settings: Callable[[], tuple[Config, str]] | Non
     runner = AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5)
     await runner.setup()
     loop = asyncio.get_running_loop()
+    uds = UnixSocketPath(config.uds) if config.uds else None
     try:
-        where = await _listen(runner, config)
+        where = await _listen(runner, config, uds)
         tune_for_serving()
         models = ",".join(
             f"{model['name']}@{version['version']}"
@@ -433,29 +443,61 @@ async def serve(engine: Engine, settings: Callable[[], tuple[Config, str]] | Non
             flush=True,
         )
         stop = asyncio.Event()
+        # Installed until the drain has answered everything: a signal's default action
+        # would kill the process and drop every request it holds.
         for signum in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(signum, stop.set)
-        if settings is not None:
-            loop.add_signal_handler(signal.SIGHUP, _reload, engine, settings)
+            loop.add_signal_handler(signum, _on_stop_signal, engine, stop, signum)
+        loop.add_signal_handler(signal.SIGHUP, _on_hangup, engine, stop, settings)
         waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(engine.failed.wait())]
         await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         for wait in waits:
             wait.cancel()
         await asyncio.gather(*waits, return_exceptions=True)
+        stop.set()  # failed or stopping: no reload from here on
         if engine.failed.is_set():
             log.critical("exiting 1: %s", engine.failure)
             return 1
         log.info("stopping: draining %d accepted requests", engine.stats().pending)
         return 0
     finally:
-        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            loop.remove_signal_handler(signum)
-        # Closes the listeners, then each connection once its request in hand is answered;
-        # drains the engine (server.py's on_shutdown) and stops it.
-        await runner.cleanup()
-        if config.uds:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(config.uds)
+        try:
+            # Closes the listeners, then each connection once its request in hand is
+            # answered; drains the engine (server.py's on_shutdown) and stops it.
+            await runner.cleanup()
+        finally:
+            for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+                loop.remove_signal_handler(signum)
+            if uds is not None:
+                uds.release()
+
+
+def _on_stop_signal(engine: Engine, stop: asyncio.Event, signum: int) -> None:
+    """SIGTERM or SIGINT: the first starts the drain; a later one only says how it stands,
+    since every request accepted is answered (or, past --drain-timeout-s, answered 503)
+    whatever the signals. SIGKILL is the way to stop at once."""
+    if not stop.is_set():
+        stop.set()
+        return
+    log.warning(
+        "%s: already draining %d accepted requests; they finish first (at most"
+        " --drain-timeout-s %gs). SIGKILL stops at once and drops them",
+        signal.Signals(signum).name,
+        engine.stats().pending,
+        engine.config.drain_timeout_s,
+    )
+
+
+def _on_hangup(
+    engine: Engine, stop: asyncio.Event, settings: Callable[[], tuple[Config, str]] | None
+) -> None:
+    """SIGHUP: a reload while serving; logged and ignored while draining, or when the
+    server was started without settings to read again."""
+    if stop.is_set():
+        log.warning("SIGHUP ignored: the server is draining")
+    elif settings is None:
+        log.warning("SIGHUP ignored: this server has no settings to read again")
+    else:
+        _reload(engine, settings)
 
 
 def tune_for_serving() -> None:
@@ -486,25 +528,28 @@ def _reload(engine: Engine, settings: Callable[[], tuple[Config, str]]) -> None:
                     ", ".join(changes.kept))  # fmt: skip
 
 
-async def _listen(runner: web.AppRunner, config: Config) -> str:
+async def _listen(runner: web.AppRunner, config: Config, uds: UnixSocketPath | None) -> str:
     """Starts the TCP site (unless --tcp off) and the Unix socket's (--uds); returns where
-    they listen, in words. The runner owns them and closes them in its cleanup."""
+    they listen, in words. The runner owns them and closes them in its cleanup; `uds`
+    refuses a path in use and removes only the socket this process made."""
     where: list[str] = []
     if config.tcp:
         tcp = web.TCPSite(runner, config.host, config.port, backlog=4096)
         await _start(tcp, f"{config.host}:{config.port}")
         host, port = runner.addresses[0][:2]
         where.append(f"http://{host}:{port}")
-    if config.uds:
-        unix = web.UnixSite(runner, config.uds, backlog=4096)
+    if uds is not None:
+        uds.claim()
+        unix = web.UnixSite(runner, uds.path, backlog=4096)
         # The socket is created with the mode asked for, never briefly wider.
         umask = os.umask(0o777 & ~config.uds_mode)
         try:
-            await _start(unix, config.uds)
+            await _start(unix, uds.path)
         finally:
             os.umask(umask)
-        os.chmod(config.uds, config.uds_mode)
-        where.append(f"unix:{config.uds}")
+        uds.bound()
+        os.chmod(uds.path, config.uds_mode)
+        where.append(f"unix:{uds.path}")
     return " and ".join(where)
 
 

@@ -5,7 +5,9 @@ deadline as `X-Request-Timeout-Ms`, so the server never works past it. An answer
 (and a replica that refuses the connection) is retried after the server's Retry-After with
 jitter, but never past the deadline: when the wait would cross it, the call raises
 `DeadlineExceeded` at once. Every error answer raises a `ServerError` subclass carrying the
-server's status, code, message and request id.
+server's status, code, message and request id; a success answer without a field the call
+needs (a proxy's page, say) raises `UnexpectedAnswer`, and fields an older server may not send
+(an answer's model, version, latency, batch size) are None when absent.
 
     from batchserve.client import Client
     with Client("http://127.0.0.1:8000") as client:     # or Client(uds="/run/batchserve.sock")
@@ -73,6 +75,11 @@ class Unavailable(ServerError):
     allows."""
 
 
+class UnexpectedAnswer(ServerError):
+    """A success answer the client cannot read: not JSON, or without a field the call
+    needs (a proxy's page, a server of another kind); `status` is the answer's."""
+
+
 class DeadlineExceeded(ServerError):
     """504 from the server, or the caller's deadline passed (or would, before the retry the
     server asked for) on this side; `last_error` is the answer that was being retried."""
@@ -91,12 +98,14 @@ _BY_STATUS: dict[int, type[ServerError]] = {
 
 @dataclass(frozen=True, slots=True)
 class Inference:
+    """An answer; the fields after `request_id` are None where the server sent none."""
+
     output: Any
     request_id: str
-    model: str
-    version: str
-    latency_ms: float
-    batch_size: int
+    model: str | None
+    version: str | None
+    latency_ms: float | None
+    batch_size: int | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,15 +126,28 @@ class Generated:
     request_id: str
 
 
-def _inference(body: Mapping[str, Any]) -> Inference:
+def _inference(body: Mapping[str, Any], status: int = 200) -> Inference:
+    request_id = _need(body, "request_id", "", status)
     return Inference(
-        body["output"],
-        body["request_id"],
-        body["model"],
-        body["version"],
-        body["latency_ms"],
-        body["batch_size"],
+        _need(body, "output", request_id, status),
+        request_id,
+        body.get("model"),
+        body.get("version"),
+        body.get("latency_ms"),
+        body.get("batch_size"),
     )
+
+
+def _need(body: Mapping[str, Any], name: str, request_id: str, status: int = 200) -> Any:
+    """A field the call cannot do without; UnexpectedAnswer if the answer lacks it."""
+    if name not in body:
+        raise UnexpectedAnswer(
+            status,
+            "UNEXPECTED_ANSWER",
+            f"the answer has no {name!r} field: {str(body)[:200]}",
+            str(body.get("request_id", request_id)),
+        )
+    return body[name]
 
 
 def _error(status: int, body: Mapping[str, Any], request_id: str) -> ServerError:
@@ -145,6 +167,13 @@ def _error(status: int, body: Mapping[str, Any], request_id: str) -> ServerError
         str(body.get("request_id", request_id)),
         retry_ms / 1e3 if isinstance(retry_ms, int | float) else None,
     )
+
+
+def _answer(content: bytes, request_id: str) -> dict[str, Any]:
+    """A success answer's body, with the request id sent where it names none."""
+    body = _body(content)
+    body.setdefault("request_id", request_id)
+    return body
 
 
 def _body(content: bytes) -> dict[str, Any]:
@@ -265,7 +294,22 @@ def _generate_body(
 
 
 def _generated(body: Mapping[str, Any]) -> Generated:
-    return Generated(body["output"], body["tokens"], body["finish_reason"], body["request_id"])
+    request_id = _need(body, "request_id", "")
+    return Generated(
+        _need(body, "output", request_id),
+        _need(body, "tokens", request_id),
+        _need(body, "finish_reason", request_id),
+        request_id,
+    )
+
+
+def _embeddings(body: Mapping[str, Any]) -> list[list[float]]:
+    request_id = str(body.get("request_id", ""))
+    rows = _need(body, "data", request_id)
+    if not isinstance(rows, list) or not all(isinstance(row, dict) for row in rows):
+        raise UnexpectedAnswer(200, "UNEXPECTED_ANSWER", "the answer's 'data' is not a list of"
+                               " objects", request_id)  # fmt: skip
+    return [_need(row, "embedding", request_id) for row in rows]
 
 
 def _poll_path(request_id: str, wait_s: float) -> str:
@@ -274,12 +318,15 @@ def _poll_path(request_id: str, wait_s: float) -> str:
 
 
 def _status(body: Mapping[str, Any], request_id: str) -> Status:
-    status = body["status"]
+    status = _need(body, "status", request_id)
     if status == "completed":
         return Status(request_id, status, result=_inference(body))
     if status == "failed":
-        failure = body["error"]
-        error = _error(failure.get("status", 500), failure, request_id)
+        failure = _need(body, "error", request_id)
+        if not isinstance(failure, dict):
+            failure = {"error": str(failure)}
+        code = failure.get("status")
+        error = _error(code if isinstance(code, int) else 500, failure, request_id)
         return Status(request_id, status, error=error)
     return Status(request_id, status)
 
@@ -350,7 +397,7 @@ class Client:
         """Queues the input and returns its request id at once; `poll` it."""
         answer = self._send("POST", "/api/requests", {"input": input, "model": model}, timeout,
                             request_id)  # fmt: skip
-        return str(answer["request_id"])
+        return str(_need(answer, "request_id", "", 202))
 
     def poll(self, request_id: str, *, wait: float = 0.0, timeout: float | None = None) -> Status:
         """The request's status; `wait` (seconds, below the call's timeout) lets the server
@@ -362,8 +409,7 @@ class Client:
         self, inputs: list[str], *, model: str | None = None, timeout: float | None = None
     ) -> list[list[float]]:
         body = {"input": inputs, "model": model}
-        answer = self._send("POST", "/v1/embeddings", body, timeout, None)
-        return [row["embedding"] for row in answer["data"]]
+        return _embeddings(self._send("POST", "/v1/embeddings", body, timeout, None))
 
     def generate(
         self,
@@ -428,7 +474,7 @@ class Client:
                 )  # fmt: skip
                 wait = attempts.check(response.status_code, response.content)
                 if wait is None:
-                    return _body(response.content)
+                    return _answer(response.content, attempts.request_id)
             except httpx.TimeoutException:
                 attempts.time_left()  # raises DeadlineExceeded
                 raise
@@ -487,7 +533,7 @@ class AsyncClient:
     ) -> str:
         answer = await self._send("POST", "/api/requests", {"input": input, "model": model},
                                   timeout, request_id)  # fmt: skip
-        return str(answer["request_id"])
+        return str(_need(answer, "request_id", "", 202))
 
     async def poll(
         self, request_id: str, *, wait: float = 0.0, timeout: float | None = None
@@ -501,7 +547,7 @@ class AsyncClient:
     ) -> list[list[float]]:
         answer = await self._send("POST", "/v1/embeddings", {"input": inputs, "model": model},
                                   timeout, None)  # fmt: skip
-        return [row["embedding"] for row in answer["data"]]
+        return _embeddings(answer)
 
     async def generate(
         self,
@@ -564,7 +610,7 @@ class AsyncClient:
                 )  # fmt: skip
                 wait = attempts.check(response.status_code, response.content)
                 if wait is None:
-                    return _body(response.content)
+                    return _answer(response.content, attempts.request_id)
             except httpx.TimeoutException:
                 attempts.time_left()  # raises DeadlineExceeded
                 raise

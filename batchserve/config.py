@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
@@ -11,6 +12,11 @@ from .errors import StartupError
 
 BACKEND_BATCH_LIMIT = 100
 """The batch-function contract: at most this many inputs per call."""
+
+TIMEOUT_MS_MAX = 86_400_000.0
+"""The longest request deadline --timeout-ms may set: a day."""
+RESULT_TTL_S_MAX = 31_536_000.0
+"""The longest --result-ttl-s: a year (a store's expiries must be finite milliseconds)."""
 
 PolicyName = Literal["adaptive", "fixed"]
 GenerateMode = Literal["continuous", "static"]
@@ -93,7 +99,10 @@ class Config:
                 f"max_batch_size must be between 1 and {BACKEND_BATCH_LIMIT}",
             ),
             (self.max_linger_ms >= 0, "max_linger_ms must be 0 or more"),
-            (self.timeout_ms > 0, "timeout_ms must be more than 0"),
+            (
+                0 < self.timeout_ms <= TIMEOUT_MS_MAX,
+                f"timeout_ms must be more than 0 and at most {TIMEOUT_MS_MAX:.0f} (a day)",
+            ),
             (self.max_queue >= 1, "max_queue must be 1 or more"),
             (self.max_input_bytes >= 1, "max_input_bytes must be 1 or more"),
             (self.drain_timeout_s >= 0, "drain_timeout_s must be 0 or more"),
@@ -102,7 +111,10 @@ class Config:
                 self.anonymous_tier is None or self.keys_file is not None,
                 "--anonymous-tier needs --keys-file",
             ),
-            (self.result_ttl_s >= 0, "result_ttl_s must be 0 or more"),
+            (
+                0 <= self.result_ttl_s <= RESULT_TTL_S_MAX,
+                f"result_ttl_s must be between 0 and {RESULT_TTL_S_MAX:.0f} (a year)",
+            ),
             (self.result_store_size >= 1, "result_store_size must be 1 or more"),
             (self.batch_timeout_ms >= 0, "batch_timeout_ms must be 0 (derived) or more"),
             (self.retry_budget >= 0, "retry_budget must be 0 or more"),
@@ -153,9 +165,17 @@ class Config:
                 " --fn/--fn-per-device/--generator",
             ),
         ]
+        infinite = [name for name in self._unbounded_numbers() if not _finite(getattr(self, name))]
+        if infinite:
+            rules.append((False, f"{', '.join(infinite)} must be finite, not inf or nan"))
         broken = [message for ok, message in rules if not ok]
         if broken:
             raise StartupError("; ".join(broken))
+
+    def _unbounded_numbers(self) -> list[str]:
+        """The fields of numbers whose rules above set no upper bound, which inf would pass."""
+        bounded = {"timeout_ms", "result_ttl_s"}
+        return [f.name for f in fields(self) if f.name not in bounded]
 
     @property
     def connection_timeouts(self) -> tuple[float, float, float, float]:
@@ -174,6 +194,15 @@ class Config:
     def max_body_bytes(self) -> int:
         """JSON escaping can make one input byte six body bytes (\\u0000); leave room for it."""
         return self.max_input_bytes * 6 + 4096
+
+
+def _finite(value: object) -> bool:
+    """False for a float (or a tuple holding one) that is inf or nan; True for the rest."""
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, tuple):
+        return all(_finite(part) for part in value)
+    return True
 
 
 def read_toml(path: str, flag: str) -> dict[str, Any]:

@@ -512,6 +512,12 @@ class Engine:
         once every device has loaded it and answered a warm-up batch."""
         if self.phase is not Phase.READY:
             raise NotReady(f"the server is {self.phase.value}")
+        if spec.generator is not None:
+            # Only batch models load while serving; built as one, it would ignore the field.
+            raise InvalidInput(
+                "field 'generator': a generation model cannot be added while serving; list it"
+                " in --models and restart"
+            )
         if self._registry.get(spec.name, spec.version) is not None:
             raise Conflict(f"{spec.label} exists; DELETE it first, or PATCH its weight")
         try:
@@ -565,6 +571,10 @@ class Engine:
         )
         self._pool.unload(version)
         self._registry.remove(version)
+        # Its metric series go with it: add/delete cycles must not grow the scrape.
+        self._batcher.forget(version.name, version.version)
+        if self.metrics is not None:
+            self.metrics.forget(version.name, version.version)
         await asyncio.to_thread(_free_device_memory)
         log.info("%s is unloaded", version.spec.label)
 

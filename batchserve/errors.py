@@ -15,6 +15,7 @@ BatchserveError            one request's failure; its class declares the HTTP st
 ├── BackendError           the batch function raised or answered badly     (500)
 ├── Overloaded             the queue is full; carries a retry estimate     (503)
 ├── NotReady               starting, draining, failed or no healthy device (503)
+│   └── StoreUnavailable   the --result-store cannot be reached            (503)
 └── DeadlineExceeded       the request's deadline passed                   (504)
 
 StartupError               bad configuration or a backend that cannot load; the CLI
@@ -107,6 +108,12 @@ class NotReady(BatchserveError):
     def __init__(self, message: str, retry_after_s: float | None = None) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
+
+
+class StoreUnavailable(NotReady):
+    """The shared result store (Redis, SQLite) failed a read or write; retry later."""
+
+    code = "STORE_UNAVAILABLE"
 
 
 class DeadlineExceeded(BatchserveError):

@@ -28,7 +28,7 @@ from .errors import BackendError, BatchserveError, StartupError
 from .faults import MAX_PROBE_DELAY_S, PROBE_INPUT, BatchFailure, FailureKind
 from .item import Key, QueuedRequest, Result
 from .registry import ModelVersion
-from .specs import DEFAULT_MODEL, BatchFn, DeviceFactory
+from .specs import DEFAULT_MODEL, BatchFn
 from .tasks import CrashHandler, TaskSet
 
 log = logging.getLogger(__name__)
@@ -105,6 +105,9 @@ class Device:
     """The pool's count of failed first tries when this device's streak of them began."""
     blame: int = 0
     """Its failed calls since its last success whose every input then succeeded elsewhere."""
+    turns: deque[asyncio.Future[bool]] = field(default_factory=deque)
+    """Calls of the pool's own (a new version's warm-up) waiting for the device to be free:
+    each takes it before the batcher can, once the call inside has returned."""
 
     def call_ended(self, started: float, finished: float) -> None:
         """Counts a call in the busy ratio; the window drops what it no longer covers here
@@ -240,12 +243,14 @@ class GpuPool:
         """Calls `version`'s factory for each of its devices; returns what failed. At
         start-up each load runs on its device's thread. `beside_serving` (a version added
         while serving) loads on a thread of its own, so that the versions already on the
-        device keep serving meanwhile, and runs a warm-up batch of one input through it."""
+        device keep serving meanwhile, then runs a warm-up batch of one input on the
+        device's own thread, in its turn (`_warm_up`); a device whose warm-up fails does
+        not take the version."""
         devices = [
             d for d in self._devices if d.name in version.device_names and d.state in HEALTHY
         ]
         loads: list[Awaitable[BatchFn]] = [
-            asyncio.to_thread(_load_warm, version.factory, d.name)
+            self._load_beside(version, d)
             if beside_serving
             else d.thread.submit(version.factory, d.name)
             for d in devices
@@ -264,6 +269,58 @@ class GpuPool:
             self._sharing.clear()
             version.loaded_on.append(device.name)
         return problems
+
+    async def _load_beside(self, version: ModelVersion, device: Device) -> BatchFn:
+        fn = await asyncio.to_thread(version.factory, device.name)
+        await self._warm_up(device, fn)
+        return fn
+
+    async def _warm_up(self, device: Device, fn: BatchFn) -> None:
+        """One input through `fn` on the device's own thread, once the device is free and
+        taken for it: never beside a batch (the backend contract is one call at a time),
+        and never queued on the thread ahead of a batch whose budget would then run out.
+        Raises StartupError if the call fails or the device leaves service first."""
+        if not await self._take_turn(device):
+            raise StartupError("the device left service before its warm-up batch")
+        try:
+            run = functools.partial(_run_checked, fn, None)
+            await device.thread.submit(run, [WARM_UP_INPUT])
+        except Exception as exc:
+            raise StartupError(f"its warm-up batch failed: {type(exc).__name__}: {exc}") from None
+        finally:
+            if not self._hand_turn(device):
+                device.state = DeviceState.IDLE
+                self._listener.health_changed()  # wakes the batcher for the free device
+
+    async def _take_turn(self, device: Device) -> bool:
+        """Takes the device (busy, holding no batch) for a call of the pool's own as soon
+        as it is free; False if it leaves service first (hung, failing)."""
+        if device.state not in HEALTHY:
+            return False
+        if device.state is DeviceState.IDLE and all(turn.done() for turn in device.turns):
+            device.state = DeviceState.BUSY
+            return True
+        turn: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        device.turns.append(turn)
+        return await turn
+
+    def _hand_turn(self, device: Device) -> bool:
+        """A device just freed goes to the first call of the pool's own that waits for it,
+        not to the batcher; True if one took it."""
+        while device.turns:
+            turn = device.turns.popleft()
+            if not turn.done():  # its waiter may have been cancelled
+                device.state = DeviceState.BUSY
+                turn.set_result(True)
+                return True
+        return False
+
+    def _end_turns(self, device: Device) -> None:
+        """The device left service: what waited for its turn does without it."""
+        while device.turns:
+            turn = device.turns.popleft()
+            if not turn.done():
+                turn.set_result(False)
 
     def unload(self, version: ModelVersion) -> None:
         """Drops `version`'s batch functions, so that its weights can be freed; the caller
@@ -354,6 +411,8 @@ class GpuPool:
         key.version.device_time.add(finished, finished - started)
         if isinstance(returned, Exception):
             self._call_failed(device, batch, key, batch_id, returned)
+            if device.state is DeviceState.IDLE:
+                self._hand_turn(device)
             return
         device.failures.clear()
         device.blame = 0
@@ -363,6 +422,7 @@ class GpuPool:
         outputs = returned
         version = key.version
         version.estimate.observe(finished - started, _padded(batch))
+        self._hand_turn(device)
         # Wake the batcher before the waiting handlers: its wake-up is then queued ahead of
         # theirs, so the device gets its next batch before a hundred responses are written.
         self._listener.batch_done(batch, started, finished)
@@ -460,6 +520,7 @@ class GpuPool:
         restarts; one that answers had two poison inputs in a row, and takes work again."""
         if await self._probe(device):
             device.state = DeviceState.IDLE
+            self._hand_turn(device)
             device.failed_first_tries = 0
             self.faults["device_cleared"] += 1
             log.warning("%s answered its probe after two failed first tries; it takes work again",
@@ -477,6 +538,7 @@ class GpuPool:
         if device.state in HEALTHY:
             self.healthy -= 1
         device.state = DeviceState.FAILING
+        self._end_turns(device)
         device.failures.clear()
         device.blame = 0
         device.failed_first_tries = 0
@@ -543,6 +605,7 @@ class GpuPool:
         key = device.key
         assert key is not None
         device.state = DeviceState.HUNG
+        self._end_turns(device)
         device.busy_since = None
         device.key = None
         device.batch = []
@@ -574,6 +637,7 @@ class GpuPool:
     def _rejoin(self, device: Device, fault: str, how: str) -> None:
         """A device out of service (hung, or failing) takes work again."""
         device.state = DeviceState.IDLE
+        self._hand_turn(device)
         self.healthy += 1
         self.faults[fault] += 1
         log.warning("%s %s; it takes work again", device.name, how)
@@ -605,14 +669,6 @@ class GpuPool:
 
 
 WARM_UP_INPUT = "batchserve warm-up"
-
-
-def _load_warm(factory: DeviceFactory, device: str) -> BatchFn:
-    """Loads a version on `device` and runs one input through it: first calls may compile
-    kernels or fill caches, and a version takes traffic only once it has answered."""
-    fn = factory(device)
-    _run_checked(fn, None, [WARM_UP_INPUT])
-    return fn
 
 
 class Malformed(Exception):

@@ -40,6 +40,11 @@ class _LoopFamily(Collector, Generic[Child]):
         self._make_child = make_child
         self._children: dict[tuple[str, ...], Child] = {}
 
+    def remove_where(self, match: Callable[[tuple[str, ...]], bool]) -> None:
+        """Drops the children whose label values `match` (a removed model version's)."""
+        for values in [values for values in self._children if match(values)]:
+            del self._children[values]
+
     def child(self, *values: str) -> Child:
         """The child of these label values; keep it, as with labels()."""
         child = self._children.get(values)

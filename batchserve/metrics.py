@@ -65,6 +65,7 @@ class Metrics:
         slo_s: float,
     ) -> None:
         self._clock = clock
+        self._versions = registry
         self.registry = CollectorRegistry()
         self._requests = LoopCounters(
             "batchserve_requests",
@@ -139,6 +140,8 @@ class Metrics:
         key = (route, tier, result.model, result.version)
         children = self._answered.get(key)
         if children is None:
+            if self._versions.get(result.model, result.version) is None:
+                return  # answered after its version was removed: its series are gone
             label = f"{result.model}@{result.version}"
             children = self._answered[key] = (
                 self._requests.child(route, "200", tier, "", result.model, result.version),
@@ -148,6 +151,17 @@ class Metrics:
         children[0].value += 1
         self._latency.observe(children[1], latency_s)
         children[2].add(now, latency_s, result)
+
+    def forget(self, model: str, version: str) -> None:
+        """Removes every series of a model version that was removed (and what the dashboard
+        keeps of it), so that versions added and deleted over time do not grow the scrape."""
+        self._requests.remove_where(lambda values: values[4:] == (model, version))
+        self._latency.remove_where(lambda values: values == (model, version))
+        for key in [key for key in self._answered if key[2:] == (model, version)]:
+            del self._answered[key]
+        self._windows.pop(f"{model}@{version}", None)
+        for family in (self._ttft, self._tpot, self._generated):
+            family.remove(model, version)  # nothing to remove is not an error
 
     def batch_ran(self, batch: list[QueuedRequest], started: float, finished: float) -> None:
         """Each request's queue wait and the call's duration, for a batch call that succeeded:

@@ -55,10 +55,14 @@ MAX_PATH_SHOWN = 200
 
 
 class InferenceApi:
-    """POST /api/inference, and the probes a load balancer asks."""
+    """POST /api/inference, and the probes a load balancer asks. `store_problem` says why
+    the result store cannot be used now (None while it can), for /readyz."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(
+        self, engine: Engine, store_problem: Callable[[], Awaitable[str | None]] | None = None
+    ) -> None:
         self._engine = engine
+        self._store_problem = store_problem
 
     async def inference(self, request: web.BaseRequest) -> web.Response:
         engine = self._engine
@@ -94,9 +98,15 @@ class InferenceApi:
         return json_response(200, {"status": "alive"})
 
     async def readyz(self, request: web.Request) -> web.Response:
-        """Ready while serving with at least one healthy device; lists each device."""
+        """Ready while serving with at least one healthy device and a result store that
+        answers; lists each device, and the store's problem if it has one."""
         ready, status = self._engine.readiness()
-        body = {"status": status, "devices": self._engine.device_states()}
+        body: dict[str, object] = {"status": status, "devices": self._engine.device_states()}
+        if ready and self._store_problem is not None:
+            problem = await self._store_problem()
+            if problem is not None:
+                ready = False
+                body.update(status="result store unavailable", result_store=problem)
         return json_response(200 if ready else 503, body)
 
 
@@ -116,7 +126,8 @@ def create_app(engine: Engine) -> web.Application:
 
     app.cleanup_ctx.append(lifespan)
     app.on_shutdown.append(drain_on_shutdown)
-    app[INFERENCE_KEY] = inference = InferenceApi(engine)
+    status_api = StatusApi(engine)
+    app[INFERENCE_KEY] = inference = InferenceApi(engine, status_api.store_problem)
     app.router.add_post(INFERENCE_PATH, inference.inference)
     app.router.add_get("/api/models", inference.models)
     app.router.add_get("/healthz", inference.healthz)
@@ -134,7 +145,6 @@ def create_app(engine: Engine) -> web.Application:
         app.router.add_put(ADMIN_ROUTE, admin.put)
         app.router.add_patch(ADMIN_ROUTE, admin.patch)
         app.router.add_delete(ADMIN_ROUTE, admin.delete)
-    status_api = StatusApi(engine)
     app.cleanup_ctx.append(status_api.lifespan)  # after the engine's: it submits at start
     app.router.add_post("/api/requests", status_api.submit)
     app.router.add_get("/api/requests/{request_id}", status_api.poll)

@@ -7,23 +7,35 @@ request (its input and the tenant that owns it, state queued) and again when it 
 answer, kept `ttl_s`); a poll that this replica cannot answer from memory reads it here, so
 it may reach any replica. A queued record whose replica stopped before answering it is run
 again by the next replica to start on the same SQLite file (inference has no side effects).
+
+A store that fails a read or write (Redis down, a disk error) raises `StoreUnavailable`, which
+the door answers 503 with Retry-After; `check` says whether it answers now, for /readyz. The
+detail (addresses, the driver's message) goes to the log, not to clients.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import sqlite3
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple, Protocol, TypeVar
 from urllib.parse import urlsplit
 
 import orjson
 
-from .errors import StartupError
+from .errors import StartupError, StoreUnavailable
+
+log = logging.getLogger(__name__)
 
 Result = TypeVar("Result")
+
+RETRY_AFTER_S = 1.0
+"""What a client refused for a store that failed is told to wait before it tries again."""
+REDIS_TIMEOUT_S = 5.0
+"""Longest a Redis connect or command may take before the store counts as unavailable."""
 
 
 class Record(NamedTuple):
@@ -50,6 +62,35 @@ class SharedRecords(Protocol):
 
     async def unfinished(self) -> list[tuple[str, Record]]:
         """Records accepted and never finished: what a restart runs again."""
+
+    async def check(self) -> None:
+        """Returns if the store answers now; else raises StoreUnavailable."""
+
+
+class _Health:
+    """Turns a store's failures into StoreUnavailable, and logs each change of state once
+    (not once a request) with the driver's detail."""
+
+    def __init__(self, where: str) -> None:
+        self._where = where
+        self._down = False
+
+    async def run(self, work: Awaitable[Result], failures: tuple[type[Exception], ...]) -> Result:
+        try:
+            result = await work
+        except failures as exc:
+            if not self._down:
+                self._down = True
+                log.error("--result-store %s is unavailable: %s: %s", self._where,
+                          type(exc).__name__, exc)  # fmt: skip
+            raise StoreUnavailable(
+                f"the result store is unavailable ({type(exc).__name__}); retry later",
+                RETRY_AFTER_S,
+            ) from None
+        if self._down:
+            self._down = False
+            log.warning("--result-store %s answers again", self._where)
+        return result
 
 
 def open_records(url: str, unfinished_ttl_s: float) -> SharedRecords | None:
@@ -83,6 +124,7 @@ class SqliteRecords:
         self._path = path
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="batchserve-sqlite")
         self._db: sqlite3.Connection | None = None
+        self._health = _Health(f"sqlite://{path}")
 
     async def _run(self, work: Callable[[sqlite3.Connection], Result]) -> Result:
         def call() -> Result:
@@ -90,7 +132,8 @@ class SqliteRecords:
             with self._db:  # one transaction
                 return work(self._db)
 
-        return await asyncio.get_running_loop().run_in_executor(self._thread, call)
+        done = asyncio.get_running_loop().run_in_executor(self._thread, call)
+        return await self._health.run(done, (sqlite3.Error,))
 
     async def start(self) -> None:
         def connect() -> None:
@@ -148,6 +191,9 @@ class SqliteRecords:
         )
         return [(request_id, _load(data)) for request_id, data in rows]
 
+    async def check(self) -> None:
+        await self._run(lambda db: db.execute("SELECT 1").fetchone())
+
 
 class RedisRecords:
     """One key per request (batchserve:request:<id>), each with its own expiry."""
@@ -162,8 +208,12 @@ class RedisRecords:
                 f"--result-store {url}: needs the redis package: pip install 'batchserve[redis]'"
             ) from None
         self._url = url
-        self._redis = redis.asyncio.Redis.from_url(url)
+        self._redis = redis.asyncio.Redis.from_url(
+            url, socket_connect_timeout=REDIS_TIMEOUT_S, socket_timeout=REDIS_TIMEOUT_S
+        )
         self._unfinished_ttl_ms = max(1, round(unfinished_ttl_s * 1e3))
+        self._health = _Health(url)
+        self._failures: tuple[type[Exception], ...] = (redis.asyncio.RedisError, OSError)
 
     async def start(self) -> None:
         import redis
@@ -176,20 +226,27 @@ class RedisRecords:
     async def close(self) -> None:
         await self._redis.aclose()
 
+    async def _run(self, work: Awaitable[Result]) -> Result:
+        return await self._health.run(work, self._failures)
+
     async def add(self, request_id: str, record: Record) -> bool:
         key = self.PREFIX + request_id
-        return bool(await self._redis.set(key, _dump(record), nx=True, px=self._unfinished_ttl_ms))
+        added = self._redis.set(key, _dump(record), nx=True, px=self._unfinished_ttl_ms)
+        return bool(await self._run(added))
 
     async def finish(self, request_id: str, record: Record, ttl_s: float) -> None:
         key = self.PREFIX + request_id
-        await self._redis.set(key, _dump(record), px=max(1, round(ttl_s * 1e3)))
+        await self._run(self._redis.set(key, _dump(record), px=max(1, round(ttl_s * 1e3))))
 
     async def remove(self, request_id: str) -> None:
-        await self._redis.delete(self.PREFIX + request_id)
+        await self._run(self._redis.delete(self.PREFIX + request_id))
 
     async def get(self, request_id: str) -> Record | None:
-        data = await self._redis.get(self.PREFIX + request_id)
+        data = await self._run(self._redis.get(self.PREFIX + request_id))
         return None if data is None else _load(data)
+
+    async def check(self) -> None:
+        await self._run(self._redis.ping())
 
     async def unfinished(self) -> list[tuple[str, Record]]:
         """Replicas share Redis, so a record queued elsewhere is that replica's to run: none

@@ -9,11 +9,14 @@ deadline, batching and fault handling.
 
 With `--result-store` redis or sqlite, each record is also written there (`shared_records.py`)
 so that a poll reaching another replica, or this one after a restart, finds it; requests a
-stopped replica left queued in an SQLite store run again when it starts.
+stopped replica left queued in an SQLite store run again when it starts. While that store
+fails, a submit or a poll it is needed for is answered 503 STORE_UNAVAILABLE with Retry-After,
+and /readyz turns 503 (`store_problem`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
@@ -25,7 +28,14 @@ from aiohttp import web
 
 from .clock import sleep_until
 from .engine import Engine
-from .errors import BatchserveError, DuplicateRequestId, InvalidInput, NotFound, Overloaded
+from .errors import (
+    BatchserveError,
+    DuplicateRequestId,
+    InvalidInput,
+    NotFound,
+    Overloaded,
+    StoreUnavailable,
+)
 from .http_io import (
     MAX_REQUEST_ID,
     answer_body,
@@ -114,7 +124,8 @@ class StatusApi:
             )
         except BatchserveError as error:
             if self._shared is not None:  # refused: its id is free again, as in memory
-                await self._shared.remove(request_id)
+                with contextlib.suppress(StoreUnavailable):  # else it expires unfinished
+                    await self._shared.remove(request_id)
             return error_response(error, request_id)
         self.store.add(ticket, call.tenant)
         ticket.add_done_callback(functools.partial(self._finished, call.tenant))
@@ -134,13 +145,26 @@ class StatusApi:
             wait_s = _wait_s(request.query.get("wait_ms"))
         except BatchserveError as refused:
             return error_response(refused, request_id)
-        answer = await self._state(request_id, tenant)
-        if answer is not None and answer["status"] in UNFINISHED and wait_s:
-            answer = await self._wait(request_id, tenant, answer, wait_s)
+        try:
+            answer = await self._state(request_id, tenant)
+            if answer is not None and answer["status"] in UNFINISHED and wait_s:
+                answer = await self._wait(request_id, tenant, answer, wait_s)
+        except StoreUnavailable as error:
+            return error_response(error, request_id)
         if answer is None:
             missing = NotFound(f"no request {request_id}: never submitted, or its result expired")
             return error_response(missing, request_id)
         return json_response(200, answer, {"X-Request-Id": request_id})
+
+    async def store_problem(self) -> str | None:
+        """For /readyz: why the shared result store cannot be used now, or None."""
+        if self._shared is None:
+            return None
+        try:
+            await self._shared.check()
+        except StoreUnavailable as error:
+            return str(error)
+        return None
 
     async def _state(self, request_id: str, tenant: Tenant | None) -> dict[str, Any] | None:
         """What a poll says now: from this replica's store, else from the shared one."""

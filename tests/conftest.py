@@ -194,14 +194,19 @@ class RealServer(NamedTuple):
 
 
 @contextlib.asynccontextmanager
-async def real_server(*args: str, env: dict[str, str] | None = None) -> AsyncIterator[RealServer]:
+async def real_server(
+    *args: str, env: dict[str, str] | None = None, stderr: int | None = None
+) -> AsyncIterator[RealServer]:
     """`python -m batchserve --port 0 ARGS` as a user runs it, once it has printed its banner.
+    `stderr=asyncio.subprocess.PIPE` lets a test read its log (and then it must, or the
+    server blocks on a full pipe).
 
     Killed on the way out if the test has not already seen it exit.
     """
     process = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "batchserve", "--port", "0", *args,
         cwd=ROOT, env={**os.environ, **(env or {})}, stdout=asyncio.subprocess.PIPE,
+        stderr=stderr,
     )  # fmt: skip
     try:
         assert process.stdout is not None

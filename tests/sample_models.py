@@ -170,3 +170,16 @@ LOAD_GATE = threading.Event()
 def slow_to_load(device: str):
     assert LOAD_GATE.wait(60), "the test never let the load finish"
     return key_echo_a2
+
+
+def cold_on_sim1(device: str):
+    """Loads everywhere, but its first call (the warm-up of a version added live) raises on
+    sim:1, and every call raises on a device named in BATCHSERVE_TEST_COLD (all: "*")."""
+    cold = os.environ.get("BATCHSERVE_TEST_COLD", "sim:1")
+
+    def run(inputs: list[str]) -> list[str]:
+        if cold in ("*", device):
+            raise RuntimeError(f"no kernels for {device}")
+        return [f"warm|{text}" for text in inputs]
+
+    return run

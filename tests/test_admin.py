@@ -62,6 +62,10 @@ async def test_a_missing_or_wrong_key_is_401_and_changes_nothing(served):
         ({"devices": "sim:9"}, "sim:4, sim:5, sim:6, sim:7, sim:8 is not a device"),
         ({"fn": "tests.sample_models:nope"}, "has no attribute nope"),
         ({"max_batch_size": "big"}, "field 'max_batch_size' must be a int, not str"),
+        (
+            {"generator": "sim", "devices": "sim:2"},
+            "field 'generator': a generation model cannot be added",
+        ),
     ],
 )
 async def test_a_bad_put_is_400_naming_the_field_and_changes_nothing(served, body, message):
@@ -125,28 +129,56 @@ async def test_delete_finishes_what_is_queued_then_unloads(served):
     assert (await client.put(ROUTE, json=A2, headers=AUTH)).status == 202  # it can come back
 
 
-async def test_a_version_removed_and_added_again_counts_on_in_one_series(served):
-    # Its batch counts are kept by name, not by the removed version's object: the scrape
-    # has one series for it (a second with the same labels would make Prometheus refuse
-    # the scrape), and the old object is not held.
+async def test_deleted_versions_leave_no_metric_series(served):
+    """Versions added, answered and deleted, each under a new name: the scrape keeps the same
+    number of series, and none names a deleted version."""
     client, engine = served
-    for _ in range(2):
-        assert (await client.put(ROUTE, json=A2, headers=AUTH)).status == 202
+
+    async def cycle(version: str) -> None:
+        route = f"/admin/models/a/versions/{version}"
+        assert (await client.put(route, json=A2, headers=AUTH)).status == 202
         await engine.settled()
         answer = await client.post(
-            "/api/inference", json={"input": "x", "model": "a", "version": "2"}
+            "/api/inference", json={"input": "x", "model": "a", "version": version}
         )
         assert (await answer.json())["output"] == "a@2||x"
-        assert (await client.delete(ROUTE, headers=AUTH)).status == 202
+        assert (await client.delete(route, headers=AUTH)).status == 202
         await engine.settled()
-    scrape = await (await client.get("/metrics")).text()
-    series = [
-        line for line in scrape.splitlines() if line.startswith("batchserve_batch_fill_total")
-    ]
-    assert (
-        series.count('batchserve_batch_fill_total{kind="requests",model="a",version="2"} 2.0') == 1
-    )
-    assert len(series) == len(set(line.rsplit(" ", 1)[0] for line in series))
+
+    async def series() -> list[str]:
+        scrape = await (await client.get("/metrics")).text()
+        return [line.rsplit(" ", 1)[0] for line in scrape.splitlines() if line[:1] != "#"]
+
+    await cycle("v0")  # the families the first cycle brings (batch sizes, busy time...)
+    before = await series()
+    for n in range(1, 6):
+        await cycle(f"v{n}")
+    after = await series()
+    assert len(after) == len(before)
+    assert not [line for line in after if 'version="v' in line]
+    assert len(after) == len(set(after))  # no series twice (Prometheus refuses that scrape)
+
+
+async def test_a_version_whose_warm_up_fails_serves_only_where_it_passed(
+    served, caplog, monkeypatch
+):
+    client, engine = served
+    cold = {"fn_per_device": "tests.sample_models:cold_on_sim1", "devices": "sim:2"}
+    assert (await client.put(ROUTE, json=cold, headers=AUTH)).status == 202
+    await engine.settled()
+    assert (await versions(client))["2"]["devices"] == ["sim:0"]
+    assert "device sim:1 failed to load a@2: its warm-up batch failed" in caplog.text
+    for n in range(4):
+        answer = await client.post(
+            "/api/inference", json={"input": f"x{n}", "model": "a", "version": "2"}
+        )
+        assert (await answer.json())["output"] == f"warm|x{n}"
+    monkeypatch.setenv("BATCHSERVE_TEST_COLD", "*")  # now it fails everywhere: not added
+    other = "/admin/models/a/versions/3"
+    assert (await client.put(other, json=cold, headers=AUTH)).status == 202
+    await engine.settled()
+    assert "3" not in await versions(client)
+    assert "a@3 loaded on no device and is not added" in caplog.text
 
 
 async def test_an_admin_key_that_is_not_utf_8_is_401(served):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import signal
 import socket
@@ -15,9 +16,10 @@ import pytest
 import torch
 
 from batchserve.cli import _FLAGS, build_parser, config_from_args, serve
+from batchserve.client import AsyncClient
 from batchserve.config import Config
 from batchserve.engine import Engine
-from batchserve.errors import NotReady
+from batchserve.errors import NotReady, StartupError
 
 from .conftest import ROOT, real_server
 
@@ -121,6 +123,14 @@ def test_switches_take_on_and_off_from_flags_and_the_environment(monkeypatch):
             ["--fn-per-device", "tests.sample_models:broken"],
             "device sim:0 failed to load: RuntimeError: no weights found",
         ),
+        (
+            ["--timeout-ms", "inf", "--result-store", "redis://127.0.0.1:9/0"],
+            "timeout_ms must be more than 0 and at most 86400000 (a day)",
+        ),
+        (
+            ["--result-ttl-s", "1e300", "--result-store", "redis://127.0.0.1:9/0"],
+            "result_ttl_s must be between 0 and 31536000 (a year)",
+        ),
     ],
 )
 def test_start_up_errors_are_one_line_and_exit_1(args, message):
@@ -187,3 +197,120 @@ async def test_real_process_exits_on_sigterm_while_a_device_is_hung():
             assert sorted(devices.values()) == ["hung", "idle"]
         process.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(process.wait(), 30) == 0
+
+
+async def _log_line(process: asyncio.subprocess.Process, text: str) -> str:
+    """The server's next log line on stderr that contains `text` (the earlier ones skipped);
+    fails if the process exits first."""
+    assert process.stderr is not None
+    while line := (await process.stderr.readline()).decode():
+        if text in line:
+            return line
+    pytest.fail(f"the server exited ({await process.wait()}) before logging {text!r}")
+
+
+async def test_real_process_drains_through_repeated_signals(tmp_path):
+    """A second SIGTERM, a SIGINT and a SIGHUP during the drain drop nothing it accepted."""
+    os.mkfifo(tmp_path / "entered")
+    os.mkfifo(tmp_path / "release")
+    async with real_server(
+        "--devices", "sim:1", "--fn-per-device", "tests.sample_models:fifo_gated",
+        env={"BATCHSERVE_TEST_FIFOS": str(tmp_path)}, stderr=asyncio.subprocess.PIPE,
+    ) as (process, _, url), aiohttp.ClientSession(url) as session:  # fmt: skip
+        inputs = [f"in{i}" for i in range(4)]
+        posts = [
+            asyncio.ensure_future(session.post("/api/inference", json={"input": text}))
+            for text in inputs
+        ]
+        entered = int(await asyncio.to_thread((tmp_path / "entered").read_text))
+        for _ in range(10_000):  # until the server holds them all (one in the device)
+            stats = await (await session.get("/api/stats")).json()
+            if stats["queued"] + entered == len(inputs):
+                break
+        else:
+            pytest.fail(f"the server never held every request: {stats}")
+        async with asyncio.timeout(60):  # a hang guard only
+            process.send_signal(signal.SIGTERM)
+            await _log_line(process, "stopping: draining")
+            process.send_signal(signal.SIGHUP)
+            await _log_line(process, "SIGHUP ignored: the server is draining")
+            process.send_signal(signal.SIGTERM)
+            await _log_line(process, "SIGTERM: already draining")
+            process.send_signal(signal.SIGINT)
+            await _log_line(process, "SIGINT: already draining")
+            assert not any(post.done() for post in posts)
+            await asyncio.to_thread((tmp_path / "release").write_text, "g")
+            while entered < len(inputs):  # the rest, in whatever batches they form
+                entered += int(await asyncio.to_thread((tmp_path / "entered").read_text))
+                await asyncio.to_thread((tmp_path / "release").write_text, "g")
+            answers = await asyncio.gather(*posts)
+            assert [answer.status for answer in answers] == [200] * len(inputs)
+            outputs = [(await answer.json())["output"] for answer in answers]
+            assert outputs == [text[::-1] for text in inputs]
+            assert process.stderr is not None
+            await process.stderr.read()
+            assert await process.wait() == 0
+
+
+def test_uds_refuses_a_path_that_is_not_a_socket_and_leaves_it(tmp_path):
+    path = tmp_path / "bs.sock"
+    path.write_text("precious")
+    result = run_cli("--tcp", "off", "--uds", str(path), "--devices", "sim:1")
+    assert result.returncode == 1
+    assert result.stderr == (
+        f"python -m batchserve: error: --uds {path}: something that is not a socket is there;"
+        " remove it or choose another path\n"
+    )
+    assert path.read_text() == "precious"
+
+
+def test_uds_refuses_a_socket_another_process_listens_on(tmp_path):
+    path = str(tmp_path / "bs.sock")
+    with socket.socket(socket.AF_UNIX) as other:
+        other.bind(path)
+        other.listen()
+        result = run_cli("--tcp", "off", "--uds", path, "--devices", "sim:1")
+        assert result.returncode == 1
+        assert result.stderr == (
+            f"python -m batchserve: error: --uds {path}: another process is listening on it;"
+            " stop it or choose another path\n"
+        )
+        with socket.socket(socket.AF_UNIX) as client:
+            client.connect(path)  # still the other process's
+            accepted, _ = other.accept()
+            accepted.close()
+
+
+async def test_uds_replaces_a_stale_socket_and_removes_only_its_own(tmp_path):
+    path = str(tmp_path / "bs.sock")
+    with socket.socket(socket.AF_UNIX) as dead:
+        dead.bind(path)  # closed without removing the file: a crashed process's leftover
+    async with real_server("--tcp", "off", "--uds", path, "--devices", "sim:1") as server:
+        async with AsyncClient(uds=path) as client:
+            assert (await client.infer("abc")).output == "cba"
+        # Another process takes the path over while this one runs (say an operator removed
+        # the file and started a second instance); this one's exit must leave it alone.
+        with socket.socket(socket.AF_UNIX) as successor:
+            os.unlink(path)
+            successor.bind(path)
+            theirs = os.stat(path).st_ino
+            server.process.terminate()
+            assert await server.process.wait() == 0
+            assert os.stat(path).st_ino == theirs
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"timeout_ms": math.inf}, "timeout_ms must be more than 0 and at most 86400000"),
+        ({"timeout_ms": math.nan}, "timeout_ms must be more than 0 and at most 86400000"),
+        ({"timeout_ms": 1e300}, "timeout_ms must be more than 0 and at most 86400000"),
+        ({"result_ttl_s": math.inf}, "result_ttl_s must be between 0 and 31536000"),
+        ({"drain_timeout_s": math.inf}, "drain_timeout_s must be finite, not inf or nan"),
+        ({"sim_cost": (1.0, math.inf)}, "sim_cost must be finite, not inf or nan"),
+    ],
+)
+def test_settings_refuse_infinite_and_absurd_numbers(settings, message):
+    with pytest.raises(StartupError) as refused:
+        Config(**settings)
+    assert str(refused.value) == message or str(refused.value).startswith(f"{message} ")

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from aiohttp import web
 
 from batchserve.client import (
     AsyncClient,
@@ -22,6 +23,7 @@ from batchserve.client import (
     Inference,
     InvalidRequest,
     Unavailable,
+    UnexpectedAnswer,
     _Attempts,
 )
 
@@ -231,3 +233,54 @@ async def test_a_deadline_that_runs_out_while_retrying_raises_deadline_exceeded(
         assert raised.value.last_error.code == "OVERLOADED"
         gate.release(2)
         await both_answered(client, held, queued)
+
+
+async def test_an_answer_without_a_field_is_a_typed_error_or_none(aiohttp_server) -> None:
+    """A 200 from an older server (no model, version, latency or batch size) is read with
+    those None; one without what the call needs (a proxy's page) raises UnexpectedAnswer,
+    never a bare KeyError."""
+    answers = {
+        "/api/inference": {"output": "olleh"},
+        "/api/requests": {"status": "queued"},
+        "/api/requests/r1": {"request_id": "r1", "status": "completed", "output": "x"},
+        "/api/requests/r2": {"request_id": "r2"},
+        "/api/requests/r3": {"request_id": "r3", "status": "failed", "error": "BROKEN"},
+        "/v1/embeddings": {"data": [{"index": 0}]},
+        "/api/generate": {"output": "abc"},
+    }
+
+    async def answer(request: web.Request) -> web.Response:
+        if request.can_read_body and (await request.json()).get("input") == "via a proxy":
+            return web.Response(text="<html>welcome</html>", content_type="text/html")
+        return web.json_response(answers[request.path])
+
+    app = web.Application()
+    app.router.add_route("*", "/{path:.*}", answer)
+    server = await aiohttp_server(app)
+    url = str(server.make_url(""))
+    async with AsyncClient(url) as client:
+        old = await client.infer("hello", request_id="mine")
+        assert old == Inference("olleh", "mine", None, None, None, None)
+        assert await client.submit("x", request_id="sent") == "sent"
+        done = await client.poll("r1")
+        assert done.result is not None
+        assert done.result.output == "x"
+        assert (await client.poll("r3")).error is not None
+        for call in (
+            client.poll("r2"),
+            client.embed(["a"]),
+            client.generate("abc"),
+        ):
+            with pytest.raises(UnexpectedAnswer) as caught:
+                await call
+            assert caught.value.code == "UNEXPECTED_ANSWER"
+        with pytest.raises(UnexpectedAnswer, match="no 'output' field"):
+            await client.infer("via a proxy")
+
+    def blocking() -> None:
+        with Client(url) as client:
+            assert client.infer("hello").model is None
+            with pytest.raises(UnexpectedAnswer, match="no 'status' field"):
+                client.poll("r2")
+
+    await asyncio.to_thread(blocking)

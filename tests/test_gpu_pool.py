@@ -13,10 +13,11 @@ from batchserve.backends import POISON_MARKER
 from batchserve.clock import FakeClock
 from batchserve.errors import StartupError
 from batchserve.faults import PROBE_INPUT, BatchFailure, FailureKind
-from batchserve.gpu_pool import GpuPool
+from batchserve.gpu_pool import WARM_UP_INPUT, GpuPool
 from batchserve.item import Key, QueuedRequest, Result
+from batchserve.specs import BatchFn
 
-from .conftest import Factory, GatedBackend, sim_version
+from .conftest import HANG_GUARD_S, Factory, GatedBackend, sim_version
 
 
 @dataclass
@@ -207,3 +208,49 @@ async def test_devices_that_fail_to_load_are_dead_and_none_loading_stops_start_u
     assert (pool.states(), pool.healthy) == ({"sim:0": "idle", "sim:1": "dead"}, 1)
     with pytest.raises(StartupError, match="device sim:0 failed to load: RuntimeError: gone"):
         await pool_of(factory=lambda device: (_ for _ in ()).throw(RuntimeError("gone")))
+
+
+async def test_a_live_added_versions_warm_up_waits_for_the_devices_turn(pool_of, gated):
+    """The warm-up batch of a version added while serving runs on the device's own thread
+    once the batch inside has returned, never beside it (one call per device at a time)."""
+    pool, heard, clock = await pool_of(devices=1)
+    batch, key = batch_of(pool, clock, "ab")
+    pool.dispatch(batch, 1, key)
+    await gated.entered("sim:0")
+    added = sim_version(gated, devices="sim:1")
+    loading = asyncio.ensure_future(pool.load(added, beside_serving=True))
+    [device] = pool.devices
+    async with asyncio.timeout(HANG_GUARD_S):
+        # Polled: the load runs its factory on a thread, which nothing on the loop announces.
+        while not getattr(device, "turns", ()) and len(gated.calls) < 2:  # noqa: ASYNC110
+            await asyncio.sleep(0)
+    calls_meanwhile = list(gated.calls)
+    gated.gate.set()  # before any assertion: a failed test must not leave a thread blocked
+    assert await loading == []
+    assert calls_meanwhile == [("sim:0", ["ab"])]  # the warm-up waited for its turn
+    assert await batch[0].future == Result("ba", 0.0, 0.0, 1, 1, "sim:0")
+    assert gated.calls == [("sim:0", ["ab"]), ("sim:0", [WARM_UP_INPUT])]
+    assert gated.max_concurrent == {"sim:0": 1}
+    assert (added.loaded_on, pool.free_count) == (["sim:0"], 1)
+    assert heard.events[-1] == ("health", None)  # the batcher hears the device is free
+
+
+async def test_a_device_whose_warm_up_fails_does_not_take_the_version(pool_of, gated):
+    gated.gate.set()
+    pool, _, _ = await pool_of(devices=2)
+
+    def no_kernels(inputs: list[str]) -> list[str]:
+        raise RuntimeError("no kernels for this device")
+
+    def picky(device: str) -> BatchFn:
+        return no_kernels if device == "sim:1" else gated(device)
+
+    added = sim_version(picky, devices="sim:2")
+    problems = await pool.load(added, beside_serving=True)
+    assert problems == [
+        "device sim:1 failed to load: its warm-up batch failed: RuntimeError: no kernels for"
+        " this device"
+    ]
+    assert added.loaded_on == ["sim:0"]
+    assert [added in device.fns for device in pool.devices] == [True, False]
+    assert (pool.states(), pool.free_for(added)) == ({"sim:0": "idle", "sim:1": "idle"}, 1)

@@ -158,3 +158,94 @@ async def test_many_submitted_requests_each_get_their_own_answer(start_server):
     answers = [await poll_until_done(client, request_id) for request_id in ids]
     assert [answer["output"] for answer in answers] == [text[::-1] for text in texts]
     assert engine.stats().pending == 0
+
+
+class FakeRedis:
+    """Just enough of Redis's wire protocol (RESP2) for the Redis result store: PING, SET
+    (NX, PX), GET, DEL, and +OK to anything else (the client's CLIENT SETINFO). `stop` closes
+    the listener and every connection, as a Redis that went down would; `start` again serves
+    on the same port (and the same keys)."""
+
+    def __init__(self) -> None:
+        self.data: dict[bytes, bytes] = {}
+        self.port = 0
+        self._server: asyncio.Server | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", self.port)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def stop(self) -> None:
+        assert self._server is not None
+        self._server.close()
+        for writer in list(self._writers):
+            writer.close()
+        await self._server.wait_closed()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._writers.add(writer)
+        try:
+            while header := await reader.readline():
+                args = []
+                for _ in range(int(header[1:])):
+                    size = int((await reader.readline())[1:])
+                    args.append((await reader.readexactly(size + 2))[:-2])
+                writer.write(self._answer(args))
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            self._writers.discard(writer)
+            writer.close()
+
+    def _answer(self, args: list[bytes]) -> bytes:
+        command, *rest = args
+        command = command.upper()
+        if command == b"PING":
+            return b"+PONG\r\n"
+        if command == b"GET":
+            value = self.data.get(rest[0])
+            return b"$-1\r\n" if value is None else b"$%d\r\n%s\r\n" % (len(value), value)
+        if command == b"SET":
+            key, value, *options = rest
+            if b"NX" in (option.upper() for option in options) and key in self.data:
+                return b"$-1\r\n"
+            self.data[key] = value
+            return b"+OK\r\n"
+        if command == b"DEL":
+            return b":%d\r\n" % (self.data.pop(rest[0], None) is not None)
+        return b"+OK\r\n"
+
+
+async def test_a_result_store_that_goes_down_is_a_json_503_and_unready(start_server, gated):
+    gated.gate.set()
+    redis = FakeRedis()
+    await redis.start()
+    client, _ = await start_server(gated, result_store=f"redis://127.0.0.1:{redis.port}/0")
+    done = await submit(client, "before")
+    assert (await poll_until_done(client, done))["output"] == "erofeb"
+    assert (await client.get("/readyz")).status == 200
+    await redis.stop()
+
+    refused = await client.post("/api/requests", json={"input": "x"})
+    assert refused.status == 503
+    assert refused.headers["Retry-After"] == "1"
+    body = await refused.json()
+    assert body["error"] == "STORE_UNAVAILABLE"
+    assert "redis" not in body["message"].lower()  # no address for clients
+    assert (await poll(client, done))["status"] == "completed"  # still held in memory
+    unknown = await client.get("/api/requests/elsewhere")
+    assert unknown.status == 503
+    assert unknown.headers["Retry-After"] == "1"
+    assert (await unknown.json())["error"] == "STORE_UNAVAILABLE"
+    ready = await client.get("/readyz")
+    assert ready.status == 503
+    ready_body = await ready.json()
+    assert ready_body["status"] == "result store unavailable"
+    assert "ConnectionError" in ready_body["result_store"]
+
+    await redis.start()  # back: ready again, and submits are taken
+    assert (await client.get("/readyz")).status == 200
+    again = await submit(client, "after")
+    assert (await poll_until_done(client, again))["output"] == "retfa"
+    await redis.stop()  # the server's own shutdown writes nothing more
