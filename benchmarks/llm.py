@@ -150,15 +150,16 @@ def run(batch):
     direct_s = timed(ours)
     x = torch.randn(batch, hidden, dtype=model.dtype)
     inner = torch.randn(batch, model.config.intermediate_size, dtype=model.dtype)
-    weights = [w for fused in generator._fused for w in (fused.qkv, fused.gate_up)]
-    weights += [layer.self_attn.o_proj.weight for layer in generator._layers]
-    weights += [layer.mlp.down_proj.weight for layer in generator._layers]
+    product = generator._products
+    layers = [(w.qkv, x) for w in generator._weights] + [(w.o, x) for w in generator._weights]
+    layers += [(w.gate_up, x) for w in generator._weights]
+    layers += [(w.down, inner) for w in generator._weights]
     def products():
         with torch.inference_mode():
             for _ in range(TOKENS):
-                for w in weights:
-                    torch.nn.functional.linear(x if w.shape[1] == hidden else inner, w)
-                model.lm_head(x)
+                for weight, rows in layers:
+                    product(rows, weight)
+                product(x, generator._lm_head)
     products_s = timed(products)
     return {"generate": batch * TOKENS / generate_s, "direct": batch * TOKENS / direct_s,
             "products": batch * TOKENS / products_s}

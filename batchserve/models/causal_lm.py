@@ -12,7 +12,8 @@ chunks beside decodes) is not `generate`'s:
 
 - one forward pass a step for every sequence in it: the step's tokens (each decoding
   sequence's one, each prefilling sequence's chunk) are packed into one row, so the
-  projections and MLPs run as single matrix products over all of them;
+  projections and MLPs run as single matrix products over all of them (`linears.py`: fused,
+  and prepacked for oneDNN on the CPU);
 - attention reads the paged cache (`kv_cache.PagedKV`): the decoding sequences together,
   padded to the longest and masked, in one `scaled_dot_product_attention` a layer; a prefill
   chunk on its own, causally masked against its sequence's cached tokens;
@@ -39,6 +40,7 @@ from ..errors import StartupError
 from ..generators import GeneratorSettings, Made, Seq, plain_chat_prompt
 from .detokenizer import Detokenizer
 from .kv_cache import PagedKV
+from .linears import LayerWeights, Products, layer_weights, mlp
 from .sampling import choose_tokens
 
 DTYPE_NAMES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
@@ -90,7 +92,9 @@ class CausalLM:
         )
         self.kv_budget_tokens = min(self.cache.capacity, config.max_position_embeddings)
         self._eos = _eos_ids(model, tokenizer)
-        self._fused = [_fuse(torch, layer) for layer in self._layers]
+        self._products = Products(torch, device)
+        self._weights = [layer_weights(torch, layer, self._products) for layer in self._layers]
+        self._lm_head = self._products.prepare(model.lm_head.weight)
         self._empty_prompt = [
             tokenizer.bos_token_id if tokenizer.bos_token_id is not None else min(self._eos)
         ]
@@ -153,9 +157,11 @@ class CausalLM:
         prefill_views = [
             self._prefill_view(seqs[i].id, held[i].fed, chunks[i]) for i in order[len(decoding) :]
         ]
-        for index, (layer, fused) in enumerate(zip(self._layers, self._fused, strict=True)):
-            x = x + self._attention(index, layer, fused, x, rope, rows, decode_view, prefill_views)
-            x = x + _mlp(torch, layer, fused, layer.post_attention_layernorm(x))
+        products = self._products
+        for index, (layer, weights) in enumerate(zip(self._layers, self._weights, strict=True)):
+            views = (decode_view, prefill_views)
+            x = x + self._attention(index, layer, weights, x, rope, rows, *views)
+            x = x + mlp(layer, weights, products, layer.post_attention_layernorm(x))
         # Logits for each sequence whose chunk reaches the end of what it has to feed.
         ends: list[int] = []
         makers: list[int] = []
@@ -170,7 +176,7 @@ class CausalLM:
         answers = [Made()] * len(seqs)
         if makers:
             last = self.model.model.norm(x[torch.tensor(ends, device=device)])
-            logits = self.model.lm_head(last).float()
+            logits = self._products(last, self._lm_head, self.model.lm_head.bias).float()
             chosen = choose_tokens(
                 torch,
                 logits,
@@ -193,7 +199,7 @@ class CausalLM:
         self,
         index: int,
         layer: Any,
-        fused: _Fused,
+        weights: LayerWeights,
         x: Any,
         rope: tuple[Any, Any],
         rows: Any,
@@ -204,9 +210,8 @@ class CausalLM:
         attention = layer.self_attn
         hidden = layer.input_layernorm(x)
         tokens = hidden.shape[0]
-        q, k, v = torch.nn.functional.linear(hidden, fused.qkv, fused.qkv_bias).split(
-            fused.qkv_sizes, dim=-1
-        )
+        qkv = self._products(hidden, weights.qkv, weights.qkv_bias)
+        q, k, v = qkv.split(weights.qkv_sizes, dim=-1)
         q = q.reshape(tokens, self._heads, self._head_dim)
         k = k.reshape(tokens, self._kv_heads, self._head_dim)
         v = v.reshape(tokens, self._kv_heads, self._head_dim)
@@ -250,7 +255,7 @@ class CausalLM:
             outputs.append(out[0].transpose(0, 1).reshape(chunk, -1))
             start += chunk
         joined = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
-        return attention.o_proj(joined)
+        return self._products(joined, weights.o, attention.o_proj.bias)
 
     def _decode_view(self, seqs: list[Seq], decoding: list[int]) -> tuple[Any, Any] | None:
         """The rows of every decoding sequence, padded to the longest, and the mask that
@@ -359,53 +364,6 @@ def _eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
     if not ids:
         raise StartupError("the model names no end-of-sequence token")
     return frozenset(ids)
-
-
-@dataclass(slots=True, frozen=True)
-class _Fused:
-    """A layer's q, k and v projections as one matrix, and its MLP's gate and up as one: two
-    matrix products instead of five, which a small batch runs much nearer the device's peak.
-    The layer's own weights become views into them, so nothing is held twice."""
-
-    qkv: Any
-    qkv_bias: Any
-    qkv_sizes: tuple[int, int, int]
-    gate_up: Any | None
-    """None: an MLP of another shape, called as it is."""
-
-
-def _fuse(torch: Any, layer: Any) -> _Fused:
-    attention = layer.self_attn
-    projections = [attention.q_proj, attention.k_proj, attention.v_proj]
-    qkv = _stack(torch, projections, "weight")
-    biases = [p.bias for p in projections]
-    qkv_bias = None if any(b is None for b in biases) else _stack(torch, projections, "bias")
-    mlp = layer.mlp
-    gate_up = None
-    llama_mlp = all(hasattr(mlp, name) for name in ("gate_proj", "up_proj", "down_proj", "act_fn"))
-    if llama_mlp and mlp.gate_proj.bias is None and mlp.up_proj.bias is None:
-        gate_up = _stack(torch, [mlp.gate_proj, mlp.up_proj], "weight")
-    sizes = tuple(p.weight.shape[0] for p in projections)
-    return _Fused(qkv, qkv_bias, sizes, gate_up)
-
-
-def _stack(torch: Any, linears: list[Any], name: str) -> Any:
-    """The linears' `name` tensors stacked in one, each linear's now a view of its part."""
-    joined = torch.cat([getattr(linear, name).data for linear in linears])
-    start = 0
-    for linear in linears:
-        size = getattr(linear, name).shape[0]
-        setattr(linear, name, torch.nn.Parameter(joined[start : start + size], requires_grad=False))
-        start += size
-    return joined
-
-
-def _mlp(torch: Any, layer: Any, fused: _Fused, x: Any) -> Any:
-    mlp = layer.mlp
-    if fused.gate_up is None:
-        return mlp(x)
-    gate, up = torch.nn.functional.linear(x, fused.gate_up).chunk(2, dim=-1)
-    return mlp.down_proj(mlp.act_fn(gate) * up)
 
 
 def _rotate_half(torch: Any, x: Any) -> Any:
