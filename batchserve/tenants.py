@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import math
+import re
 import tomllib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -107,7 +108,8 @@ class KeyRing:
     @classmethod
     def load(cls, path: str, anonymous_tier: str | None) -> KeyRing:
         try:
-            data = tomllib.loads(Path(path).read_text())
+            text = Path(path).read_text()
+            data = tomllib.loads(text)
         except (OSError, tomllib.TOMLDecodeError) as exc:
             raise StartupError(f"--keys-file {path}: {exc}") from None
         limits = dict(DEFAULT_LIMITS)
@@ -137,6 +139,11 @@ class KeyRing:
                 raise StartupError(
                     f"--keys-file {path}: key number {number} needs a string tenant, a tier"
                     f" of {', '.join(TIERS)} and, if any, a weight above 0"
+                )
+            if entry["tenant"] == ANONYMOUS:
+                raise StartupError(
+                    f"--keys-file {path}: {_where_tenant(text, number)}: the tenant name"
+                    f" {ANONYMOUS!r} is reserved for requests without a key (--anonymous-tier)"
                 )
             secret = key.encode()
             tenants[hashlib.sha256(secret).digest()] = (
@@ -174,3 +181,15 @@ class KeyRing:
             bucket.refill(now)  # what accrued so far, at the rate it accrued at
             bucket.rate = rate
         return bucket.take(now), bucket
+
+
+_ANONYMOUS_LINE = re.compile(rf"""^\s*tenant\s*=\s*["']{ANONYMOUS}["']""", re.MULTILINE)
+
+
+def _where_tenant(text: str, number: int) -> str:
+    """Where key number `number` names the reserved tenant: its line in the file when a
+    `tenant = "anonymous"` line is there to point at (never the key itself)."""
+    found = _ANONYMOUS_LINE.search(text)
+    if found is None:
+        return f"key number {number}"
+    return f"line {text.count(chr(10), 0, found.start()) + 1} (key number {number})"

@@ -76,6 +76,20 @@ def test_bad_keys_files_stop_start_up_without_printing_a_key(tmp_path, text, mes
     assert "sk-secret" not in str(raised.value)
 
 
+def test_the_reserved_anonymous_tenant_name_stops_start_up_naming_its_line(tmp_path):
+    path = tmp_path / "keys.toml"
+    path.write_text(
+        '[keys."sk-secret-1"]\ntenant = "acme"\ntier = "paid"\n\n'
+        '[keys."sk-secret-2"]\ntenant = "anonymous"\ntier = "free"\n'
+    )
+    with pytest.raises(StartupError, match="keys-file") as raised:
+        KeyRing.load(str(path), anonymous_tier="free")
+    message = str(raised.value)
+    assert "line 6 (key number 2)" in message
+    assert "'anonymous' is reserved" in message
+    assert "sk-secret" not in message
+
+
 def test_tier_rates_are_shares_of_the_live_capacity_unless_pinned(keys_file):
     ring = KeyRing.load(keys_file, anonymous_tier=None)
     acme, hobby = Tenant("acme", "enterprise"), Tenant("hobby", "free")
