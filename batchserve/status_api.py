@@ -57,7 +57,7 @@ class StatusApi:
         config = engine.config
         self.store = ResultStore(capacity=config.result_store_size, ttl_s=config.result_ttl_s)
         self._shared: SharedRecords | None = open_records(
-            config.result_store, config.timeout_ms / 1e3 + config.result_ttl_s
+            config.result_store, config.timeout_ms / 1e3 + config.result_ttl_s, engine.clock
         )
         self._writes = TaskSet(self._write_failed)
         """Records written to the shared store; awaited, not cancelled, at shutdown."""
