@@ -94,6 +94,10 @@ class FairQueue(Generic[Request]):
         for turns in self._turns:
             turns.clear()
 
+    def only(self, tenant: str) -> bool:
+        """Whether every request waiting here is `tenant`'s (True when none waits)."""
+        return all(name == tenant for name in self._tenants)
+
     def head(self, count: int) -> list[Request]:
         """The oldest `count` requests: what the policy judges urgency by."""
         return list(itertools.islice(self._by_arrival.values(), count))

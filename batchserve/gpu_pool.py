@@ -394,11 +394,18 @@ class GpuPool:
     ) -> None:
         """Counts the failure against the device, and hands the batch to the batcher: as
         the device's fault if this failure marks it failing."""
+        shared: BackendError | None = None
         if isinstance(returned, Malformed):
             kind, error = FailureKind.MALFORMED, BackendError(str(returned))
         else:
             kind = FailureKind.RAISED
-            error = BackendError(f"the batch function raised {type(returned).__name__}: {returned}")
+            raised = type(returned).__name__
+            error = BackendError(f"the batch function raised {raised}: {returned}")
+            shared = BackendError(
+                f"the batch function raised {raised} on a batch this request shared with"
+                " others; its message is in the server's log only, since it may name their"
+                " inputs"
+            )
         if not any(request.failed_on for request in batch):  # a first try
             if not device.failed_first_tries:
                 device.streak_from = self._failed_first_tries
@@ -422,18 +429,18 @@ class GpuPool:
             self._failed(
                 batch,
                 key,
-                BatchFailure(FailureKind.SUSPECT_DEVICE, error, device.name, batch_id),
+                BatchFailure(FailureKind.SUSPECT_DEVICE, error, device.name, batch_id, shared),
                 then=f"; {device.name} failed its last first try too, and is probed",
             )
             return
         if device.blame < FAILING_BLAME:
-            self._failed(batch, key, BatchFailure(kind, error, device.name, batch_id))
+            self._failed(batch, key, BatchFailure(kind, error, device.name, batch_id, shared))
             return
         self._mark_failing(device)
         self._failed(
             batch,
             key,
-            BatchFailure(FailureKind.DEVICE_FAILING, error, device.name, batch_id),
+            BatchFailure(FailureKind.DEVICE_FAILING, error, device.name, batch_id, shared),
             then=f"; {device.name} is failing and restarts",
         )
         self._listener.health_changed()
