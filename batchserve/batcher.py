@@ -208,7 +208,7 @@ class Batcher:
         """Forgets a request its handler is done with; it may have been answered while queued
         (timeout, disconnect), and then leaves the queue before any batch is formed."""
         lane = None if request.running else self._lanes.get(request.key)  # ran: not queued
-        if lane is not None and lane.queue.discard(request.request_id):
+        if lane is not None and lane.queue.discard(request):
             self._queued -= 1
             if not lane.queue:
                 del self._lanes[lane.key]

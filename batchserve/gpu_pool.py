@@ -95,8 +95,8 @@ class Device:
     """Time spent in finished batch calls, for the busy ratio."""
     recent_calls: deque[tuple[float, float]] = field(default_factory=deque)
     """(start, end) of the calls that ended in the last BUSY_WINDOW_S."""
-    failures: list[set[str]] = field(default_factory=list)
-    """Per failed call since its last success, the request ids not yet answered elsewhere
+    failures: list[set[Who]] = field(default_factory=list)
+    """Per failed call since its last success, the requests not yet answered elsewhere
     (at most MAX_FAILURES_KEPT calls)."""
     failed_first_tries: int = 0
     """Its failed calls since its last success that held no request that had failed before
@@ -419,7 +419,7 @@ class GpuPool:
         )
         for request in batch:
             request.failed_on += (device.name,)
-        device.failures.append({r.request_id for r in batch})
+        device.failures.append({_who(r) for r in batch})
         del device.failures[:-MAX_FAILURES_KEPT]
         if suspect and device.blame < FAILING_BLAME:
             # A broken device fails fast, so it is the free one most often: left in service
@@ -449,7 +449,7 @@ class GpuPool:
         """A rescued batch succeeded on `device`: where its requests failed before, on other
         devices, a failed call none of whose inputs is left unanswered was the device's
         fault."""
-        answered = {r.request_id for r in batch}
+        answered = {_who(r) for r in batch}
         names = {name for r in batch for name in r.failed_on} - {device.name}
         for other in self._devices:
             if other.name not in names:
@@ -494,7 +494,7 @@ class GpuPool:
         """A poison input explains the failed calls it was in: they no longer count against
         their devices."""
         for device in self._devices:
-            device.failures = [ids for ids in device.failures if request.request_id not in ids]
+            device.failures = [ids for ids in device.failures if _who(request) not in ids]
 
     async def _restart(self, device: Device) -> None:
         """Loads the device's versions again on a fresh thread and probes it; rejoins when
@@ -645,6 +645,14 @@ def _run_checked(fn: BatchFn, params: Mapping[str, Any] | None, inputs: list[str
             problem = f"the batch function returned an output that is not JSON: {exc}"
             raise Malformed(problem) from None
     return returned
+
+
+Who = tuple[str, str, bool]
+"""A request among those in flight: ids are per tenant, so the id alone is not enough."""
+
+
+def _who(request: QueuedRequest) -> Who:
+    return (request.tenant, request.request_id, request.part)
 
 
 def _padded(batch: list[QueuedRequest]) -> int:

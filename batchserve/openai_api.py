@@ -58,6 +58,7 @@ class OpenAIApi:
                     tenant=tenant,
                     arrival=arrival,
                     route="embeddings",
+                    part=len(texts) > 1,
                 )
                 for index, text in enumerate(texts)
             ),

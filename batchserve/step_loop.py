@@ -125,7 +125,7 @@ class StepLoop:
         kept: list[Generation] = []
         for gen in self.running:
             if gen.done or gen.cancelled:
-                self._to_release.append(gen.request_id)
+                self._to_release.append(gen.seq.id)
             else:
                 kept.append(gen)
         self.running = kept
@@ -170,7 +170,7 @@ class StepLoop:
             gen.state = GenState.WAITING
             gen.preemptions += 1
             self._model.preemptions += 1
-            self._to_release.append(gen.request_id)
+            self._to_release.append(gen.seq.id)
             self._model.put_back(gen)
 
     async def _step(self, gens: list[Generation]) -> list[tuple[Generation, str | None]]:
@@ -199,7 +199,7 @@ class StepLoop:
                     self._clock.time(),
                 )
                 return []
-            await self._release([gen.request_id for gen in gens])  # the halves recompute
+            await self._release([gen.seq.id for gen in gens])  # the halves recompute
             half = len(gens) // 2
             made = await self._step(gens[:half])
             if not self.running:  # handed back: the first half's step hung
@@ -240,7 +240,7 @@ class StepLoop:
             budget_s * 1e3,
         )
         handed_back, self.running = self.running, []
-        self._to_release += [gen.request_id for gen in handed_back]  # once it is back
+        self._to_release += [gen.seq.id for gen in handed_back]  # once it is back
         now = self._clock.time()
         self._model.hand_back(handed_back, f"the {what} on {self.device}", budget_s, now)
 
