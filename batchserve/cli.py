@@ -180,6 +180,12 @@ _FLAGS: list[tuple[str, Callable[[str], object], str]] = [
         "most requests the status API holds; the oldest finished go first",
     ),
     (
+        "result-store-bytes",
+        int,
+        "most bytes the status API holds in memory (unfinished inputs, finished answers);"
+        " the oldest finished go first, and a store full of unfinished requests answers 503",
+    ),
+    (
         "batch-timeout-ms",
         float,
         "budget for one batch call or generation step; past it the device counts as hung,"

@@ -55,7 +55,11 @@ class StatusApi:
     def __init__(self, engine: Engine) -> None:
         self._engine = engine
         config = engine.config
-        self.store = ResultStore(capacity=config.result_store_size, ttl_s=config.result_ttl_s)
+        self.store = ResultStore(
+            capacity=config.result_store_size,
+            ttl_s=config.result_ttl_s,
+            max_bytes=config.result_store_bytes,
+        )
         self._shared: SharedRecords | None = open_records(
             config.result_store, config.timeout_ms / 1e3 + config.result_ttl_s, engine.clock
         )
@@ -89,8 +93,13 @@ class StatusApi:
                 raise DuplicateRequestId(
                     f"request id {request_id} is in use until its result expires"
                 )
-            if not self.store.make_room(arrival):
-                raise Overloaded("the status store is full of unfinished requests", 1.0)
+            size = len(call.body.text.encode(errors="surrogatepass"))
+            if not self.store.make_room(arrival, size):
+                raise Overloaded(
+                    "the status store is full of unfinished requests"
+                    " (--result-store-size, --result-store-bytes)",
+                    1.0,
+                )
             if self._shared is not None:
                 queued = {"request_id": request_id, "status": "queued",
                           "submitted": call.body._asdict()}  # fmt: skip
@@ -117,7 +126,7 @@ class StatusApi:
             if self._shared is not None:  # refused: its id is free again, as in memory
                 await self._shared.remove(_shared_id(request_id, call.tenant))
             return error_response(error, request_id)
-        self.store.add(ticket, call.tenant)
+        self.store.add(ticket, call.tenant, size)
         ticket.add_done_callback(functools.partial(self._finished, call.tenant))
         return json_response(
             202,

@@ -158,3 +158,19 @@ async def test_many_submitted_requests_each_get_their_own_answer(start_server):
     answers = [await poll_until_done(client, request_id) for request_id in ids]
     assert [answer["output"] for answer in answers] == [text[::-1] for text in texts]
     assert engine.stats().pending == 0
+
+
+async def test_a_status_store_full_in_bytes_answers_503_with_retry_after(start_server, gated):
+    client, _ = await start_server(gated, result_store_bytes=3000, max_input_bytes=2000)
+    first = await client.post("/api/requests", json={"input": "a" * 2000})
+    assert first.status == 202
+    refused = await client.post("/api/requests", json={"input": "b" * 2000})
+    assert refused.status == 503
+    assert (await refused.json())["error"] == "OVERLOADED"
+    assert refused.headers["Retry-After"] == "1"
+    gated.gate.set()
+    request_id = (await first.json())["request_id"]
+    done = await client.get(f"/api/requests/{request_id}?wait_ms=60000")
+    assert (await done.json())["status"] == "completed"
+    again = await client.post("/api/requests", json={"input": "c" * 2000})
+    assert again.status == 202  # the finished answer made room
