@@ -161,6 +161,12 @@ _FLAGS: list[tuple[str, Callable[[str], object], str]] = [
         " /api/stats; off removes all three, and their per-request cost",
     ),
     (
+        "public-metrics",
+        _on_off,
+        "with --keys-file: on lets anyone read /metrics and /api/stats; off (the default)"
+        ' needs an operator key (role = "operator" in the keys file) or the admin key',
+    ),
+    (
         "access-log",
         _on_off,
         "on: one JSON line per answered request on stdout (ids, status, timings, batch,"

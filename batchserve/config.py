@@ -46,6 +46,8 @@ class Config:
     anonymous_tier: str | None = None
     slo_ms: float = 1000.0
     metrics: bool = True
+    public_metrics: bool = False
+    """With keys: /metrics and /api/stats answer without an operator key."""
     access_log: bool = False
     result_ttl_s: float = 300.0
     result_store: str = "memory"

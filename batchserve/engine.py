@@ -391,6 +391,10 @@ class Engine:
         open (no keys file)."""
         return self._admission.authenticate(authorization)
 
+    def authorize_operator(self, authorization: str | None) -> None:
+        """Raises Unauthenticated unless the caller may read the server's numbers."""
+        self._admission.authorize_operator(authorization)
+
     def record(
         self,
         route: str,

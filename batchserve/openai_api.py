@@ -28,6 +28,7 @@ from .http_io import (
     json_response,
     read_call,
     refuse_unknown_fields,
+    request_id_of,
 )
 from .item import Result
 
@@ -88,7 +89,12 @@ class OpenAIApi:
         return json_response(200, body, {"X-Request-Id": request_id})
 
     async def models(self, request: web.Request) -> web.Response:
-        """GET /v1/models: every model this server runs, batch and generation."""
+        """GET /v1/models: every model this server runs, batch and generation; with API
+        keys, for a caller with a key (or the anonymous tier)."""
+        try:
+            self._engine.authenticate(request.headers.get("Authorization"))
+        except BatchserveError as error:
+            return error_response(error, request_id_of(request)[0], openai_shape=True)
         data = [
             {"id": model["name"], "object": "model", "created": 0, "owned_by": "batchserve"}
             for model in self._engine.models()
