@@ -7,6 +7,7 @@ Time is passed in.
 
 from __future__ import annotations
 
+import hmac
 import math
 from collections.abc import Callable
 
@@ -22,6 +23,8 @@ class Admission:
         self._keys = (
             KeyRing.load(config.keys_file, config.anonymous_tier) if config.keys_file else None
         )
+        self._admin_key = (config.admin_key or "").encode()
+        self._public_numbers = config.public_metrics
 
     def authenticate(self, authorization: str | None) -> Tenant | None:
         """The caller's tenant from `Authorization: Bearer <key>`; None when the server runs
@@ -34,6 +37,24 @@ class Admission:
                 "send Authorization: Bearer <API key>; this one is missing or unknown"
             )
         return tenant
+
+    def authorize_operator(self, authorization: str | None) -> None:
+        """Lets the caller read the server's numbers (/metrics, /api/stats): anyone on a
+        server without keys or with --public-metrics on, else only an operator key (a
+        keys-file entry with role = "operator") or the admin key."""
+        if self._keys is None or self._public_numbers:
+            return
+        scheme, _, given = (authorization or "").partition(" ")
+        secret = given.strip().encode()
+        admin = scheme.lower() == "bearer" and self._admin_key and secret
+        if admin and hmac.compare_digest(secret, self._admin_key):
+            return
+        tenant = self._keys.authenticate(authorization)
+        if tenant is None or not tenant.operator or tenant is self._keys.anonymous:
+            raise Unauthenticated(
+                "send Authorization: Bearer <operator key>: a key whose keys-file entry has"
+                ' role = "operator", or the admin key (or start with --public-metrics on)'
+            )
 
     def take_token(
         self, tenant: Tenant | None, now: float, capacity_rps: Callable[[], float | None]

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from .capacity import DecayedRate
 from .clock import Clock
-from .errors import BackendError, BatchserveError, NotReady, Overloaded
+from .errors import BatchserveError, NotReady, Overloaded
 from .fair_queue import TIER_RANKS, FairQueue, predicted_wait_s
 from .faults import BatchFailure, FailureKind, RetryBudget, plan_recovery
 from .gpu_pool import HEALTHY, GpuPool
@@ -214,7 +214,7 @@ class Batcher:
         """Forgets a request its handler is done with; it may have been answered while queued
         (timeout, disconnect), and then leaves the queue before any batch is formed."""
         lane = None if request.running else self._lanes.get(request.key)  # ran: not queued
-        if lane is not None and lane.queue.discard(request.request_id):
+        if lane is not None and lane.queue.discard(request):
             self._queued -= 1
             if not lane.queue:
                 del self._lanes[lane.key]
@@ -254,6 +254,7 @@ class Batcher:
         """Plans the rescue of a failed batch: split over the free devices, paid for by the
         retry budget, or left for spare device time."""
         # The pool has added this device to each request's failed_on already.
+        error = failure.answer_for(batch)  # before `batch` may become the call's riders
         first_try = not any(request.rider or len(request.failed_on) > 1 for request in batch)
         if first_try and len(batch) > 1:
             self.recoveries["first_try_batches_failed"] += 1
@@ -293,15 +294,12 @@ class Batcher:
             for request in fresh:
                 request.running = False
             self._retries.appendleft((key, fresh))
-        unpaid: list[QueuedRequest] = []
-        waiting = 0
-        in_time = self._in_spare_time(key, recovery.spare)
-        for group, reached in zip(recovery.spare, in_time, strict=True):
-            if reached:
-                self._rescues.append((key, group))
-                waiting += len(group)
-            else:
-                unpaid += group
+        # What the budget cannot pay for waits for spare device time, however long the
+        # wait: never answered 500 for want of it (at worst 504 at its deadline), since
+        # those answered would be innocent requests too, most of them.
+        for group in recovery.spare:
+            self._rescues.append((key, group))
+        waiting = sum(map(len, recovery.spare))
         self.recoveries["waiting_for_spare_time"] += waiting
         if recovery.spare:
             # Spare calls go to the biggest groups first: a call answers its whole group
@@ -309,17 +307,10 @@ class Batcher:
             ranked = sorted(self._rescues, key=lambda waiting: -len(waiting[1]))
             self._rescues = deque(ranked)
         self.recoveries[f"retried_{failure.kind.value}"] += sum(map(len, recovery.retry)) + waiting
-        if unpaid:
-            self.recoveries["not_retried_no_spare_time"] += len(unpaid)
-            error = BackendError(
-                f"{failure.error}; not retried, so innocent inputs may share this answer:"
-                " too many batches are failing for the spare device time (see --retry-budget)"
-            )
-            self._fail(unpaid, error)
         if failure.kind is FailureKind.RAISED and recovery.fail and (len(batch) == 1 or key.poison):
             for request in recovery.fail:
                 self._found_poison(request)
-        self._fail(recovery.fail, failure.error)
+        self._fail(recovery.fail, error)
         self._wakeup.set()
         self._changed()
 
@@ -344,34 +335,6 @@ class Batcher:
         sunk = self._rides_sunk.at(now)
         few_sink = sunk <= RIDE_MAX_SUNK * self._rides_sent.at(now) or sunk < RIDE_PROBE_RATE
         return few_fail and few_sink
-
-    def _in_spare_time(self, key: Key, groups: list[list[QueuedRequest]]) -> list[bool]:
-        """For each of `groups`, in turn, whether spare device time should reach it before
-        its first deadline, after the groups already waiting for it (and those of `groups`
-        let in before it). Where rides pay, spare time is the room fresh batches leave
-        (capacity - arrivals, in requests a second); elsewhere it is the calls the devices'
-        idle share makes, a group each."""
-        version, now = key.version, self._clock.time()
-        capacity, call_s = self.capacity_rps(version), version.estimate.seconds
-        if not capacity or not call_s:
-            return [True] * len(groups)  # nothing measured yet: no grounds to give up
-        idle_share = max(0.0, 1.0 - self._arrival_rate.at(now) / capacity)
-        in_requests = self._rides_pay(key, now)
-        if in_requests:
-            spare_per_s = capacity * idle_share
-            ahead = sum(len(waiting) for _, waiting in self._rescues)
-        else:
-            spare_per_s = self._pool.healthy_for(version) * idle_share / call_s
-            ahead = len(self._rescues)
-        if spare_per_s <= 0:
-            return [False] * len(groups)
-        in_time = []
-        for group in groups:
-            size = len(group) if in_requests else 1
-            fits = now + (ahead + size) / spare_per_s + call_s < min(r.deadline for r in group)
-            ahead += size if fits else 0
-            in_time.append(fits)
-        return in_time
 
     def _fail(self, requests: list[QueuedRequest], error: BatchserveError) -> None:
         for request in requests:
@@ -547,6 +510,7 @@ class Batcher:
                 and self._rides_pay(key, now)
                 and len(group) < lane.max_batch
                 and not group[0].device_retried
+                and lane.queue.only(group[0].tenant)
             )
             if (held and not takes_fresh) or not self._can_run(key, group):
                 continue
@@ -596,6 +560,7 @@ class Batcher:
                 key == lane.key
                 and len(group) <= room
                 and not group[0].device_retried
+                and lane.queue.only(group[0].tenant)  # never sinks another tenant's batch
                 and self._can_run(key, group)
             ):
                 del self._rescues[index]

@@ -221,6 +221,12 @@ _FLAGS: list[tuple[str, Callable[[str], object], str]] = [
         " /api/stats; off removes all three, and their per-request cost",
     ),
     (
+        "public-metrics",
+        _on_off,
+        "with --keys-file: on lets anyone read /metrics and /api/stats; off (the default)"
+        ' needs an operator key (role = "operator" in the keys file) or the admin key',
+    ),
+    (
         "access-log",
         _on_off,
         "on: one JSON line per answered request on stdout (ids, status, timings, batch,"
@@ -242,6 +248,12 @@ _FLAGS: list[tuple[str, Callable[[str], object], str]] = [
         "result-store-size",
         int,
         "most requests the status API holds; the oldest finished go first",
+    ),
+    (
+        "result-store-bytes",
+        int,
+        "most bytes the status API holds in memory (unfinished inputs, finished answers);"
+        " the oldest finished go first, and a store full of unfinished requests answers 503",
     ),
     (
         "batch-timeout-ms",

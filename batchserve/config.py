@@ -61,11 +61,15 @@ class Config:
     anonymous_tier: str | None = None
     slo_ms: float = 1000.0
     metrics: bool = True
+    public_metrics: bool = False
+    """With keys: /metrics and /api/stats answer without an operator key."""
     access_log: bool = False
     result_ttl_s: float = 300.0
     result_store: str = "memory"
     """memory, sqlite:///path/file.db or redis://host:port/db: see shared_records.py."""
     result_store_size: int = 100_000
+    result_store_bytes: int = 256 << 20
+    """What the status store's unfinished inputs and finished answers may take, in bytes."""
     batch_timeout_ms: float = 0.0
     bisect_failures: bool = True
     retry_budget: float = 0.25
@@ -116,6 +120,7 @@ class Config:
                 f"result_ttl_s must be between 0 and {RESULT_TTL_S_MAX:.0f} (a year)",
             ),
             (self.result_store_size >= 1, "result_store_size must be 1 or more"),
+            (self.result_store_bytes >= 1, "result_store_bytes must be 1 or more"),
             (self.batch_timeout_ms >= 0, "batch_timeout_ms must be 0 (derived) or more"),
             (self.retry_budget >= 0, "retry_budget must be 0 or more"),
             (self.retry_reserve >= 0, "retry_reserve must be 0 or more"),

@@ -126,9 +126,12 @@ class Engine:
         self.failed = asyncio.Event()
         """Set when one of the engine's tasks crashed; `failure` says which and why."""
         self.failure: str | None = None
-        self._pending: dict[str, QueuedRequest] = {}
+        self._pending: dict[InFlightKey, QueuedRequest] = {}
+        """Requests in flight by their namespace: a tenant's ids are its own, so another
+        tenant's id looks unknown (never 409), and an embedding's parts are apart from
+        every id a client can send."""
         self._deadlines = Deadlines(self.clock)
-        self._generating: dict[str, Generation] = {}
+        self._generating: dict[InFlightKey, Generation] = {}
         self._no_generations = asyncio.Event()
         self._no_generations.set()
         self._pool = GpuPool(versions, clock=self.clock, listener=self, on_crash=self._crashed)
@@ -208,6 +211,7 @@ class Engine:
         tenant: Tenant | None = None,
         arrival: float | None = None,
         route: str = "inference",
+        part: bool = False,
     ) -> Result:
         """Runs one input in a batch and returns its result; errors are `errors.py`'s.
 
@@ -216,11 +220,13 @@ class Engine:
         keyword arguments. `timeout_ms` may only lower the server's `timeout_ms` (and the
         tenant's tier deadline). `arrival` is when the caller received the request
         (default: now); `route` names the door it came through, in metrics and logs.
+        `part`: one input of a request of several (an embeddings call), whose id is kept
+        apart from every id a client sends.
         """
         # The Ask is not bound, so not kept while the request waits: each object a request
         # keeps for its wait costs the loop (benchmarks/README.md, section 4).
         request, expiry = self.admit(
-            route, Ask(text, timeout_ms, model, version, params), request_id, tenant, arrival
+            route, Ask(text, timeout_ms, model, version, params), request_id, tenant, arrival, part
         )
         outcome: Result | BatchserveError | None = None
         try:
@@ -291,7 +297,8 @@ class Engine:
             self.record(route, request_id, arrival, error, tenant)
             raise
         self._no_generations.clear()
-        self._generating[request_id] = gen
+        in_flight = _in_flight(tenant, request_id)
+        self._generating[in_flight] = gen
         generation_model.submit(gen)
         expiry = self.clock.call_at(gen.deadline, self._expire, generation_model, gen)
         try:
@@ -301,7 +308,7 @@ class Engine:
             if not gen.done:
                 gen.cancel()
                 generation_model.discard(gen)
-            del self._generating[request_id]
+            del self._generating[in_flight]
             if not self._generating:
                 self._no_generations.set()
             now = self.clock.time()
@@ -334,7 +341,8 @@ class Engine:
                 ) from None
             raise
         self._admission.check_input(prompt)
-        if request_id in self._generating or request_id in self._pending:
+        in_flight = _in_flight(tenant, request_id)
+        if in_flight in self._generating or in_flight in self._pending:
             raise DuplicateRequestId(f"request id {request_id} is already in flight")
         if generation_model.waiting >= self.config.max_queue:
             raise Overloaded(
@@ -360,7 +368,9 @@ class Engine:
         sampling = checked_params(params, limit)
         deadline = arrival + self._admission.timeout_s(timeout_ms, tenant)
         gen = Generation(
-            Seq(request_id, prompt, params=sampling),
+            # The sequence's id is the generator's handle, unique across tenants.
+            Seq(_seq_id(tenant, request_id), prompt, params=sampling),
+            request_id=request_id,
             prompt_tokens=prompt_tokens,
             max_tokens=limit,
             stops=_stop_strings(stop),
@@ -388,6 +398,10 @@ class Engine:
         open (no keys file)."""
         return self._admission.authenticate(authorization)
 
+    def authorize_operator(self, authorization: str | None) -> None:
+        """Raises Unauthenticated unless the caller may read the server's numbers."""
+        self._admission.authorize_operator(authorization)
+
     def record(
         self,
         route: str,
@@ -408,6 +422,7 @@ class Engine:
         request_id: str | None,
         tenant: Tenant | None,
         arrival: float | None,
+        part: bool = False,
     ) -> tuple[QueuedRequest, Timer | None]:
         """Queues the request and arms its deadline (the timer to cancel, if it has one of
         its own); a refusal is recorded under `route` and raised.
@@ -418,13 +433,13 @@ class Engine:
         arrival = self.clock.time() if arrival is None else arrival
         request_id = request_id or new_request_id()
         try:
-            return self._queue(ask, request_id, tenant, arrival)
+            return self._queue(ask, request_id, tenant, arrival, part)
         except BatchserveError as error:
             self.record(route, request_id, arrival, error, tenant)
             raise
 
     def _queue(
-        self, ask: Ask, request_id: str, tenant: Tenant | None, arrival: float
+        self, ask: Ask, request_id: str, tenant: Tenant | None, arrival: float, part: bool
     ) -> tuple[QueuedRequest, Timer | None]:
         """Checks who calls, their rate, that the engine can take the request, which model
         version runs it and that the input and params are acceptable; then queues it and
@@ -448,7 +463,8 @@ class Engine:
         text = ask.text
         self._admission.check_input(text)
         deadline = arrival + self._admission.timeout_s(ask.timeout_ms, tenant)
-        if request_id in self._pending:
+        in_flight = _in_flight(tenant, request_id, part)
+        if in_flight in self._pending:
             raise DuplicateRequestId(f"request id {request_id} is already in flight")
         params_key = version.params_key(ask.params) if ask.params is not None else b""
         if version.spec.cost == "length":
@@ -463,7 +479,8 @@ class Engine:
             request.tenant, request.tier_rank = tenant.name, TIER_RANKS[tenant.tier]
             request.tenant_weight = tenant.weight
         self._batcher.submit(request)
-        self._pending[request_id] = request
+        request.part = part
+        self._pending[in_flight] = request
         # Its deadline fails the future, rather than asyncio.timeout_at: the hot path then
         # needs no Timeout object and no task-cancel round trip.
         return request, self._deadlines.add(request)
@@ -482,7 +499,7 @@ class Engine:
         before any batch is formed."""
         if expiry is not None:
             expiry.cancel()
-        del self._pending[request.request_id]
+        del self._pending[request.tenant, request.request_id, request.part]
         self._batcher.discard(request)
         if outcome is not None:
             self.record(route, request.request_id, request.arrival, outcome, tenant)
@@ -791,3 +808,18 @@ def _free_device_memory() -> None:
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.empty_cache()
+
+
+InFlightKey = tuple[str, str, bool]
+"""(tenant, request id, whether it is one part of a request of several)."""
+
+
+def _in_flight(tenant: Tenant | None, request_id: str, part: bool = False) -> InFlightKey:
+    return ("" if tenant is None else tenant.name, request_id, part)
+
+
+def _seq_id(tenant: Tenant | None, request_id: str) -> str:
+    """A generation's id for its generator: the request's, made unique across tenants."""
+    if tenant is None:
+        return request_id
+    return f"{len(tenant.name)}:{tenant.name}:{request_id}"

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Iterator
 from typing import Generic, Protocol, TypeVar
 
@@ -44,8 +44,10 @@ Request = TypeVar("Request", bound=Waiting)
 class FairQueue(Generic[Request]):
     def __init__(self, aging_s: float = 1.0) -> None:
         self.aging_s = aging_s
-        self._by_arrival: OrderedDict[str, Request] = OrderedDict()
-        self._tenants: dict[str, OrderedDict[str, Request]] = {}
+        # Keyed by the requests themselves, not their ids: ids are the tenants' own, so two
+        # tenants' requests (or a request and an embedding's part) may share one.
+        self._by_arrival: dict[Request, None] = {}
+        self._tenants: dict[str, dict[Request, None]] = {}
         self._turns: list[deque[str]] = [deque() for _ in range(len(TIER_RANKS))]
         """Per tier rank, the tenants with requests waiting, in round-robin order."""
         self._rank_of: dict[str, int] = {}
@@ -59,28 +61,28 @@ class FairQueue(Generic[Request]):
         return len(self._by_arrival)
 
     def __iter__(self) -> Iterator[Request]:
-        return iter(list(self._by_arrival.values()))
+        return iter(list(self._by_arrival))
 
     def __repr__(self) -> str:
         return f"<FairQueue requests={len(self)} tenants={len(self._tenants)}>"
 
     def push(self, request: Request) -> None:
-        self._by_arrival[request.request_id] = request
+        self._by_arrival[request] = None
         waiting = self._tenants.get(request.tenant)
         if waiting is None:
-            waiting = self._tenants[request.tenant] = OrderedDict()
+            waiting = self._tenants[request.tenant] = {}
             self._rank_of[request.tenant] = request.tier_rank
             self._weight[request.tenant] = request.tenant_weight
             self.weight += request.tenant_weight
             self._credit[request.tenant] = 0.0
             self._turns[request.tier_rank].append(request.tenant)
-        waiting[request.request_id] = request
+        waiting[request] = None
 
-    def discard(self, request_id: str) -> bool:
+    def discard(self, request: Request) -> bool:
         """Removes a queued request; False if it was not here (taken, or never queued)."""
-        request = self._by_arrival.pop(request_id, None)
-        if request is None:
+        if request not in self._by_arrival:
             return False
+        del self._by_arrival[request]
         self._forget(request)
         return True
 
@@ -94,9 +96,13 @@ class FairQueue(Generic[Request]):
         for turns in self._turns:
             turns.clear()
 
+    def only(self, tenant: str) -> bool:
+        """Whether every request waiting here is `tenant`'s (True when none waits)."""
+        return all(name == tenant for name in self._tenants)
+
     def head(self, count: int) -> list[Request]:
         """The oldest `count` requests: what the policy judges urgency by."""
-        return list(itertools.islice(self._by_arrival.values(), count))
+        return list(itertools.islice(self._by_arrival, count))
 
     def take(self, count: int) -> list[Request]:
         """Up to `count` requests in batch order (see the module docstring)."""
@@ -111,8 +117,8 @@ class FairQueue(Generic[Request]):
                     turns.rotate(-1)  # a weight under 1 sends only every few turns
                     continue
             waiting = self._tenants[tenant]
-            _, request = waiting.popitem(last=False)
-            del self._by_arrival[request.request_id]
+            request = next(iter(waiting))
+            del waiting[request], self._by_arrival[request]
             batch.append(request)
             self._credit[tenant] -= 1
             if not waiting:
@@ -126,10 +132,10 @@ class FairQueue(Generic[Request]):
         """One tenant waits (always so without API keys): its oldest `count`, with no turns
         to take; like a round that empties a queue, this leaves it no credit."""
         tenant, waiting = next(iter(self._tenants.items()))
-        batch = [waiting.popitem(last=False)[1] for _ in range(min(count, len(waiting)))]
+        batch = list(itertools.islice(waiting, count))
         by_arrival = self._by_arrival
         for request in batch:
-            del by_arrival[request.request_id]
+            del waiting[request], by_arrival[request]
         if waiting:
             self._credit[tenant] = 0.0
         else:
@@ -142,7 +148,7 @@ class FairQueue(Generic[Request]):
         for rank, turns in enumerate(self._turns):
             if not turns:
                 continue
-            oldest = min(next(iter(self._tenants[t].values())).arrival for t in turns)
+            oldest = min(next(iter(self._tenants[t])).arrival for t in turns)
             priority_time = oldest + rank * self.aging_s
             if best is None or priority_time < best[0]:
                 best = (priority_time, turns)
@@ -160,7 +166,7 @@ class FairQueue(Generic[Request]):
 
     def _forget(self, request: Request) -> None:
         waiting = self._tenants[request.tenant]
-        del waiting[request.request_id]
+        del waiting[request]
         if not waiting:
             self._turns[self._rank_of[request.tenant]].remove(request.tenant)
             self._drop_tenant(request.tenant)

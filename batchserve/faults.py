@@ -33,8 +33,20 @@ class FailureKind(enum.Enum):
 class BatchFailure:
     kind: FailureKind
     error: BackendError
+    """The whole story, for the log, and for a request that failed alone: only its own
+    input was in the call."""
     device: str
     batch_id: int
+    shared_error: BackendError | None = None
+    """What a request gets when the failed call held other requests too: the batch
+    function's message may name their inputs, so it goes to the log only. None: `error`
+    is the server's own words and safe to share."""
+
+    def answer_for(self, group: list[QueuedRequest]) -> BackendError:
+        """The error to answer each of `group`, the requests failed together, with."""
+        if len(group) > 1 and self.shared_error is not None:
+            return self.shared_error
+        return self.error
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,7 +100,8 @@ def plan_recovery(
     known_poison: bool = False,
     ride: bool = False,
 ) -> Recovery:
-    """A raised batch is split into `parts` (at least 2: one per free device), so each poison
+    """A raised batch that held several tenants' requests is first split by tenant. One of
+    a single tenant is split into `parts` (at least 2: one per free device), so each poison
     input stands alone after about log_parts(len(batch)) rounds and every other request then
     succeeds. A lone input that raised is poison once it has failed on a second device too,
     or where no other device can run it; until then (`unproven`) its device may be to blame
@@ -112,6 +125,12 @@ def plan_recovery(
                 request.device_retried = True
                 return Recovery([batch], [])
             return Recovery([], list(batch))
+        if len(tenants := by_tenant(batch)) > 1:
+            # One tenant's failures must not fail another's requests, nor cost them more
+            # than one call again: each tenant's part runs again alone and before anything
+            # new, unpaid, whatever the budget (which bounds the rescue of the tenant whose
+            # part then fails again, alone).
+            return Recovery(tenants, [])
         if not bisect:
             return Recovery([], list(batch))
         groups = split(batch, parts)
@@ -134,6 +153,14 @@ def plan_recovery(
     for request in again:
         request.moved = True
     return Recovery([again] if again else [], [r for r in batch if r not in again])
+
+
+def by_tenant(batch: list[QueuedRequest]) -> list[list[QueuedRequest]]:
+    """`batch`'s requests grouped by tenant, each group in batch order."""
+    groups: dict[str, list[QueuedRequest]] = {}
+    for request in batch:
+        groups.setdefault(request.tenant, []).append(request)
+    return list(groups.values())
 
 
 SINGLES_AT = 16

@@ -45,8 +45,12 @@ class Generation:
         tenant: str = "",
         tier_rank: int = 0,
         tenant_weight: float = 1.0,
+        request_id: str | None = None,
     ) -> None:
         self.seq = seq
+        self.request_id = seq.id if request_id is None else request_id
+        """The id its client knows it by; `seq.id`, unique across tenants, is the
+        generator's handle on it."""
         self.prompt_tokens = prompt_tokens
         self.max_tokens = max_tokens
         self.arrival = arrival
@@ -77,10 +81,6 @@ class Generation:
 
     def __repr__(self) -> str:
         return f"<Generation {self.request_id} {self.state.value} tokens={len(self.seq.tokens)}>"
-
-    @property
-    def request_id(self) -> str:
-        return self.seq.id
 
     @property
     def held_tokens(self) -> int:

@@ -199,7 +199,7 @@ class GenerationModel:
     def discard(self, gen: Generation) -> None:
         """Its waiter is done with it: still waiting, it leaves the line now."""
         if gen.state is GenState.WAITING:
-            self._waiting.discard(gen.request_id)
+            self._waiting.discard(gen)
             if gen in self._resumed:
                 self._resumed.remove(gen)
 

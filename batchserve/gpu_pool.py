@@ -95,8 +95,8 @@ class Device:
     """Time spent in finished batch calls, for the busy ratio."""
     recent_calls: deque[tuple[float, float]] = field(default_factory=deque)
     """(start, end) of the calls that ended in the last BUSY_WINDOW_S."""
-    failures: list[set[str]] = field(default_factory=list)
-    """Per failed call since its last success, the request ids not yet answered elsewhere
+    failures: list[set[Who]] = field(default_factory=list)
+    """Per failed call since its last success, the requests not yet answered elsewhere
     (at most MAX_FAILURES_KEPT calls)."""
     failed_first_tries: int = 0
     """Its failed calls since its last success that held no request that had failed before
@@ -454,11 +454,18 @@ class GpuPool:
     ) -> None:
         """Counts the failure against the device, and hands the batch to the batcher: as
         the device's fault if this failure marks it failing."""
+        shared: BackendError | None = None
         if isinstance(returned, Malformed):
             kind, error = FailureKind.MALFORMED, BackendError(str(returned))
         else:
             kind = FailureKind.RAISED
-            error = BackendError(f"the batch function raised {type(returned).__name__}: {returned}")
+            raised = type(returned).__name__
+            error = BackendError(f"the batch function raised {raised}: {returned}")
+            shared = BackendError(
+                f"the batch function raised {raised} on a batch this request shared with"
+                " others; its message is in the server's log only, since it may name their"
+                " inputs"
+            )
         if not any(request.failed_on for request in batch):  # a first try
             if not device.failed_first_tries:
                 device.streak_from = self._failed_first_tries
@@ -472,7 +479,7 @@ class GpuPool:
         )
         for request in batch:
             request.failed_on += (device.name,)
-        device.failures.append({r.request_id for r in batch})
+        device.failures.append({_who(r) for r in batch})
         del device.failures[:-MAX_FAILURES_KEPT]
         if suspect and device.blame < FAILING_BLAME:
             # A broken device fails fast, so it is the free one most often: left in service
@@ -482,18 +489,18 @@ class GpuPool:
             self._failed(
                 batch,
                 key,
-                BatchFailure(FailureKind.SUSPECT_DEVICE, error, device.name, batch_id),
+                BatchFailure(FailureKind.SUSPECT_DEVICE, error, device.name, batch_id, shared),
                 then=f"; {device.name} failed its last first try too, and is probed",
             )
             return
         if device.blame < FAILING_BLAME:
-            self._failed(batch, key, BatchFailure(kind, error, device.name, batch_id))
+            self._failed(batch, key, BatchFailure(kind, error, device.name, batch_id, shared))
             return
         self._mark_failing(device)
         self._failed(
             batch,
             key,
-            BatchFailure(FailureKind.DEVICE_FAILING, error, device.name, batch_id),
+            BatchFailure(FailureKind.DEVICE_FAILING, error, device.name, batch_id, shared),
             then=f"; {device.name} is failing and restarts",
         )
         self._listener.health_changed()
@@ -502,7 +509,7 @@ class GpuPool:
         """A rescued batch succeeded on `device`: where its requests failed before, on other
         devices, a failed call none of whose inputs is left unanswered was the device's
         fault."""
-        answered = {r.request_id for r in batch}
+        answered = {_who(r) for r in batch}
         names = {name for r in batch for name in r.failed_on} - {device.name}
         for other in self._devices:
             if other.name not in names:
@@ -549,7 +556,7 @@ class GpuPool:
         """A poison input explains the failed calls it was in: they no longer count against
         their devices."""
         for device in self._devices:
-            device.failures = [ids for ids in device.failures if request.request_id not in ids]
+            device.failures = [ids for ids in device.failures if _who(request) not in ids]
 
     async def _restart(self, device: Device) -> None:
         """Loads the device's versions again on a fresh thread and probes it; rejoins when
@@ -694,6 +701,14 @@ def _run_checked(fn: BatchFn, params: Mapping[str, Any] | None, inputs: list[str
             problem = f"the batch function returned an output that is not JSON: {exc}"
             raise Malformed(problem) from None
     return returned
+
+
+Who = tuple[str, str, bool]
+"""A request among those in flight: ids are per tenant, so the id alone is not enough."""
+
+
+def _who(request: QueuedRequest) -> Who:
+    return (request.tenant, request.request_id, request.part)
 
 
 def _padded(batch: list[QueuedRequest]) -> int:

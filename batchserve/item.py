@@ -123,6 +123,9 @@ class QueuedRequest:
     """How many failed calls it has been in: isolation's rounds, for the chaos numbers."""
     running: bool = False
     """Set when a batch carrying it starts on a device (for the status API)."""
+    part: bool = False
+    """One input of a request of several (an embeddings call): its id is apart from the
+    ids clients send."""
 
     def expire(self) -> None:
         """Answers 504. The one rule for deadlines: the engine's timer calls it at the

@@ -60,6 +60,7 @@ class OpenAIApi:
                     tenant=tenant,
                     arrival=arrival,
                     route="embeddings",
+                    part=len(texts) > 1,
                 )
                 for index, text in enumerate(texts)
             ),
@@ -89,18 +90,28 @@ class OpenAIApi:
         return json_response(200, body, {"X-Request-Id": request_id})
 
     async def models(self, request: web.Request) -> web.Response:
-        """GET /v1/models: every model this server runs, batch and generation."""
+        """GET /v1/models: every model this server runs, batch and generation; with API
+        keys, for a caller with a key (or the anonymous tier)."""
+        try:
+            self._engine.authenticate(request.headers.get("Authorization"))
+        except BatchserveError as error:
+            return error_response(error, request_id_of(request)[0], openai_shape=True)
         data = [_model_object(model["name"]) for model in self._engine.models()]
         return json_response(200, {"object": "list", "data": data})
 
     async def model(self, request: web.Request) -> web.Response:
-        """GET /v1/models/{model}: one model's object (`client.models.retrieve`), or 404."""
+        """GET /v1/models/{model}: one model's object (`client.models.retrieve`), or 404;
+        with API keys, for a caller with a key, as the list."""
+        request_id, _ = request_id_of(request)
+        try:
+            self._engine.authenticate(request.headers.get("Authorization"))
+        except BatchserveError as error:
+            return error_response(error, request_id, openai_shape=True)
         name = request.match_info["model"]
         if any(model["name"] == name for model in self._engine.models()):
             return json_response(200, _model_object(name))
-        request_id, _ = request_id_of(request)
-        error = ModelNotFound(f"no model {name[:MAX_NAME]!r} (GET /v1/models lists them)")
-        return error_response(error, request_id, openai_shape=True)
+        unknown = ModelNotFound(f"no model {name[:MAX_NAME]!r} (GET /v1/models lists them)")
+        return error_response(unknown, request_id, openai_shape=True)
 
     def _parse_embeddings(
         self, payload: dict[str, Any], request: web.Request

@@ -91,7 +91,12 @@ class InferenceApi:
         return answer_response(request_id, result, engine.clock.time() - arrival)
 
     async def models(self, request: web.Request) -> web.Response:
-        """GET /api/models: each model, its versions, devices, weights and state."""
+        """GET /api/models: each model, its versions, devices, weights and state; with
+        API keys, for a caller with a key (or the anonymous tier)."""
+        try:
+            self._engine.authenticate(request.headers.get("Authorization"))
+        except BatchserveError as error:
+            return error_response(error, request_id_of(request)[0])
         return json_response(200, {"models": self._engine.models()})
 
     async def healthz(self, request: web.Request) -> web.Response:
@@ -149,7 +154,7 @@ def create_app(engine: Engine) -> web.Application:
     app.router.add_post("/api/requests", status_api.submit)
     app.router.add_get("/api/requests/{request_id}", status_api.poll)
     if engine.metrics is not None:
-        dashboard = Dashboard(engine.metrics)
+        dashboard = Dashboard(engine.metrics, engine.authorize_operator)
         app.router.add_get("/", dashboard.page)
         app.router.add_get("/api/stats", dashboard.stats)
         app.router.add_get("/metrics", dashboard.scrape)

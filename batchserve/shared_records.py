@@ -16,7 +16,9 @@ detail (addresses, the driver's message) goes to the log, not to clients.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
 import sqlite3
 import time
 from collections.abc import Awaitable, Callable
@@ -26,7 +28,10 @@ from urllib.parse import urlsplit
 
 import orjson
 
+from .clock import Clock, sleep_until
 from .errors import StartupError, StoreUnavailable
+
+log = logging.getLogger(__name__)
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +41,10 @@ RETRY_AFTER_S = 1.0
 """What a client refused for a store that failed is told to wait before it tries again."""
 REDIS_TIMEOUT_S = 5.0
 """Longest a Redis connect or command may take before the store counts as unavailable."""
+PURGE_EVERY_S = 60.0
+"""How often the SQLite store deletes the records whose time to live has passed, so that a
+tenant's inputs and answers leave the disk within a minute of expiring, not at the next
+submit."""
 
 
 class Record(NamedTuple):
@@ -93,14 +102,15 @@ class _Health:
         return result
 
 
-def open_records(url: str, unfinished_ttl_s: float) -> SharedRecords | None:
+def open_records(url: str, unfinished_ttl_s: float, clock: Clock) -> SharedRecords | None:
     """The store `--result-store` names; None for memory. `unfinished_ttl_s` bounds how long
-    a queued record may outlive a replica that never finished it."""
+    a queued record may outlive a replica that never finished it; `clock` times the SQLite
+    store's purges."""
     if url == "memory":
         return None
     parts = urlsplit(url)
     if parts.scheme == "sqlite" and parts.path:
-        return SqliteRecords(parts.path)
+        return SqliteRecords(parts.path, clock)
     if parts.scheme == "redis":
         return RedisRecords(url, unfinished_ttl_s)
     raise StartupError(
@@ -118,13 +128,32 @@ def _load(data: bytes | str) -> Record:
 
 
 class SqliteRecords:
-    """One file; every statement runs on the store's own thread (sqlite3 blocks)."""
+    """One file; every statement runs on the store's own thread (sqlite3 blocks).
 
-    def __init__(self, path: str) -> None:
+    The file holds tenants' inputs and answers, so it is readable by its owner only (0600;
+    SQLite gives its -wal and -shm files the database file's mode). Expiry is by wall time
+    (`wall`, since records outlive the process); expired records are deleted every
+    `purge_every_s` of `clock` by a task that `start` starts and `close` stops, and one a
+    poll finds expired is deleted then."""
+
+    def __init__(
+        self,
+        path: str,
+        clock: Clock,
+        *,
+        wall: Callable[[], float] = time.time,
+        purge_every_s: float = PURGE_EVERY_S,
+    ) -> None:
         self._path = path
+        self._clock = clock
+        self._wall = wall
+        self._purge_every_s = purge_every_s
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="batchserve-sqlite")
         self._db: sqlite3.Connection | None = None
         self._health = _Health(f"sqlite://{path}")
+        self._purger: asyncio.Task[None] | None = None
+        self.purged = 0
+        """Expired records deleted by the purge so far."""
 
     async def _run(self, work: Callable[[sqlite3.Connection], Result]) -> Result:
         def call() -> Result:
@@ -137,26 +166,48 @@ class SqliteRecords:
 
     async def start(self) -> None:
         def connect() -> None:
+            _private(self._path)
             self._db = sqlite3.connect(self._path, check_same_thread=False)
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute(
                 "CREATE TABLE IF NOT EXISTS records (id TEXT PRIMARY KEY, record BLOB NOT NULL,"
                 " finished INTEGER NOT NULL, expires REAL)"
             )
+            self._db.execute("CREATE INDEX IF NOT EXISTS records_expires ON records (expires)")
 
         try:
             await asyncio.get_running_loop().run_in_executor(self._thread, connect)
-        except sqlite3.Error as exc:
+        except (OSError, sqlite3.Error) as exc:
             raise StartupError(f"--result-store sqlite://{self._path}: {exc}") from None
+        self._purger = asyncio.create_task(self._purge_every(), name="batchserve-sqlite-purge")
+
+    async def purge(self) -> int:
+        """Deletes every record whose time to live has passed; how many."""
+        now = self._wall()
+        return await self._run(
+            lambda db: db.execute("DELETE FROM records WHERE expires < ?", (now,)).rowcount
+        )
+
+    async def _purge_every(self) -> None:
+        while True:
+            await sleep_until(self._clock, self._clock.time() + self._purge_every_s)
+            try:
+                self.purged += await self.purge()
+            except sqlite3.Error as exc:  # a full disk: the next purge tries again
+                log.error("the result store's purge failed: %s", exc)
 
     async def close(self) -> None:
+        if self._purger is not None:
+            self._purger.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._purger
         if self._db is not None:
             await asyncio.get_running_loop().run_in_executor(self._thread, self._db.close)
         self._thread.shutdown()
 
     async def add(self, request_id: str, record: Record) -> bool:
         def insert(db: sqlite3.Connection) -> bool:
-            db.execute("DELETE FROM records WHERE expires < ?", (time.time(),))
+            db.execute("DELETE FROM records WHERE expires < ?", (self._wall(),))
             cursor = db.execute(
                 "INSERT OR IGNORE INTO records VALUES (?, ?, 0, NULL)", (request_id, _dump(record))
             )
@@ -168,7 +219,7 @@ class SqliteRecords:
         await self._run(
             lambda db: db.execute(
                 "REPLACE INTO records VALUES (?, ?, 1, ?)",
-                (request_id, _dump(record), time.time() + ttl_s),
+                (request_id, _dump(record), self._wall() + ttl_s),
             )
         )
 
@@ -177,11 +228,16 @@ class SqliteRecords:
 
     async def get(self, request_id: str) -> Record | None:
         def select(db: sqlite3.Connection) -> Record | None:
+            now = self._wall()
             row = db.execute(
-                "SELECT record FROM records WHERE id = ? AND (expires IS NULL OR expires >= ?)",
-                (request_id, time.time()),
+                "SELECT record, expires FROM records WHERE id = ?", (request_id,)
             ).fetchone()
-            return None if row is None else _load(row[0])
+            if row is None:
+                return None
+            if row[1] is not None and row[1] < now:  # expired: gone from the disk now
+                db.execute("DELETE FROM records WHERE id = ? AND expires < ?", (request_id, now))
+                return None
+            return _load(row[0])
 
         return await self._run(select)
 
@@ -193,6 +249,15 @@ class SqliteRecords:
 
     async def check(self) -> None:
         await self._run(lambda db: db.execute("SELECT 1").fetchone())
+
+
+def _private(path: str) -> None:
+    """Creates the database file readable and writable by its owner only, or makes an
+    existing one so, with any -wal and -shm files beside it, before SQLite opens it."""
+    os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))
+    for name in (path, f"{path}-wal", f"{path}-shm"):
+        with contextlib.suppress(FileNotFoundError):
+            os.chmod(name, 0o600)
 
 
 class RedisRecords:

@@ -65,9 +65,13 @@ class StatusApi:
     def __init__(self, engine: Engine) -> None:
         self._engine = engine
         config = engine.config
-        self.store = ResultStore(capacity=config.result_store_size, ttl_s=config.result_ttl_s)
+        self.store = ResultStore(
+            capacity=config.result_store_size,
+            ttl_s=config.result_ttl_s,
+            max_bytes=config.result_store_bytes,
+        )
         self._shared: SharedRecords | None = open_records(
-            config.result_store, config.timeout_ms / 1e3 + config.result_ttl_s
+            config.result_store, config.timeout_ms / 1e3 + config.result_ttl_s, engine.clock
         )
         self._writes = TaskSet(self._write_failed)
         """Records written to the shared store; awaited, not cancelled, at shutdown."""
@@ -95,16 +99,22 @@ class StatusApi:
             return call
         request_id = call.request_id
         try:
-            if request_id in self.store:
+            if self.store.holds(request_id, call.tenant):
                 raise DuplicateRequestId(
                     f"request id {request_id} is in use until its result expires"
                 )
-            if not self.store.make_room(arrival):
-                raise Overloaded("the status store is full of unfinished requests", 1.0)
+            size = len(call.body.text.encode(errors="surrogatepass"))
+            if not self.store.make_room(arrival, size):
+                raise Overloaded(
+                    "the status store is full of unfinished requests"
+                    " (--result-store-size, --result-store-bytes)",
+                    1.0,
+                )
             if self._shared is not None:
                 queued = {"request_id": request_id, "status": "queued",
                           "submitted": call.body._asdict()}  # fmt: skip
-                if not await self._shared.add(request_id, Record(_owner(call.tenant), queued)):
+                shared_id = _shared_id(request_id, call.tenant)
+                if not await self._shared.add(shared_id, Record(_owner(call.tenant), queued)):
                     raise DuplicateRequestId(
                         f"request id {request_id} is in use until its result expires"
                     )
@@ -125,9 +135,9 @@ class StatusApi:
         except BatchserveError as error:
             if self._shared is not None:  # refused: its id is free again, as in memory
                 with contextlib.suppress(StoreUnavailable):  # else it expires unfinished
-                    await self._shared.remove(request_id)
+                    await self._shared.remove(_shared_id(request_id, call.tenant))
             return error_response(error, request_id)
-        self.store.add(ticket, call.tenant)
+        self.store.add(ticket, call.tenant, size)
         ticket.add_done_callback(functools.partial(self._finished, call.tenant))
         return json_response(
             202,
@@ -170,7 +180,7 @@ class StatusApi:
         """What a poll says now: from this replica's store, else from the shared one."""
         answer = self.store.get(request_id, self._engine.clock.time(), tenant)
         if answer is None and self._shared is not None:
-            record = await self._shared.get(request_id)
+            record = await self._shared.get(_shared_id(request_id, tenant))
             if record is not None and record.owner == _owner(tenant):
                 answer = record.body
         return answer
@@ -195,8 +205,8 @@ class StatusApi:
 
     def _finished(self, tenant: Tenant | None, ticket: Ticket) -> None:
         answer = self._answer(ticket)
-        self.store.finish(ticket.request_id, answer, self._engine.clock.time())
-        self._write_shared(ticket.request_id, answer, _owner(tenant))
+        self.store.finish(ticket.request_id, answer, self._engine.clock.time(), tenant)
+        self._write_shared(_shared_id(ticket.request_id, tenant), answer, _owner(tenant))
 
     def _answer(self, ticket: Ticket) -> dict[str, Any]:
         now = self._engine.clock.time()
@@ -215,16 +225,17 @@ class StatusApi:
             }
         return answer
 
-    def _write_shared(self, request_id: str, answer: dict[str, Any], owner: str | None) -> None:
+    def _write_shared(self, shared_id: str, answer: dict[str, Any], owner: str | None) -> None:
         if self._shared is not None:
             ttl_s = self._engine.config.result_ttl_s
-            write = self._shared.finish(request_id, Record(owner, answer), ttl_s)
-            self._writes.start(write, name=f"batchserve-record-{request_id}")
+            write = self._shared.finish(shared_id, Record(owner, answer), ttl_s)
+            self._writes.start(write, name=f"batchserve-record-{shared_id}")
 
-    def _run_again(self, request_id: str, record: Record) -> None:
+    def _run_again(self, shared_id: str, record: Record) -> None:
         """A request a stopped replica accepted and never answered: submitted again under
         its id; its owner may poll it from the shared record."""
         fields = record.body["submitted"]
+        request_id = record.body["request_id"]
         try:
             ticket = self._engine.submit(
                 fields["text"], model=fields["model"], version=fields["version"],
@@ -235,7 +246,7 @@ class StatusApi:
             return
         log.info("running %s again: it was queued when this server last stopped", request_id)
         ticket.add_done_callback(
-            lambda done: self._write_shared(request_id, self._answer(done), record.owner)
+            lambda done: self._write_shared(shared_id, self._answer(done), record.owner)
         )
 
     def _write_failed(self, task_name: str, error: BaseException) -> None:
@@ -257,3 +268,11 @@ def _wait_s(wait_ms: str | None) -> float:
 
 def _owner(tenant: Tenant | None) -> str | None:
     return None if tenant is None else tenant.name
+
+
+def _shared_id(request_id: str, tenant: Tenant | None) -> str:
+    """A request's key in the shared store: its id within its tenant's namespace. The
+    name's length goes first, so no tenant name and id can spell another pair's key."""
+    if tenant is None:
+        return request_id
+    return f"{len(tenant.name)}:{tenant.name}:{request_id}"

@@ -145,7 +145,7 @@ class StepLoop:
         kept: list[Generation] = []
         for gen in self.running:
             if gen.done or gen.cancelled:
-                self._to_release.append(gen.request_id)
+                self._to_release.append(gen.seq.id)
             else:
                 kept.append(gen)
         self.running = kept
@@ -213,7 +213,7 @@ class StepLoop:
             gen.computed = 0
             gen.preemptions += 1
             self._model.preemptions += 1
-            self._to_release.append(gen.request_id)
+            self._to_release.append(gen.seq.id)
             self._model.put_back(gen)
 
     async def _step(self, gens: list[Generation]) -> list[tuple[Generation, StepAnswer]]:
@@ -248,7 +248,7 @@ class StepLoop:
                 return []
             for gen in gens:
                 gen.computed = 0
-            await self._release([gen.request_id for gen in gens])  # the halves recompute
+            await self._release([gen.seq.id for gen in gens])  # the halves recompute
             half = len(gens) // 2
             first = await self._step(gens[:half])
             if not self.running:  # handed back: the first half's step hung
@@ -294,7 +294,7 @@ class StepLoop:
         handed_back, self.running = self.running, []
         for gen in handed_back:
             gen.computed = 0
-        self._to_release += [gen.request_id for gen in handed_back]  # once it is back
+        self._to_release += [gen.seq.id for gen in handed_back]  # once it is back
         now = self._clock.time()
         self._model.hand_back(handed_back, f"the {what} on {self.device}", budget_s, now)
 

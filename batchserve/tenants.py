@@ -6,6 +6,7 @@
     tenant = "acme"
     tier = "enterprise"          # free | paid | enterprise
     weight = 2.0                 # optional: twice the turns of its tier's other tenants
+    role = "operator"            # optional: may also read /metrics, /api/stats (dashboard)
 
     [tiers.free]                 # optional; these override the defaults below
     share = 0.01                 # each tenant's rate: this share of the live capacity x 0.75
@@ -22,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import math
+import re
 import tomllib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -29,6 +31,7 @@ from pathlib import Path
 from .errors import StartupError
 
 TIERS = ("free", "paid", "enterprise")
+ROLES = ("tenant", "operator")
 
 
 RATE_UTILIZATION = 0.75
@@ -67,6 +70,8 @@ class Tenant:
     tier: str
     weight: float = 1.0
     """Its share of the turns among the tenants of its tier."""
+    operator: bool = False
+    """May read the server's numbers: /metrics, /api/stats (the dashboard's)."""
 
 
 ANONYMOUS = "anonymous"
@@ -107,7 +112,8 @@ class KeyRing:
     @classmethod
     def load(cls, path: str, anonymous_tier: str | None) -> KeyRing:
         try:
-            data = tomllib.loads(Path(path).read_text())
+            text = Path(path).read_text()
+            data = tomllib.loads(text)
         except (OSError, tomllib.TOMLDecodeError) as exc:
             raise StartupError(f"--keys-file {path}: {exc}") from None
         limits = dict(DEFAULT_LIMITS)
@@ -126,22 +132,30 @@ class KeyRing:
         for number, (key, entry) in enumerate(data.get("keys", {}).items(), start=1):
             tier = entry.get("tier")
             weight = entry.get("weight", 1.0)
+            role = entry.get("role", "tenant")
             if (
                 not isinstance(entry.get("tenant"), str)
                 or tier not in TIERS
                 or isinstance(weight, bool)
                 or not isinstance(weight, int | float)
                 or not weight > 0
+                or role not in ROLES
             ):
                 # The key itself is never printed: the message names its position.
                 raise StartupError(
                     f"--keys-file {path}: key number {number} needs a string tenant, a tier"
-                    f" of {', '.join(TIERS)} and, if any, a weight above 0"
+                    f" of {', '.join(TIERS)} and, if any, a weight above 0 and a role of"
+                    f" {' or '.join(ROLES)}"
+                )
+            if entry["tenant"] == ANONYMOUS:
+                raise StartupError(
+                    f"--keys-file {path}: {_where_tenant(text, number)}: the tenant name"
+                    f" {ANONYMOUS!r} is reserved for requests without a key (--anonymous-tier)"
                 )
             secret = key.encode()
             tenants[hashlib.sha256(secret).digest()] = (
                 secret,
-                Tenant(entry["tenant"], tier, float(weight)),
+                Tenant(entry["tenant"], tier, float(weight), operator=role == "operator"),
             )
         if anonymous_tier is not None and anonymous_tier not in TIERS:
             raise StartupError(f"--anonymous-tier must be one of {', '.join(TIERS)}")
@@ -176,3 +190,15 @@ class KeyRing:
             bucket.refill(now)  # what accrued so far, at the rate it accrued at
             bucket.rate = rate
         return bucket.take(now), bucket
+
+
+_ANONYMOUS_LINE = re.compile(rf"""^\s*tenant\s*=\s*["']{ANONYMOUS}["']""", re.MULTILINE)
+
+
+def _where_tenant(text: str, number: int) -> str:
+    """Where key number `number` names the reserved tenant: its line in the file when a
+    `tenant = "anonymous"` line is there to point at (never the key itself)."""
+    found = _ANONYMOUS_LINE.search(text)
+    if found is None:
+        return f"key number {number}"
+    return f"line {text.count(chr(10), 0, found.start()) + 1} (key number {number})"

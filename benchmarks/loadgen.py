@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import gc
 import random
+import re
 import sys
 from collections import Counter, deque
 from dataclasses import asdict, dataclass
@@ -38,6 +39,8 @@ class Summary:
     """200 answers over requests sent without the poison marker."""
     poison_sent: int
     poison_500: int
+    leaked: int
+    """Error answers (any status but 200) that name another request's input."""
     statuses: dict[str, int]
     wrong_output: int
     unanswered: int
@@ -113,6 +116,8 @@ class Pending:
 
 POISON_MARKER = "!poison!"
 HANG_MARKER = "!hang!"
+_INPUT = re.compile(r"req-\d+-\d+-[a-h]*")
+"""An input `plain_input` made, as it may appear in an error's text."""
 
 
 @dataclass(frozen=True)
@@ -177,6 +182,8 @@ class Run:
         self.computes: list[float] = []
         self.last_answer = 0.0
         self.wrong = 0
+        self.leaked = 0
+        """Error answers whose text names another request's input."""
         self.poison_500 = 0
 
     async def open(self) -> Connection:
@@ -262,6 +269,9 @@ class Run:
     def count_answer(self, pending: Pending, status: int, body: bytes) -> None:
         now = self.loop.time()
         self.last_answer = now
+        if status != 200:
+            own = pending.text.split("!", 1)[0]
+            self.leaked += any(found != own for found in _INPUT.findall(body.decode()))
         if pending.index in self.workload.poisoned:
             self.poison_500 += status == 500
             return
@@ -305,7 +315,8 @@ async def run(url: str, rate: float, seconds: float, warmup_s: float, good_s: fl
               hang_at_s: float | None = None,
               keys: list[tuple[str, str, float]] | None = None,
               models: list[tuple[str, float]] | None = None,
-              length_mix: bool = False, repeat_poison: int = 0) -> Summary:  # fmt: skip
+              length_mix: bool = False, repeat_poison: int = 0,
+              poison_key: str = "") -> Summary:  # fmt: skip
     loop = asyncio.get_running_loop()
     rng = random.Random(seed)
     schedule: list[float] = []
@@ -319,6 +330,8 @@ async def run(url: str, rate: float, seconds: float, warmup_s: float, good_s: fl
     poisoned |= repeated
     names = [name for name, _, _ in keys or []]
     key_names = rng.choices(names, [w for _, _, w in keys], k=len(schedule)) if keys else []
+    if poison_key:  # only that key's requests carry poison: a share of its own
+        poisoned = {index for index in poisoned if key_names[index] == poison_key}
     hang_index = next(
         (index for index, at in enumerate(schedule) if hang_at_s is not None and at >= hang_at_s),
         None,
@@ -396,6 +409,7 @@ async def run(url: str, rate: float, seconds: float, warmup_s: float, good_s: fl
         poison_500=load.poison_500,
         statuses=dict(statuses),
         wrong_output=load.wrong,
+        leaked=load.leaked,
         unanswered=statuses["lost"],
         p50_ms=pct(0.50),
         p90_ms=pct(0.90),
@@ -434,6 +448,11 @@ def main() -> None:
         "--hang-at-s", type=float, default=None, help="send the hang marker at this time"
     )
     parser.add_argument(
+        "--poison-key",
+        default="",
+        help="with --keys: only this key's requests carry poison (--poison-rate of its own)",
+    )
+    parser.add_argument(
         "--repeat-poison",
         type=int,
         default=0,
@@ -466,7 +485,7 @@ def main() -> None:
         run(args.url, args.rate, args.seconds, args.warmup_s, args.good_ms / 1e3, args.seed,
             args.connections,
             args.timeout_s, args.poison_rate, args.hang_at_s, keys or None, models or None,
-            args.length_mix, args.repeat_poison)
+            args.length_mix, args.repeat_poison, args.poison_key)
     )  # fmt: skip
     sys.stdout.write(orjson.dumps(asdict(summary)).decode() + "\n")
 

@@ -23,6 +23,7 @@ from batchserve.errors import BackendError
 from batchserve.faults import PROBE_INPUT
 from batchserve.gpu_pool import WARM_UP_INPUT
 from batchserve.item import Result
+from batchserve.tenants import Tenant
 
 from .conftest import HANG_GUARD_S, GatedBackend, reach, recovering
 
@@ -578,3 +579,75 @@ async def test_a_rescue_group_does_not_ride_back_to_the_device_it_just_failed_on
             assert outcome.output == simulate(text)
     others = [ticket.outcome() for ticket in [busy, *fresh]]
     assert [o.output if isinstance(o, Result) else o for o in others] == ["ysub", "0b", "1b"]
+
+
+def naming(gated: GatedBackend) -> Callable[[str], Callable[[list[str]], list[str]]]:
+    """`gated`, with a batch function whose error names every input of its call: the worst
+    case for what an error answer may carry."""
+
+    def load(device: str) -> Callable[[list[str]], list[str]]:
+        run = gated(device)
+
+        def named(inputs: list[str]) -> list[str]:
+            try:
+                return run(inputs)
+            except ValueError:
+                raise ValueError(f"cannot run {inputs}") from None
+
+        return named
+
+    return load
+
+
+async def test_an_error_answer_carries_the_batch_functions_message_only_to_a_lone_request(
+    gated,
+):
+    gated.gate.set()
+    config = Config(bisect_failures=False)
+    async with Engine(
+        config, fn_per_device=naming(gated), devices="sim:1", clock=FakeClock()
+    ) as engine:
+        shared = [engine.submit(text) for text in ("mine", f"theirs{POISON_MARKER}")]
+        outcomes = await asyncio.gather(*shared, return_exceptions=True)
+        alone = await asyncio.gather(engine.infer(f"alone{POISON_MARKER}"), return_exceptions=True)
+    for outcome in outcomes:
+        assert isinstance(outcome, BackendError)
+        assert "mine" not in str(outcome)
+        assert "theirs" not in str(outcome)
+        assert "raised ValueError on a batch this request shared with others" in str(outcome)
+    [lone] = alone
+    assert isinstance(lone, BackendError)
+    assert str(lone) == f"the batch function raised ValueError: cannot run ['alone{POISON_MARKER}']"
+
+
+async def test_one_tenants_poison_fails_no_other_request_and_no_answer_names_another(gated):
+    """An attacker mixes poison into its requests while a victim sends plain ones, all at
+    once, faster than the measured capacity and with no retry budget (so the old rule
+    predicted no spare time and failed the rescue with the batch function's message):
+    every request that is not poison, the victim's and the attacker's own, is answered
+    with its own output, and no error names another request's input."""
+    config = Config(retry_budget=0, retry_reserve=0, max_batch_size=5)
+    clock = FakeClock()
+    victim, attacker = Tenant("victim", "paid"), Tenant("attacker", "paid")
+    async with Engine(config, fn_per_device=naming(gated), devices="sim:2", clock=clock) as engine:
+        first = engine.submit("measure the call time")
+        await gated.entered("sim:0")
+        clock.advance(0.1)  # the call takes 100 ms: 2 devices x 5 / 0.1 s = 100 rps
+        gated.gate.set()
+        await first
+        sent = [
+            (f"v{n}", victim) if n % 5 < 3 else (f"a{n}" + (POISON_MARKER * (n % 5 == 4)), attacker)
+            for n in range(250)  # arriving faster than the 100 rps measured below
+        ]
+        tickets = [engine.submit(text, tenant=tenant) for text, tenant in sent]
+        outcomes = await asyncio.gather(*tickets, return_exceptions=True)
+    texts = [text for text, _ in sent]
+    for (text, _), outcome in zip(sent, outcomes, strict=True):
+        if POISON_MARKER in text:
+            assert isinstance(outcome, BackendError), text
+            others = [t for t in texts if t != text and f"'{t}'" in str(outcome)]
+            assert not others, (text, str(outcome))
+        else:
+            assert isinstance(outcome, Result), (text, outcome)
+            assert outcome.output == simulate(text)
+    assert engine.recoveries["failed"] == 50

@@ -61,10 +61,11 @@ def test_lower_tiers_age_upward_and_are_never_starved():
 
 def test_discard_removes_a_request_and_a_tenant_with_nothing_left():
     queue = FairQueue()
-    queue.push(request("x", "t", "paid"))
+    x = request("x", "t", "paid")
+    queue.push(x)
     queue.push(request("y", "u", "paid"))
-    queue.discard("x")
-    queue.discard("missing")
+    assert queue.discard(x)
+    assert not queue.discard(request("x", "t", "paid"))  # the same id, another request
     assert names(queue.take(10)) == ["y"]
     assert queue.ahead_of("t", TIER_RANKS["paid"]) == 0
 

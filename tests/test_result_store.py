@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import shutil
 import signal
+import sqlite3
+import stat
 import subprocess
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -16,9 +19,11 @@ import aiohttp
 import pytest
 import redis.asyncio
 
+from batchserve.clock import FakeClock
 from batchserve.replicas import Replicas
+from batchserve.shared_records import Record, SqliteRecords
 
-from .conftest import real_server
+from .conftest import HANG_GUARD_S, real_server
 from .test_nginx import free_ports
 
 KEYS = """
@@ -160,3 +165,55 @@ async def test_replicas_sharing_redis_find_every_poll_through_nginx(tmp_path: Pa
                 assert 0 < ttl_ms <= 120_000
             finally:
                 await asyncio.to_thread(replicas.close)
+
+
+def rows(path: Path) -> int:
+    with contextlib.closing(sqlite3.connect(path)) as db:
+        return int(db.execute("SELECT COUNT(*) FROM records").fetchone()[0])
+
+
+async def test_sqlite_files_are_private_and_expired_records_leave_on_a_timer(
+    tmp_path: Path,
+) -> None:
+    """The files are 0600 (another local user must not read a tenant's inputs), and an
+    expired record is deleted by the store's own purge, with no submit to trigger it."""
+    path = tmp_path / "records.db"
+    clock, wall = FakeClock(), [1000.0]
+    store = SqliteRecords(str(path), clock, wall=lambda: wall[0], purge_every_s=60.0)
+    old = os.umask(0o022)
+    try:
+        await store.start()
+    finally:
+        os.umask(old)
+    try:
+        await store.add("r1", Record("alice", {"status": "queued", "request_id": "r1"}))
+        await store.finish("r1", Record("alice", {"status": "completed", "output": "x"}), 10.0)
+        for name in ("records.db", "records.db-wal", "records.db-shm"):
+            assert stat.S_IMODE((tmp_path / name).stat().st_mode) == 0o600, name
+        wall[0] += 11.0  # expired, and nobody submits or polls
+        assert rows(path) == 1
+        clock.advance(60.0)  # the purge's timer fires
+        async with asyncio.timeout(HANG_GUARD_S):
+            # Polled: the purge runs on the store's thread, which the loop hears of only
+            # through the executor's future.
+            while store.purged == 0:  # noqa: ASYNC110
+                await asyncio.sleep(0)
+        assert rows(path) == 0
+    finally:
+        await store.close()
+
+
+async def test_sqlite_a_poll_deletes_the_expired_record_it_finds(tmp_path: Path) -> None:
+    path = tmp_path / "records.db"
+    wall = [1000.0]
+    store = SqliteRecords(str(path), FakeClock(), wall=lambda: wall[0])
+    await store.start()
+    try:
+        await store.add("r1", Record(None, {"status": "queued", "request_id": "r1"}))
+        await store.finish("r1", Record(None, {"status": "completed"}), 10.0)
+        wall[0] += 11.0
+        assert rows(path) == 1
+        assert await store.get("r1") is None
+        assert rows(path) == 0
+    finally:
+        await store.close()

@@ -249,3 +249,19 @@ async def test_a_result_store_that_goes_down_is_a_json_503_and_unready(start_ser
     again = await submit(client, "after")
     assert (await poll_until_done(client, again))["output"] == "retfa"
     await redis.stop()  # the server's own shutdown writes nothing more
+
+
+async def test_a_status_store_full_in_bytes_answers_503_with_retry_after(start_server, gated):
+    client, _ = await start_server(gated, result_store_bytes=3000, max_input_bytes=2000)
+    first = await client.post("/api/requests", json={"input": "a" * 2000})
+    assert first.status == 202
+    refused = await client.post("/api/requests", json={"input": "b" * 2000})
+    assert refused.status == 503
+    assert (await refused.json())["error"] == "OVERLOADED"
+    assert refused.headers["Retry-After"] == "1"
+    gated.gate.set()
+    request_id = (await first.json())["request_id"]
+    done = await client.get(f"/api/requests/{request_id}?wait_ms=60000")
+    assert (await done.json())["status"] == "completed"
+    again = await client.post("/api/requests", json={"input": "c" * 2000})
+    assert again.status == 202  # the finished answer made room

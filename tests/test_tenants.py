@@ -77,6 +77,20 @@ def test_bad_keys_files_stop_start_up_without_printing_a_key(tmp_path, text, mes
     assert "sk-secret" not in str(raised.value)
 
 
+def test_the_reserved_anonymous_tenant_name_stops_start_up_naming_its_line(tmp_path):
+    path = tmp_path / "keys.toml"
+    path.write_text(
+        '[keys."sk-secret-1"]\ntenant = "acme"\ntier = "paid"\n\n'
+        '[keys."sk-secret-2"]\ntenant = "anonymous"\ntier = "free"\n'
+    )
+    with pytest.raises(StartupError, match="keys-file") as raised:
+        KeyRing.load(str(path), anonymous_tier="free")
+    message = str(raised.value)
+    assert "line 6 (key number 2)" in message
+    assert "'anonymous' is reserved" in message
+    assert "sk-secret" not in message
+
+
 def test_tier_rates_are_shares_of_the_live_capacity_unless_pinned(keys_file):
     ring = KeyRing.load(keys_file, anonymous_tier=None)
     acme, hobby = Tenant("acme", "enterprise"), Tenant("hobby", "free")
@@ -110,7 +124,7 @@ async def test_requests_need_a_known_key_and_get_answered_as_their_tenant(
 ):
     caplog.set_level("INFO", logger="batchserve.access")
     client, _ = await start_server(simulated_factory(0.0, 100), keys_file=keys_file,
-                                   access_log=True)  # fmt: skip
+                                   access_log=True, admin_key="sk-admin")  # fmt: skip
     missing = await client.post("/api/inference", json={"input": "x"})
     assert missing.status == 401
     assert (await missing.json())["error"] == "UNAUTHENTICATED"
@@ -125,7 +139,8 @@ async def test_requests_need_a_known_key_and_get_answered_as_their_tenant(
     assert (ok.status, (await ok.json())["output"]) == (200, "cba")
     assert '"tenant":"acme"' in caplog.text
     assert "sk-" not in caplog.text  # keys are never logged
-    metrics = await (await client.get("/metrics")).text()
+    admin = {"Authorization": "Bearer sk-admin"}  # the numbers need an operator's key
+    metrics = await (await client.get("/metrics", headers=admin)).text()
     assert (
         'code="200",error="",model="default",route="inference",tier="enterprise",version="1"'
         in metrics
@@ -250,7 +265,8 @@ async def test_capacity_follows_a_device_that_hangs(start_server, gated: GatedBa
     assert (await hangs).status == 200
     assert engine.stats().healthy_devices == 1
     assert engine.capacity_rps() == pytest.approx(1 * 100 / engine.call_time_s)
-    metrics = await (await client.get("/metrics")).text()
+    admin = {"Authorization": "Bearer sk-admin"}  # the numbers need an operator's key
+    metrics = await (await client.get("/metrics", headers=admin)).text()
     assert f"batchserve_capacity_rps {engine.capacity_rps()}" in metrics
 
 
@@ -281,3 +297,48 @@ async def test_a_key_that_is_not_utf_8_is_401_like_any_unknown_key(
     code = error["code"] if isinstance(error, dict) else error  # OpenAI's shape nests it
     assert (answer.status, code) == (401, "UNAUTHENTICATED")
     assert answer.headers["www-authenticate"] == "Bearer"
+
+
+OPERATOR_KEYS = (
+    KEYS
+    + """
+[keys."sk-ops"]
+tenant = "ops"
+tier = "free"
+role = "operator"
+"""
+)
+
+
+@pytest.mark.parametrize("public", [False, True])
+async def test_with_keys_the_numbers_need_an_operator_key_and_models_a_key(
+    start_server, tmp_path, public
+):
+    path = tmp_path / "keys.toml"
+    path.write_text(OPERATOR_KEYS)
+    client, _ = await start_server(
+        simulated_factory(0.0, 100), keys_file=str(path), admin_key="sk-admin",
+        public_metrics=public,
+    )  # fmt: skip
+    tenant, operator = "Bearer sk-ent-123", "Bearer sk-ops"
+    for path_ in ("/metrics", "/api/stats"):
+        for authorization, allowed in (
+            (None, public), (tenant, public), ("Bearer wrong", public),
+            (operator, True), ("Bearer sk-admin", True),
+        ):  # fmt: skip
+            headers = {"Authorization": authorization} if authorization else {}
+            answer = await client.get(path_, headers=headers)
+            assert answer.status == (200 if allowed else 401), (path_, authorization)
+            if not allowed:
+                assert (await answer.json())["error"] == "UNAUTHENTICATED"
+    for path_ in ("/api/models", "/v1/models", "/v1/models/default"):
+        assert (await client.get(path_)).status == 401
+        assert (await client.get(path_, headers={"Authorization": tenant})).status == 200
+    assert (await client.get("/")).status == 200  # the page holds no numbers
+
+
+def test_a_role_other_than_tenant_or_operator_stops_start_up(tmp_path):
+    path = tmp_path / "keys.toml"
+    path.write_text('[keys."sk-secret"]\ntenant = "a"\ntier = "free"\nrole = "admin"\n')
+    with pytest.raises(StartupError, match="role of tenant or operator"):
+        KeyRing.load(str(path), anonymous_tier=None)
