@@ -14,14 +14,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .config import BACKEND_BATCH_LIMIT, Config
+from .config import HANG_MARKER as HANG_MARKER  # declared beside the flags whose help names it
+from .config import POISON_MARKER as POISON_MARKER
 from .errors import StartupError
 from .specs import DEFAULT_MODEL, BatchFn, DeviceFactory, ModelSpec
-
-POISON_MARKER = "!poison!"
-"""An input containing this makes every simulated batch call that carries it raise."""
-
-HANG_MARKER = "!hang!"
-"""An input containing this makes the first simulated call that carries it hang (once)."""
 
 
 def simulate(input_text: str) -> str:

