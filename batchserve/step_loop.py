@@ -41,12 +41,11 @@ import logging
 from collections.abc import Callable
 from typing import Protocol, TypeVar
 
-from .capacity import DecayedRate, LengthCost
+from .capacity import BatchBudget, DecayedRate, LengthCost
 from .clock import Clock
 from .config import GenerateMode
 from .device_thread import DeviceThread
 from .errors import BackendError
-from .faults import BatchBudget
 from .generation import Generation, GenState
 from .generators import Generator, GeneratorFactory, StepAnswer, check_step
 
