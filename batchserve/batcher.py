@@ -28,10 +28,10 @@ from .errors import BatchserveError, NotReady, Overloaded
 from .fair_queue import TIER_RANKS, FairQueue, predicted_wait_s
 from .faults import BatchFailure, FailureKind, RetryBudget, plan_recovery
 from .gpu_pool import HEALTHY, GpuPool
-from .item import Key, QueuedRequest
+from .item import QueuedRequest
 from .poison import PoisonMemory
 from .policy import QueueView
-from .registry import ModelVersion
+from .registry import Key, ModelVersion
 from .tasks import CrashHandler, TaskSet
 
 log = logging.getLogger(__name__)

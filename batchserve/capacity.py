@@ -1,4 +1,5 @@
-"""What the devices can do, measured: the one batch-time estimate, and decayed event rates.
+"""What the devices can do, measured: the one batch-time estimate, the watchdog's budget
+drawn from it, and decayed event rates.
 
 One `CallTime` is shared by everything that needs the batch time: the policy's spacing, the
 watchdog's budget, shedding and the capacity metrics. Two averages with two weights used to
@@ -8,6 +9,7 @@ disagree about the same devices. Pure: time is passed in.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 CALL_TIME_WEIGHT = 0.2
 """Each finished batch moves the estimate a fifth of the way: a few batches follow a real
@@ -77,6 +79,28 @@ class LengthCost(CallTime):
         if fitted is None:
             return self.seconds
         return fitted[0] + fitted[1] * padded_tokens
+
+
+@dataclass(slots=True)
+class BatchBudget:
+    """How long one batch call may run before its device counts as hung.
+
+    A fixed budget when the operator gives one; otherwise `multiple` times the call's
+    predicted time (its version's estimate), never below `floor_s`, and `unknown_s` until a
+    call has been seen, since first calls may compile kernels or warm caches.
+    """
+
+    fixed_s: float | None = None
+    multiple: float = 5.0
+    floor_s: float = 1.0
+    unknown_s: float = 10.0
+
+    def seconds(self, predicted_s: float | None) -> float:
+        if self.fixed_s is not None:
+            return self.fixed_s
+        if predicted_s is None:
+            return self.unknown_s
+        return max(self.floor_s, self.multiple * predicted_s)
 
 
 class DecayedRate:

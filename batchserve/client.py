@@ -13,7 +13,8 @@ needs (a proxy's page, say) raises `UnexpectedAnswer`, and fields an older serve
     with Client("http://127.0.0.1:8000") as client:     # or Client(uds="/run/batchserve.sock")
         print(client.infer("hello").output)              # olleh
 
-The retry rules live in `_Attempts`, which does no I/O; the two clients only send.
+The retry rules live in `_Attempts`, which does no I/O; the two clients only send. The
+client needs httpx, which the server does not: `pip install 'batchserve[client]'`.
 """
 
 from __future__ import annotations
@@ -27,8 +28,16 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
 
-import httpx
 import orjson
+
+try:
+    import httpx
+except ImportError as missing:  # pragma: no cover - exercised in a subprocess by the tests
+    raise ImportError(
+        "batchserve.client needs httpx, which the server does not install: "
+        "pip install 'batchserve[client]'",
+        name=missing.name,
+    ) from missing
 
 RETRIED = frozenset({429, 503})
 FIRST_BACKOFF_S = 0.05

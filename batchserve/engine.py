@@ -51,12 +51,12 @@ from .generation import Generation
 from .generation_models import GenerationModel, Generators, build_generation_model
 from .generators import Seq
 from .gpu_pool import GpuPool
-from .item import Ask, Key, QueuedRequest, Result, Ticket, new_request_id
+from .item import Ask, QueuedRequest, Result, Ticket, new_request_id
 from .live_config import LiveChanges, live_changes, model_changes
 from .metrics import Metrics
 from .policy import Policy, make_policy
 from .recorder import Recorder
-from .registry import ModelVersion, Registry, VersionState, build_version
+from .registry import Key, ModelVersion, Registry, VersionState, build_version
 from .sampling_params import checked_params
 from .specs import BatchFn, DeviceFactory, ModelSpec, default_spec, load_models_file
 from .tasks import TaskSet

@@ -1,4 +1,5 @@
-"""Pure rules for faults: when a batch call counts as hung, and what a failed batch becomes.
+"""Pure rules for faults: what a failed batch becomes (when a call counts as hung follows
+from its predicted time: `capacity.BatchBudget`).
 
 Inference is side-effect free, so running a request again is always safe; these rules only
 bound how often. The pool and the batcher apply them; nothing here reads a clock.
@@ -178,28 +179,6 @@ def split(batch: list[QueuedRequest], parts: int) -> list[list[QueuedRequest]]:
         groups.append(batch[start:end])
         start = end
     return groups
-
-
-@dataclass(slots=True)
-class BatchBudget:
-    """How long one batch call may run before its device counts as hung.
-
-    A fixed budget when the operator gives one; otherwise `multiple` times the call's
-    predicted time (its version's estimate), never below `floor_s`, and `unknown_s` until a
-    call has been seen, since first calls may compile kernels or warm caches.
-    """
-
-    fixed_s: float | None = None
-    multiple: float = 5.0
-    floor_s: float = 1.0
-    unknown_s: float = 10.0
-
-    def seconds(self, predicted_s: float | None) -> float:
-        if self.fixed_s is not None:
-            return self.fixed_s
-        if predicted_s is None:
-            return self.unknown_s
-        return max(self.floor_s, self.multiple * predicted_s)
 
 
 PROBE_INPUT = "batchserve-probe"

@@ -13,7 +13,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from .capacity import DecayedRate
+from .capacity import BatchBudget, DecayedRate
 from .clock import Clock
 from .config import Config, GenerateMode
 from .devices import parse_devices
@@ -25,7 +25,6 @@ from .errors import (
     StartupError,
 )
 from .fair_queue import FairQueue
-from .faults import BatchBudget
 from .generation import Generation, GenState
 from .generators import (
     SIM,

@@ -241,7 +241,7 @@ def simulated_generator_factory(
 
 
 def generator_factory(
-    path_or_factory: str | GeneratorFactory,
+    path_or_factory: str | Callable[[str], object],
     flag: str,
     simulated: GeneratorFactory,
     settings: GeneratorSettings | None = None,

@@ -26,8 +26,8 @@ from .clock import Clock, Timer, sleep_until, wait_until
 from .device_thread import DeviceThread
 from .errors import BackendError, BatchserveError, StartupError
 from .faults import MAX_PROBE_DELAY_S, PROBE_INPUT, BatchFailure, FailureKind
-from .item import Key, QueuedRequest, Result
-from .registry import ModelVersion
+from .item import QueuedRequest, Result
+from .registry import Key, ModelVersion
 from .specs import DEFAULT_MODEL, BatchFn
 from .tasks import CrashHandler, TaskSet
 

@@ -6,15 +6,12 @@ import asyncio
 import os
 from collections import deque
 from collections.abc import Callable, Generator, Mapping
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 from .clock import Clock, wait_until
 from .errors import BackendError, BatchserveError, DeadlineExceeded
-
-if TYPE_CHECKING:
-    from .registry import ModelVersion
-
+from .registry import Key
 
 ID_HEX_DIGITS = 32
 IDS_PER_DRAW = 256
@@ -60,32 +57,6 @@ class Result(NamedTuple):
     device: str
     model: str = "default"
     version: str = "1"
-
-
-@dataclass(frozen=True, slots=True)
-class Key:
-    """A request's compatibility key: only requests with equal keys share a batch call.
-
-    The model version, the canonical form of the request's params and, for length-cost
-    models, its length bucket (so that short inputs do not pay for long ones)."""
-
-    version: ModelVersion
-    params_key: bytes = b""
-    bucket: int = 0
-    params: Mapping[str, Any] | None = field(default=None, compare=False, hash=False)
-    """The params themselves, passed to the batch function as keyword arguments."""
-    poison: bytes = b""
-    """A remembered poison input's digest: it runs apart, in batches of its own repeats
-    only, so it fails only itself."""
-    _hash: int = field(init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        # Hashed once: a key is looked up at every arrival and every release.
-        hashed = hash((self.version, self.params_key, self.bucket, self.poison))
-        object.__setattr__(self, "_hash", hashed)
-
-    def __hash__(self) -> int:
-        return self._hash
 
 
 @dataclass(slots=True, eq=False, weakref_slot=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 
-from .item import Key
+from .registry import Key
 
 POISON_TTL_S = 3600.0
 """How long a poison input is remembered after it last failed."""

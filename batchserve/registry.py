@@ -22,12 +22,10 @@ from typing import Any, TypeVar
 import orjson
 
 from .backends import device_factory
-from .capacity import CallTime, DecayedRate, LengthCost
+from .capacity import BatchBudget, CallTime, DecayedRate, LengthCost
 from .config import Config
 from .devices import parse_devices
 from .errors import InvalidInput, ModelNotFound, NotReady, StartupError
-from .faults import BatchBudget
-from .item import Key
 from .policy import Policy, make_policy
 from .specs import DEFAULT_MODEL, MAX_NAME, BatchFn, DeviceFactory, ModelSpec
 
@@ -128,6 +126,32 @@ class ModelVersion:
             "cost": self.spec.cost,
             "max_batch_size": self.spec.max_batch_size,
         }
+
+
+@dataclass(frozen=True, slots=True)
+class Key:
+    """A request's compatibility key: only requests with equal keys share a batch call.
+
+    The model version, the canonical form of the request's params and, for length-cost
+    models, its length bucket (so that short inputs do not pay for long ones)."""
+
+    version: ModelVersion
+    params_key: bytes = b""
+    bucket: int = 0
+    params: Mapping[str, Any] | None = field(default=None, compare=False, hash=False)
+    """The params themselves, passed to the batch function as keyword arguments."""
+    poison: bytes = b""
+    """A remembered poison input's digest: it runs apart, in batches of its own repeats
+    only, so it fails only itself."""
+    _hash: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # Hashed once: a key is looked up at every arrival and every release.
+        hashed = hash((self.version, self.params_key, self.bucket, self.poison))
+        object.__setattr__(self, "_hash", hashed)
+
+    def __hash__(self) -> int:
+        return self._hash
 
 
 def build_version(

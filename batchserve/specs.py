@@ -23,13 +23,10 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from .config import BACKEND_BATCH_LIMIT, DTYPES, Config, read_toml
 from .errors import StartupError
-
-if TYPE_CHECKING:
-    from .generators import GeneratorFactory
 
 BatchFn = Callable[..., list[Any]]
 """A batch function: a list of inputs (and the request's params as keyword arguments) to a
@@ -50,9 +47,10 @@ class ModelSpec:
     fn: str | BatchFn | None = None
     """A path package.module:attr (a models file), or the function itself (Python)."""
     fn_per_device: str | DeviceFactory | None = None
-    generator: str | GeneratorFactory | None = None
+    generator: str | Callable[[str], object] | None = None
     """A generation model's factory (see generators.py), "sim" for the simulated one;
-    None: a batch model."""
+    None: a batch model. What the factory returns is checked against the generator contract
+    as it loads, so a spec does not name that contract (generators.py depends on specs)."""
     devices: str = "sim:4"
     max_batch_size: int = BACKEND_BATCH_LIMIT
     weight: float | None = None

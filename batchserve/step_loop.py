@@ -39,19 +39,15 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, TypeVar
+from typing import Protocol, TypeVar
 
-from .capacity import LengthCost
+from .capacity import BatchBudget, DecayedRate, LengthCost
 from .clock import Clock
 from .config import GenerateMode
 from .device_thread import DeviceThread
 from .errors import BackendError
-from .faults import BatchBudget
 from .generation import Generation, GenState
 from .generators import Generator, GeneratorFactory, StepAnswer, check_step
-
-if TYPE_CHECKING:
-    from .generation_models import GenerationModel
 
 log = logging.getLogger(__name__)
 Arg = TypeVar("Arg")
@@ -68,13 +64,38 @@ class _Hung(Exception):
     handed back."""
 
 
+class LineOwner(Protocol):
+    """What a `StepLoop` needs of the generation model it runs for (generation_models.py,
+    which imports this module): its one line of sequences, and the counters it adds to."""
+
+    token_rate: DecayedRate
+    steps: int
+    preemptions: int
+    step_failures: int
+    hung_steps: int
+
+    @property
+    def max_batch_size(self) -> int: ...
+
+    async def wait_for_work(self) -> None: ...
+
+    def take(self) -> Generation | None:
+        """The next sequence in line that still wants to run."""
+
+    def put_back(self, gen: Generation) -> None:
+        """To the head of the line (preempted, or too big for this device now)."""
+
+    def hand_back(self, gens: list[Generation], call: str, budget_s: float, now: float) -> None:
+        """The sequences of a device whose `call` hung: on to another device, or failed."""
+
+
 class StepLoop:
     """One device: its thread, its generator and the sequences running on it."""
 
     def __init__(
         self,
         device: str,
-        model: GenerationModel,
+        model: LineOwner,
         clock: Clock,
         budget: BatchBudget,
         step_tokens: int,

@@ -21,9 +21,8 @@ from batchserve.backends import POISON_MARKER, simulate
 from batchserve.clock import Clock
 from batchserve.config import Config
 from batchserve.engine import Engine, EngineStats
-from batchserve.item import Key
 from batchserve.policy import Policy
-from batchserve.registry import ModelVersion, build_version
+from batchserve.registry import Key, ModelVersion, build_version
 from batchserve.server import AppRunner, create_app
 from batchserve.specs import BatchFn, default_spec
 

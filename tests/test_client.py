@@ -8,10 +8,14 @@ import contextlib
 import json
 import os
 import random
+import signal
 import stat
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import aiohttp
 import httpx
 import pytest
 from aiohttp import web
@@ -27,7 +31,7 @@ from batchserve.client import (
     _Attempts,
 )
 
-from .conftest import HANG_GUARD_S, RealServer, real_server
+from .conftest import HANG_GUARD_S, ROOT, RealServer, real_server
 
 MODELS = (
     '[[model]]\nname = "tiny"\nversion = "1"\n'
@@ -284,3 +288,50 @@ async def test_an_answer_without_a_field_is_a_typed_error_or_none(aiohttp_server
                 client.poll("r2")
 
     await asyncio.to_thread(blocking)
+
+
+# The client is outside the server: httpx comes with `batchserve[client]`, never with the server.
+
+
+def python(code: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+
+
+def test_importing_the_server_never_imports_httpx() -> None:
+    run = python(
+        "import sys, batchserve, batchserve.cli, batchserve.server\n"
+        "assert 'httpx' not in sys.modules, 'httpx imported'"
+    )
+    assert run.returncode == 0, run.stderr
+
+
+async def test_a_running_server_never_imports_httpx(tmp_path: Path) -> None:
+    """Every module the server imports, at start-up and while answering, is in its
+    -X importtime log (PYTHONPROFILEIMPORTTIME), written to a file so no pipe fills."""
+    log = tmp_path / "imports.log"
+    with log.open("w") as stderr:
+        async with real_server(
+            "--devices", "sim:1", env={"PYTHONPROFILEIMPORTTIME": "1"}, stderr=stderr.fileno()
+        ) as server:
+            async with aiohttp.ClientSession() as session:
+                async with session.post(
+                    f"{server.url}/api/inference", json={"input": "hello"}
+                ) as answer:
+                    assert (await answer.json())["output"] == "olleh"
+                async with session.get(f"{server.url}/metrics") as answer:
+                    assert answer.status == 200
+            server.process.send_signal(signal.SIGTERM)
+            assert await asyncio.wait_for(server.process.wait(), HANG_GUARD_S) == 0
+    imported = {line.rsplit("|", 1)[1].strip() for line in log.read_text().splitlines()
+                if line.startswith("import time:")}  # fmt: skip
+    assert "batchserve.server" in imported
+    assert not {name for name in imported if name.split(".")[0] == "httpx"}
+
+
+def test_the_client_without_httpx_says_which_extra_to_install() -> None:
+    run = python("import sys\nsys.modules['httpx'] = None\nimport batchserve.client")
+    assert run.returncode == 1
+    assert "ImportError: batchserve.client needs httpx" in run.stderr, run.stderr
+    assert "pip install 'batchserve[client]'" in run.stderr

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from batchserve.capacity import CALL_TIME_WEIGHT, CallTime
-from batchserve.faults import BatchBudget, FailureKind, RetryBudget, plan_recovery
+from batchserve.capacity import CALL_TIME_WEIGHT, BatchBudget, CallTime
+from batchserve.faults import FailureKind, RetryBudget, plan_recovery
 from batchserve.item import QueuedRequest
 
 from .conftest import PLAIN_KEY

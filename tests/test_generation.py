@@ -27,6 +27,7 @@ from batchserve.errors import (
     InputTooLarge,
     InvalidInput,
     ModelNotFound,
+    StartupError,
 )
 from batchserve.generators import Seq, SimulatedGenerator
 from batchserve.metrics import WINDOW_S
@@ -166,6 +167,15 @@ async def test_stop_strings_cut_the_output_and_max_tokens_ends_it():
         # held back as the start of a stop string, then given out when the sequence ends
         output, summary = await generate(engine, "abcdefgh", stop="bz")
         assert (output, summary["finish_reason"]) == ("hgfedcba", "stop")
+
+
+async def test_a_python_factory_that_loads_no_generator_stops_start_up():
+    # A spec takes any callable (specs.py does not name the generator contract): what it
+    # loads is checked on each device as it loads.
+    engine = engine_with(lambda device: object())
+    with pytest.raises(StartupError, match="returned object for sim:0, not a generator"):
+        async with engine:
+            pass
 
 
 async def test_a_prompt_that_can_never_fit_is_refused_at_once():

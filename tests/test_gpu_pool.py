@@ -14,7 +14,8 @@ from batchserve.clock import FakeClock
 from batchserve.errors import StartupError
 from batchserve.faults import PROBE_INPUT, BatchFailure, FailureKind
 from batchserve.gpu_pool import WARM_UP_INPUT, GpuPool
-from batchserve.item import Key, QueuedRequest, Result
+from batchserve.item import QueuedRequest, Result
+from batchserve.registry import Key
 from batchserve.specs import BatchFn
 
 from .conftest import HANG_GUARD_S, Factory, GatedBackend, sim_version

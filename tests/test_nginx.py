@@ -1,5 +1,5 @@
 """Three replicas behind Debian's real nginx (deploy/nginx/batchserve.conf, started by
-`batchserve.replicas`): one replica is stopped with SIGTERM under steady load and started
+`deploy/replicas.py`): one replica is stopped with SIGTERM under steady load and started
 again, and no client sees it. Skipped where nginx is not installed (CI installs it)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections import Counter
 import aiohttp
 import pytest
 
-from batchserve.replicas import NGINX_CONF, Replicas, nginx_site
+from deploy.replicas import NGINX_CONF, Replicas, nginx_site
 
 pytestmark = pytest.mark.skipif(shutil.which("nginx") is None, reason="nginx is not installed")
 

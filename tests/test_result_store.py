@@ -20,8 +20,8 @@ import pytest
 import redis.asyncio
 
 from batchserve.clock import FakeClock
-from batchserve.replicas import Replicas
 from batchserve.shared_records import Record, SqliteRecords
+from deploy.replicas import Replicas
 
 from .conftest import HANG_GUARD_S, real_server
 from .test_nginx import free_ports

@@ -7,11 +7,10 @@ import asyncio
 import queue
 import threading
 
-from batchserve.capacity import LengthCost
+from batchserve.capacity import BatchBudget, LengthCost
 from batchserve.clock import FakeClock
 from batchserve.config import Config
 from batchserve.engine import Engine
-from batchserve.faults import BatchBudget
 from batchserve.generators import Seq, sim_token
 from batchserve.specs import ModelSpec
 

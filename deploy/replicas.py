@@ -1,12 +1,15 @@
 """N batchserve replicas on loopback ports and Debian's nginx in front of them.
 
-    python -m batchserve.replicas --count 3 --port 8080 -- --devices sim:4
+    python deploy/replicas.py --count 3 --port 8080 -- --devices sim:4
 
 starts `python -m batchserve --port P ...` for P = 8001, 8002, ... with the flags after `--`,
 then nginx on `--port` with `deploy/nginx/batchserve.conf` (its upstream servers and listen
 port rewritten for these replicas), its pid, logs and temporary files in a private
 directory. Ctrl-C or SIGTERM stops nginx, then drains every replica. The tests drive the
 same `Replicas` object, so the file in deploy/ is the one they prove.
+
+A tool beside the file it proves, not part of the server: it is not installed with
+batchserve, and it starts each replica as `python -m batchserve`.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-NGINX_CONF = Path(__file__).resolve().parent.parent / "deploy/nginx/batchserve.conf"
+NGINX_CONF = Path(__file__).resolve().parent / "nginx/batchserve.conf"
 _UPSTREAM_SERVER = re.compile(r"^(\s*)server 127\.0\.0\.1:\d+( .*;)$", re.M)
 _LISTEN = re.compile(r"listen 127\.0\.0\.1:\d+;")
 STOP_TIMEOUT_S = 60.0
@@ -168,7 +171,7 @@ class Replicas:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m batchserve.replicas",
+        prog="python deploy/replicas.py",
         description="Start N batchserve replicas on loopback and nginx in front of them.",
         epilog="Flags after -- go to every replica, e.g. -- --devices sim:4 --keys-file k.toml",
     )
