@@ -81,6 +81,32 @@ class LengthCost(CallTime):
         return fitted[0] + fitted[1] * padded_tokens
 
 
+class StepCost(LengthCost):
+    """A generation step's time over the tokens it processes, for its hang budget.
+
+    A line fitted to decode steps (a few tokens, bound by reading the weights) runs far below
+    a long prefill's cost (bound by arithmetic), so past the largest step seen it predicts at
+    least that step's time scaled by the tokens: a small step's time per token is the larger,
+    so this errs long, and a heavy but healthy step is not taken for a hang."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._largest = (0, 0.0)
+        """The tokens and seconds of the largest step seen."""
+
+    def observe(self, duration_s: float, padded_tokens: int = 0) -> None:
+        super().observe(duration_s, padded_tokens)
+        if padded_tokens >= self._largest[0]:
+            self._largest = (padded_tokens, duration_s)
+
+    def predict(self, padded_tokens: int) -> float | None:
+        predicted = super().predict(padded_tokens)
+        tokens, seconds = self._largest
+        if predicted is None or padded_tokens <= tokens or tokens == 0:
+            return predicted
+        return max(predicted, seconds * padded_tokens / tokens)
+
+
 @dataclass(slots=True)
 class BatchBudget:
     """How long one batch call may run before its device counts as hung.

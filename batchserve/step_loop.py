@@ -26,7 +26,8 @@ in the order they were admitted, each a chunk of what the budget has left, so ru
 keep making a token a step while a long prompt comes in.
 
 A step that runs past its budget (`--batch-timeout-ms`, or 5x the step's predicted time,
-`a + b x tokens` learned from the steps before it over the tokens it processes, at least 1 s)
+`a + b x tokens` learned from the steps before it over the tokens it processes, and past the
+largest step seen no less than that step's time scaled by the tokens; at least 1 s)
 hangs its device: its sequences go back to the head of the line with their tokens, for
 another device to recompute and go on with (500 where no other device can), and the device
 takes nothing new until the step returns; what it returns then is dropped, and the sequences
@@ -41,7 +42,7 @@ import logging
 from collections.abc import Callable
 from typing import Protocol, TypeVar
 
-from .capacity import BatchBudget, DecayedRate, LengthCost
+from .capacity import BatchBudget, DecayedRate, StepCost
 from .clock import Clock
 from .config import GenerateMode
 from .device_thread import DeviceThread
@@ -107,7 +108,7 @@ class StepLoop:
         self._step_tokens = step_tokens
         self._chunked = False
         """The generator prefills in chunks of `step_tokens` (it said `chunked_prefill`)."""
-        self.step_cost = LengthCost()
+        self.step_cost = StepCost()
         """A step's seconds over the tokens it processes: its hang budget's prediction."""
         self.hung = False
         """A step ran past its budget and has not returned yet."""
