@@ -95,8 +95,9 @@ class ResultStore:
         self._expire(now)
         key = slot(request_id, owner)
         if (held := self._pending.get(key)) is not None:
-            # Its answer is stored by the callback that runs as it finishes.
-            running = held[0].status == "running"
+            # Its answer is stored by the callback that runs as it finishes; until then one
+            # that has just finished still reads as running, never as queued again.
+            running = held[0].status != "queued"
             return {"request_id": request_id, "status": "running" if running else "queued"}
         if (finished := self._finished.get(key)) is not None:
             return finished[1]

@@ -196,6 +196,8 @@ class StatusApi:
         ticket = self.store.unfinished(request_id, tenant)
         if ticket is not None:
             await ticket.wait(clock, until)
+            if ticket.done():  # its done callback, which files the answer, may not have run
+                return self._answer(ticket)
             return await self._state(request_id, tenant)
         state: dict[str, Any] | None = answer
         while state is not None and state["status"] in UNFINISHED and clock.time() < until:
