@@ -144,6 +144,17 @@ def start_server(
     return start
 
 
+TWO_TENANT_KEYS = """
+[keys."sk-alice"]
+tenant = "alice"
+tier = "paid"
+
+[keys."sk-bob"]
+tenant = "bob"
+tier = "paid"
+"""
+"""A keys file of two paid tenants, alice (sk-alice) and bob (sk-bob)."""
+
 HANG_GUARD_S = 60.0
 """A wait for a state that never comes fails the test after this long instead of hanging
 the suite; no test relies on it as a timing."""

@@ -12,17 +12,8 @@ import pytest
 from batchserve.backends import simulate
 from batchserve.gpu_pool import WARM_UP_INPUT
 
-from .conftest import GatedBackend, reach
+from .conftest import TWO_TENANT_KEYS, GatedBackend, reach
 
-KEYS = """
-[keys."sk-alice"]
-tenant = "alice"
-tier = "paid"
-
-[keys."sk-bob"]
-tenant = "bob"
-tier = "paid"
-"""
 ALICE = {"Authorization": "Bearer sk-alice"}
 BOB = {"Authorization": "Bearer sk-bob"}
 
@@ -30,7 +21,7 @@ BOB = {"Authorization": "Bearer sk-bob"}
 @pytest.fixture
 def keys_file(tmp_path: Path) -> str:
     path = tmp_path / "keys.toml"
-    path.write_text(KEYS)
+    path.write_text(TWO_TENANT_KEYS)
     return str(path)
 
 

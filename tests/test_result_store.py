@@ -23,18 +23,8 @@ from batchserve.clock import FakeClock
 from batchserve.shared_records import Record, SqliteRecords
 from deploy.replicas import Replicas
 
-from .conftest import HANG_GUARD_S, real_server
+from .conftest import HANG_GUARD_S, TWO_TENANT_KEYS, real_server
 from .test_nginx import free_ports
-
-KEYS = """
-[keys."sk-alice"]
-tenant = "alice"
-tier = "paid"
-
-[keys."sk-bob"]
-tenant = "bob"
-tier = "paid"
-"""
 
 
 def bearer(key: str) -> dict[str, str]:
@@ -60,7 +50,7 @@ async def poll_until_done(
 
 async def test_sqlite_requests_queued_at_kill_9_run_after_restart(tmp_path: Path) -> None:
     keys = tmp_path / "keys.toml"
-    keys.write_text(KEYS)
+    keys.write_text(TWO_TENANT_KEYS)
     store = f"sqlite:///{tmp_path / 'records.db'}"
     common = ("--devices", "sim:1", "--max-batch-size", "1", "--result-store", store,
               "--keys-file", str(keys))  # fmt: skip
