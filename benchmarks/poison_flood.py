@@ -15,13 +15,11 @@ poison; each run on a fresh server pinned to core 0, the load on core 1, medians
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
-from servers import PORT, ROOT, start_server, stop_server
+from servers import PORT, ROOT, run_loadgen, start_server, stop_server
 
 KEYS_FILE = ROOT / "benchmarks/results/flood-keys.toml"
 KEYS = """
@@ -55,17 +53,11 @@ NAMING = ("--fn-per-device", "benchmarks.naming_sim:load")
 def run_point(server_args: tuple[str, ...], seconds: float, seed: int,
               load_args: tuple[str, ...]) -> dict:  # fmt: skip
     """One run on a fresh server (core 0) with the load generator on core 1: its summary.
-    (sweep.py's run_point, without sweep's matplotlib import or its /metrics read.)"""
+    (as sweep.py's run_point, without sweep's matplotlib import or its /metrics read.)"""
     server = start_server([sys.executable, "-m", "batchserve", "--port", str(PORT), "--log-level",
                            "WARNING", "--devices", "sim:4", *server_args])  # fmt: skip
     try:
-        load = subprocess.run(
-            ["taskset", "-c", "1", sys.executable, "benchmarks/loadgen.py",
-             "--url", f"http://127.0.0.1:{PORT}", "--rate", str(RATE),
-             "--seconds", str(seconds), "--seed", str(seed), *load_args],
-            cwd=ROOT, capture_output=True, text=True, timeout=seconds + 120, check=True,
-        )  # fmt: skip
-        return dict(json.loads(load.stdout))
+        return run_loadgen(RATE, seconds, seed, load_args)
     finally:
         stop_server(server)
 

@@ -4,9 +4,11 @@ load (pinned to core 1) never shares its core. Nothing here needs matplotlib."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -40,3 +42,14 @@ def stop_server(server: subprocess.Popen[str]) -> None:
         server.wait()
     with contextlib.suppress(ProcessLookupError):
         os.killpg(server.pid, signal.SIGKILL)
+
+
+def run_loadgen(rate: float, seconds: float, seed: int, load_args: tuple[str, ...] = ()) -> dict:
+    """loadgen.py on core 1 against the server on PORT, for `seconds`: its JSON summary."""
+    load = subprocess.run(
+        ["taskset", "-c", "1", sys.executable, "benchmarks/loadgen.py",
+         "--url", f"http://127.0.0.1:{PORT}", "--rate", str(rate),
+         "--seconds", str(seconds), "--seed", str(seed), *load_args],
+        cwd=ROOT, capture_output=True, text=True, timeout=seconds + 120, check=True,
+    )  # fmt: skip
+    return dict(json.loads(load.stdout))

@@ -17,7 +17,6 @@ import json
 import os
 import re
 import statistics
-import subprocess
 import sys
 import urllib.error
 import urllib.request
@@ -27,7 +26,7 @@ from typing import Protocol
 
 from plots import write_plots
 from progress import Progress
-from servers import PORT, ROOT, start_server, stop_server
+from servers import PORT, ROOT, run_loadgen, start_server, stop_server
 
 
 @dataclass(frozen=True)
@@ -158,13 +157,7 @@ def run_point(
 ) -> dict[str, float]:
     server = start_server(setup.command())
     try:
-        load = subprocess.run(
-            ["taskset", "-c", "1", sys.executable, "benchmarks/loadgen.py",
-             "--url", f"http://127.0.0.1:{PORT}", "--rate", str(rate),
-             "--seconds", str(seconds), "--seed", str(seed), *load_args],
-            cwd=ROOT, capture_output=True, text=True, timeout=seconds + 120, check=True,
-        )  # fmt: skip
-        return {**json.loads(load.stdout), "server": server_counters()}
+        return {**run_loadgen(rate, seconds, seed, load_args), "server": server_counters()}
     finally:
         stop_server(server)
 
