@@ -94,6 +94,11 @@ class Generation:
         return max(1, self.prompt_tokens + len(self.seq.tokens) - self.computed)
 
     @property
+    def tokens_this_step(self) -> int:
+        """Tokens its step in hand processes: its chunk, or all it has uncomputed."""
+        return self.uncomputed if self.seq.chunk is None else self.seq.chunk
+
+    @property
     def output(self) -> str:
         return "".join(self._output)
 
@@ -107,16 +112,16 @@ class Generation:
         """Takes what a step made for it (None: the end of sequence; `Made()`: nothing yet, a
         prefill chunk); True once it has ended."""
         if isinstance(token, Made):
-            if token.token_id is None and not token.end:
+            text, ended, counted = token.text, token.end, token.token_id is not None
+            if not counted and not ended:
                 return False  # still prefilling: no token, no first-token time
-            text, ended = token.text, token.end
             if token.token_id is not None:
                 self.seq.token_ids.append(token.token_id)
         else:
-            text, ended = token or "", token is None
+            text, ended, counted = token or "", token is None, token is not None
         if self.first_token_at is None:
             self.first_token_at = now
-        if not ended or (isinstance(token, Made) and token.token_id is not None):
+        if counted:
             self.seq.tokens.append(text)
         self._held += text
         if len(self.seq.tokens) >= self._min_tokens:

@@ -242,7 +242,7 @@ class StepLoop:
         """One step over `gens`; on a failure, the halves again, down to the culprits."""
         generator = self._generator
         assert generator is not None
-        tokens = sum(gen.uncomputed if gen.seq.chunk is None else gen.seq.chunk for gen in gens)
+        tokens = sum(gen.tokens_this_step for gen in gens)
         started = self._clock.time()
         try:
             budget_s = self._budget.seconds(self.step_cost.predict(tokens))
@@ -278,7 +278,7 @@ class StepLoop:
             return first + await self._step(gens[half:])
         self._model.steps += 1
         for gen in gens:
-            gen.computed += gen.uncomputed if gen.seq.chunk is None else gen.seq.chunk
+            gen.computed += gen.tokens_this_step
         return list(zip(gens, made, strict=True))
 
     async def _watched(
