@@ -53,7 +53,6 @@ class _Held:
 
     ids: list[int]
     fed: int
-    prompt_length: int
     text: Detokenizer
 
 
@@ -80,13 +79,12 @@ class CausalLM:
         self._kv_heads = getattr(config, "num_key_value_heads", None) or self._heads
         self._head_dim = getattr(config, "head_dim", None) or config.hidden_size // self._heads
         self._scale = getattr(attention, "scaling", self._head_dim**-0.5)
-        self._dtype = next(model.parameters()).dtype
         self.cache = PagedKV(
             torch,
             layers=len(self._layers),
             kv_heads=self._kv_heads,
             head_dim=self._head_dim,
-            dtype=self._dtype,
+            dtype=next(model.parameters()).dtype,
             device=device,
             budget_bytes=kv_cache_bytes,
         )
@@ -158,8 +156,8 @@ class CausalLM:
             self._prefill_view(seqs[i].id, held[i].fed, chunks[i]) for i in order[len(decoding) :]
         ]
         products = self._products
+        views = (decode_view, prefill_views)
         for index, (layer, weights) in enumerate(zip(self._layers, self._weights, strict=True)):
-            views = (decode_view, prefill_views)
             x = x + self._attention(index, layer, weights, x, rope, rows, *views)
             x = x + mlp(layer, weights, products, layer.post_attention_layernorm(x))
         # Logits for each sequence whose chunk reaches the end of what it has to feed.
@@ -286,7 +284,7 @@ class CausalLM:
             prompt = self._encode(seq.prompt)
             made = list(seq.token_ids)
             given = sum(map(len, seq.tokens))
-            held = _Held(prompt + made, 0, len(prompt), Detokenizer(self.tokenizer, made, given))
+            held = _Held(prompt + made, 0, Detokenizer(self.tokenizer, made, given))
             self._held[seq.id] = held
         return held
 
