@@ -6,9 +6,9 @@ Embedded in a Python program, the same engine serves without HTTP:
         result = await engine.infer("some input")
 """
 
+from .batching.request import Ask, Result, Ticket
 from .config import Config
-from .engine import Engine
-from .item import Ask, Result, Ticket
+from .engine.core import Engine
 
 __all__ = ["Ask", "Config", "Engine", "Result", "Ticket"]
 __version__ = "0.1.0"

@@ -22,16 +22,16 @@ from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .capacity import DecayedRate
+from .batching.faults import BatchFailure, FailureKind, RetryBudget, plan_recovery
+from .batching.poison import PoisonMemory
+from .batching.request import QueuedRequest
 from .clock import Clock
 from .errors import BatchserveError, NotReady, Overloaded
-from .fair_queue import TIER_RANKS, FairQueue, predicted_wait_s
-from .faults import BatchFailure, FailureKind, RetryBudget, plan_recovery
 from .gpu_pool import HEALTHY, GpuPool
-from .item import QueuedRequest
-from .poison import PoisonMemory
-from .policy import QueueView
-from .registry import Key, ModelVersion
+from .models.registry import Key, ModelVersion
+from .rules.capacity import DecayedRate
+from .rules.fair_queue import TIER_RANKS, FairQueue, predicted_wait_s
+from .rules.policy import QueueView
 from .tasks import CrashHandler, TaskSet
 
 log = logging.getLogger(__name__)

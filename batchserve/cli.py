@@ -19,11 +19,11 @@ from typing import NamedTuple
 from aiohttp import web
 
 from .config import Config
-from .engine import Engine
+from .doors.uds import UnixSocketPath
+from .engine.core import Engine
 from .errors import StartupError
 from .live_config import read_config_file
 from .server import AppRunner, create_app
-from .uds import UnixSocketPath
 
 log = logging.getLogger("batchserve")
 

@@ -175,7 +175,7 @@ class Config:
         help="a request's head (request line and headers) must arrive whole within this of the"
         " connection's opening or of its first byte; else the connection is closed",
     )
-    """connections.py has every connection deadline."""
+    """doors/connections.py has every connection deadline."""
     body_timeout_s: float = setting(
         30.0,
         help="a request body that stalls this long between two of its bytes has its connection"
@@ -242,7 +242,7 @@ class Config:
         " share it, so a poll may reach any of them); sqlite:///path/file.db (survives a"
         " restart, and what was queued runs again)",
     )
-    """shared_records.py reads the redis and sqlite addresses."""
+    """doors/shared_records.py reads the redis and sqlite addresses."""
     result_store_size: int = setting(
         100_000, help="most requests the status API holds; the oldest finished go first"
     )

@@ -21,7 +21,7 @@ BatchserveError            one request's failure; its class declares the HTTP st
 StartupError               bad configuration or a backend that cannot load; the CLI
                            prints its one-line message and exits 1
 
-The engine raises these to library callers as they are; `http_io.py` is the one place that
+The engine raises these to library callers as they are; `doors/wire.py` is the one place that
 writes them to the wire (status, JSON body, headers such as Retry-After), and the metrics
 count answers by the same status and code.
 """

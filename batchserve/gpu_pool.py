@@ -22,13 +22,13 @@ from typing import Any, Protocol
 
 import orjson
 
+from .batching.faults import MAX_PROBE_DELAY_S, PROBE_INPUT, BatchFailure, FailureKind
+from .batching.request import QueuedRequest, Result
 from .clock import Clock, Timer, sleep_until, wait_until
-from .device_thread import DeviceThread
+from .devices.thread import DeviceThread
 from .errors import BackendError, BatchserveError, StartupError
-from .faults import MAX_PROBE_DELAY_S, PROBE_INPUT, BatchFailure, FailureKind
-from .item import QueuedRequest, Result
-from .registry import Key, ModelVersion
-from .specs import DEFAULT_MODEL, BatchFn
+from .models.registry import Key, ModelVersion
+from .models.specs import DEFAULT_MODEL, BatchFn
 from .tasks import CrashHandler, TaskSet
 
 log = logging.getLogger(__name__)

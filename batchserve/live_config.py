@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 
 from .config import Config, read_toml
 from .errors import StartupError
-from .specs import ModelSpec
+from .models.specs import ModelSpec
 
 RESTART_ONLY = frozenset(
     {

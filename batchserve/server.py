@@ -1,9 +1,9 @@
 """The HTTP door onto the engine: parse, call the engine, write the answer.
 
 `create_app` mounts the doors over one `Engine`: this module's inference and health routes,
-generation (`generate_api.py`), the OpenAI-shaped routes (`openai_api.py`,
-`openai_completions.py`), the status API (`status_api.py`) and the dashboard
-(`dashboard.py`). Each is handed only what
+generation (`doors/generate_api.py`), the OpenAI-shaped routes (`doors/openai_api.py`,
+`doors/openai_completions.py`), the status API (`doors/status_api.py`) and the dashboard
+(`doors/dashboard.py`). Each is handed only what
 it needs; none holds another's object. The app's cleanup context starts the engine and, at
 shutdown, drains and stops it. Every path or method that no route serves gets the same JSON
 error body and `X-Request-Id` as any other answer. `AppRunner` serves such an app with the
@@ -17,20 +17,16 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from aiohttp import hdrs, web
 
-from .admin_api import ROUTE as ADMIN_ROUTE
-from .admin_api import AdminApi, authorize
-from .connections import Connection, ConnectionServer
-from .dashboard import Dashboard
-from .engine import Engine
-from .errors import (
-    BatchserveError,
-    InputTooLarge,
-    MethodNotAllowed,
-    NotFound,
-    Unauthenticated,
-)
-from .generate_api import GenerateApi
-from .http_io import (
+from .batching.request import Result
+from .doors.admin_api import ROUTE as ADMIN_ROUTE
+from .doors.admin_api import AdminApi, authorize
+from .doors.connections import Connection, ConnectionServer
+from .doors.dashboard import Dashboard
+from .doors.generate_api import GenerateApi
+from .doors.openai_api import OpenAIApi
+from .doors.openai_completions import OpenAICompletionsApi
+from .doors.status_api import StatusApi
+from .doors.wire import (
     answer_response,
     error_response,
     json_response,
@@ -40,10 +36,14 @@ from .http_io import (
     status_response,
     too_large,
 )
-from .item import Result
-from .openai_api import OpenAIApi
-from .openai_completions import OpenAICompletionsApi
-from .status_api import StatusApi
+from .engine.core import Engine
+from .errors import (
+    BatchserveError,
+    InputTooLarge,
+    MethodNotAllowed,
+    NotFound,
+    Unauthenticated,
+)
 
 ENGINE_KEY: web.AppKey[Engine] = web.AppKey("batchserve_engine")
 INFERENCE_KEY: web.AppKey[InferenceApi] = web.AppKey("batchserve_inference")

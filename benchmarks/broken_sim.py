@@ -11,8 +11,8 @@ import time
 from collections import Counter
 from collections.abc import Callable
 
-from batchserve.backends import simulated_factory
 from batchserve.config import BACKEND_BATCH_LIMIT
+from batchserve.models.backends import simulated_factory
 
 BREAKS_AFTER_S = 5.0
 BROKEN = "sim:0"

@@ -121,7 +121,7 @@ def modes(rates: list[float], seconds: float, repeats: int) -> None:
 
 def direct_rate(batch: int, tokens: int, seconds: float) -> float:
     """tiny_gpt stepped in a loop on this process's core, `batch` sequences at a time."""
-    from batchserve.generators import Seq
+    from batchserve.models.generators import Seq
     from batchserve.models.tiny_gpt import load
 
     model = load("cpu")

@@ -114,8 +114,8 @@ async def _runner(kind: str, tree: str) -> Any:
         app.router.add_post("/api/inference", bare.inference)
         return web.AppRunner(app, access_log=None)
     sys.path.insert(0, tree)
+    from batchserve import Engine
     from batchserve.cli import config_from_args, tune_for_serving
-    from batchserve.engine import Engine
     from batchserve.server import AppRunner, create_app
 
     config, _ = config_from_args(["--devices", "sim:4", "--metrics", "on"])

@@ -123,7 +123,7 @@ async def closed_loop(concurrency: int, seconds: float) -> dict[str, float]:
 
 BASELINE = r"""
 import json, sys, time, torch
-from batchserve.generators import GeneratorSettings, Seq
+from batchserve.models.generators import GeneratorSettings, Seq
 from batchserve.models.causal_lm import load
 sys.path.insert(0, "benchmarks")
 from llm import prompt, TOKENS

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from batchserve.backends import POISON_MARKER, simulated_factory
 from batchserve.config import BACKEND_BATCH_LIMIT
+from batchserve.models.backends import POISON_MARKER, simulated_factory
 
 _plain = simulated_factory(0.100, BACKEND_BATCH_LIMIT)
 

@@ -14,9 +14,9 @@ import statistics
 from collections import deque
 from dataclasses import dataclass
 
-from batchserve.capacity import CallTime
 from batchserve.config import Config
-from batchserve.policy import Policy, QueueView, make_policy
+from batchserve.rules.capacity import CallTime
+from batchserve.rules.policy import Policy, QueueView, make_policy
 
 _ARRIVAL, _DONE, _WAKE = 0, 1, 2
 

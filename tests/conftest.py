@@ -17,14 +17,14 @@ import pytest
 from aiohttp import ClientResponse
 from aiohttp.test_utils import TestClient, TestServer
 
-from batchserve.backends import POISON_MARKER, simulate
 from batchserve.clock import Clock
 from batchserve.config import Config
-from batchserve.engine import Engine, EngineStats
-from batchserve.policy import Policy
-from batchserve.registry import Key, ModelVersion, build_version
+from batchserve.engine.core import Engine, EngineStats
+from batchserve.models.backends import POISON_MARKER, simulate
+from batchserve.models.registry import Key, ModelVersion, build_version
+from batchserve.models.specs import BatchFn, default_spec
+from batchserve.rules.policy import Policy
 from batchserve.server import AppRunner, create_app
-from batchserve.specs import BatchFn, default_spec
 
 Factory = Callable[[str], BatchFn]
 

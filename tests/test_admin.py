@@ -9,7 +9,7 @@ import pytest
 from aiohttp.test_utils import TestClient
 
 from batchserve.config import Config
-from batchserve.engine import Engine
+from batchserve.engine.core import Engine
 from batchserve.server import create_app
 
 from . import raw_http, sample_models

@@ -6,16 +6,16 @@ import sys
 
 import pytest
 
-from batchserve.backends import (
+from batchserve.config import Config
+from batchserve.devices.names import parse_devices
+from batchserve.errors import StartupError
+from batchserve.models.backends import (
     SimulatedDevice,
     SimulatedFault,
     device_factory,
     simulate,
 )
-from batchserve.config import Config
-from batchserve.devices import parse_devices
-from batchserve.errors import StartupError
-from batchserve.specs import BatchFn, DeviceFactory, default_spec
+from batchserve.models.specs import BatchFn, DeviceFactory, default_spec
 
 from . import sample_models
 

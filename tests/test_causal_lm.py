@@ -16,10 +16,10 @@ import openai
 import pytest
 
 from batchserve.config import Config
-from batchserve.engine import Engine
-from batchserve.generators import GeneratorSettings, Made, Seq
+from batchserve.engine.core import Engine
+from batchserve.models.generators import GeneratorSettings, Made, Seq
+from batchserve.models.specs import ModelSpec
 from batchserve.server import create_app
-from batchserve.specs import ModelSpec
 
 from . import tiny_llama
 

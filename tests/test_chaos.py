@@ -11,8 +11,14 @@ from collections import Counter
 
 from aiohttp.test_utils import TestClient
 
-from batchserve.backends import HANG_MARKER, POISON_MARKER, Chaos, simulate, simulated_factory
-from batchserve.engine import Engine
+from batchserve.engine.core import Engine
+from batchserve.models.backends import (
+    HANG_MARKER,
+    POISON_MARKER,
+    Chaos,
+    simulate,
+    simulated_factory,
+)
 
 from .conftest import reach
 

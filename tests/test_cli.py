@@ -18,7 +18,7 @@ import torch
 from batchserve.cli import _FLAGS, build_parser, config_from_args, serve
 from batchserve.client import AsyncClient
 from batchserve.config import Config
-from batchserve.engine import Engine
+from batchserve.engine.core import Engine
 from batchserve.errors import NotReady, StartupError
 
 from .conftest import ROOT, real_server

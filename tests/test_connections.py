@@ -1,4 +1,4 @@
-"""connections.py against a live in-process server, over bare sockets: each deadline closes
+"""doors/connections.py against a live in-process server, over bare sockets: each deadline closes
 what it bounds, the body budget refuses what does not fit, aiohttp's own refusals are the
 API's JSON, and a malformed request costs only itself.
 
@@ -16,8 +16,8 @@ from collections.abc import Callable
 import pytest
 from aiohttp.test_utils import TestClient
 
-from batchserve.backends import simulated_factory
-from batchserve.connections import ConnectionServer
+from batchserve.doors.connections import ConnectionServer
+from batchserve.models.backends import simulated_factory
 
 from . import raw_http
 from .conftest import HANG_GUARD_S

@@ -7,14 +7,14 @@ import asyncio
 
 import pytest
 
-from batchserve.capacity import CallTime, LengthCost
 from batchserve.cli import config_from_args
 from batchserve.clock import FakeClock
 from batchserve.config import Config
-from batchserve.engine import Engine
-from batchserve.policy import AdaptivePolicy, Decision, QueueView
-from batchserve.specs import ModelSpec
-from batchserve.tenants import Tenant
+from batchserve.engine.core import Engine
+from batchserve.models.specs import ModelSpec
+from batchserve.rules.capacity import CallTime, LengthCost
+from batchserve.rules.policy import AdaptivePolicy, Decision, QueueView
+from batchserve.rules.tenants import Tenant
 
 from .conftest import GatedBackend
 

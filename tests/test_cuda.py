@@ -9,7 +9,7 @@ import aiohttp
 import pytest
 import torch
 
-from batchserve.devices import parse_devices
+from batchserve.devices.names import parse_devices
 
 from . import sample_models
 from .conftest import real_server

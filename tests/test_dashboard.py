@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from batchserve.backends import simulated_factory
 from batchserve.config import Config
-from batchserve.engine import Engine
+from batchserve.engine.core import Engine
+from batchserve.models.backends import simulated_factory
 from batchserve.server import create_app
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")

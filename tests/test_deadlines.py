@@ -7,10 +7,10 @@ import asyncio
 
 import pytest
 
+from batchserve.batching.deadlines import MIN_SWEEP, Deadlines
+from batchserve.batching.request import QueuedRequest
 from batchserve.clock import FakeClock
-from batchserve.deadlines import MIN_SWEEP, Deadlines
 from batchserve.errors import DeadlineExceeded
-from batchserve.item import QueuedRequest
 
 from .conftest import PLAIN_KEY
 

@@ -17,13 +17,13 @@ from pathlib import Path
 import pytest
 
 from batchserve import Ask, Config, Engine
-from batchserve.backends import simulate
+from batchserve.batching.request import IDS_PER_DRAW, new_request_id
 from batchserve.clock import FakeClock
 from batchserve.errors import DeadlineExceeded, NotReady, RateLimited
-from batchserve.item import IDS_PER_DRAW, new_request_id
-from batchserve.metrics import WINDOW_S
-from batchserve.policy import Decision, QueueView
-from batchserve.tenants import Tenant
+from batchserve.models.backends import simulate
+from batchserve.observability.metrics import WINDOW_S
+from batchserve.rules.policy import Decision, QueueView
+from batchserve.rules.tenants import Tenant
 
 from .conftest import GatedBackend, reach, recovering
 

@@ -15,15 +15,15 @@ from collections.abc import Callable
 import pytest
 from aiohttp.test_utils import TestClient
 
-from batchserve.backends import POISON_MARKER, simulate
+from batchserve.batching.faults import PROBE_INPUT
+from batchserve.batching.request import Result
 from batchserve.clock import FakeClock
 from batchserve.config import Config
-from batchserve.engine import Engine
+from batchserve.engine.core import Engine
 from batchserve.errors import BackendError
-from batchserve.faults import PROBE_INPUT
 from batchserve.gpu_pool import WARM_UP_INPUT
-from batchserve.item import Result
-from batchserve.tenants import Tenant
+from batchserve.models.backends import POISON_MARKER, simulate
+from batchserve.rules.tenants import Tenant
 
 from .conftest import HANG_GUARD_S, GatedBackend, reach, recovering
 

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from batchserve.fair_queue import TIER_RANKS, FairQueue, predicted_wait_s
-from batchserve.item import QueuedRequest
+from batchserve.batching.request import QueuedRequest
+from batchserve.rules.fair_queue import TIER_RANKS, FairQueue, predicted_wait_s
 
 from .conftest import PLAIN_KEY
 

@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from batchserve.capacity import CALL_TIME_WEIGHT, BatchBudget, CallTime
-from batchserve.faults import FailureKind, RetryBudget, plan_recovery
-from batchserve.item import QueuedRequest
+from batchserve.batching.faults import FailureKind, RetryBudget, plan_recovery
+from batchserve.batching.request import QueuedRequest
+from batchserve.rules.capacity import CALL_TIME_WEIGHT, BatchBudget, CallTime
 
 from .conftest import PLAIN_KEY
 

@@ -17,10 +17,9 @@ import openai
 import orjson
 import pytest
 
-from batchserve import step_loop
 from batchserve.clock import FakeClock
 from batchserve.config import Config
-from batchserve.engine import Engine
+from batchserve.engine.core import Engine
 from batchserve.errors import (
     BackendError,
     DeadlineExceeded,
@@ -29,10 +28,11 @@ from batchserve.errors import (
     ModelNotFound,
     StartupError,
 )
-from batchserve.generators import Seq, SimulatedGenerator
-from batchserve.metrics import WINDOW_S
+from batchserve.generation import step_loop
+from batchserve.models.generators import Seq, SimulatedGenerator
+from batchserve.models.specs import ModelSpec
+from batchserve.observability.metrics import WINDOW_S
 from batchserve.server import create_app
-from batchserve.specs import ModelSpec
 
 from .conftest import HANG_GUARD_S, real_server
 
@@ -170,7 +170,7 @@ async def test_stop_strings_cut_the_output_and_max_tokens_ends_it():
 
 
 async def test_a_python_factory_that_loads_no_generator_stops_start_up():
-    # A spec takes any callable (specs.py does not name the generator contract): what it
+    # A spec takes any callable (models/specs.py does not name the generator contract): what it
     # loads is checked on each device as it loads.
     engine = engine_with(lambda device: object())
     with pytest.raises(StartupError, match="returned object for sim:0, not a generator"):

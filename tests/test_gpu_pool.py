@@ -9,14 +9,14 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from batchserve.backends import POISON_MARKER
+from batchserve.batching.faults import PROBE_INPUT, BatchFailure, FailureKind
+from batchserve.batching.request import QueuedRequest, Result
 from batchserve.clock import FakeClock
 from batchserve.errors import StartupError
-from batchserve.faults import PROBE_INPUT, BatchFailure, FailureKind
 from batchserve.gpu_pool import WARM_UP_INPUT, GpuPool
-from batchserve.item import QueuedRequest, Result
-from batchserve.registry import Key
-from batchserve.specs import BatchFn
+from batchserve.models.backends import POISON_MARKER
+from batchserve.models.registry import Key
+from batchserve.models.specs import BatchFn
 
 from .conftest import HANG_GUARD_S, Factory, GatedBackend, sim_version
 

@@ -10,11 +10,16 @@ import pytest
 from aiohttp.test_utils import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from batchserve.backends import POISON_MARKER, simulated_factory
+from batchserve.batching.request import Result
 from batchserve.clock import FakeClock
 from batchserve.gpu_pool import BUSY_WINDOW_S, Device
-from batchserve.item import Result
-from batchserve.metrics import WINDOW_S, RecentWindow, desired_replicas, window_numbers
+from batchserve.models.backends import POISON_MARKER, simulated_factory
+from batchserve.observability.metrics import (
+    WINDOW_S,
+    RecentWindow,
+    desired_replicas,
+    window_numbers,
+)
 
 from .conftest import hold_one_and_queue_one, reach
 
@@ -183,8 +188,8 @@ def test_desired_replicas_follow_arrivals_against_measured_capacity():
 def test_loop_histograms_expose_what_a_prometheus_histogram_would():
     from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-    from batchserve.loop_metrics import LoopHistograms
-    from batchserve.metrics import LATENCY_BUCKETS
+    from batchserve.observability.loop_metrics import LoopHistograms
+    from batchserve.observability.metrics import LATENCY_BUCKETS
 
     values = [0.0, 0.005, 0.0051, 0.1, 0.12, 3.0, 10.0, 11.0, 0.3]
     theirs, ours = CollectorRegistry(), CollectorRegistry()

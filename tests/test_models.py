@@ -19,10 +19,10 @@ from hypothesis import strategies as st
 
 from batchserve.clock import FakeClock
 from batchserve.config import Config
-from batchserve.engine import Engine
+from batchserve.engine.core import Engine
 from batchserve.errors import InvalidInput, ModelNotFound, StartupError
+from batchserve.models.specs import ModelSpec, load_models_file
 from batchserve.server import create_app
-from batchserve.specs import ModelSpec, load_models_file
 
 from . import sample_models
 from .conftest import ROOT, GatedBackend, reach, real_server

@@ -11,7 +11,7 @@ import pytest
 from aiohttp.test_utils import TestClient
 
 from batchserve.config import Config
-from batchserve.engine import Engine
+from batchserve.engine.core import Engine
 from batchserve.server import create_app
 
 CHAT = [{"role": "user", "content": "abc"}]

@@ -7,8 +7,8 @@ import math
 from hypothesis import given
 from hypothesis import strategies as st
 
-from batchserve.capacity import CallTime
-from batchserve.policy import SPACING_SHARE, AdaptivePolicy, Decision, FixedPolicy, QueueView
+from batchserve.rules.capacity import CallTime
+from batchserve.rules.policy import SPACING_SHARE, AdaptivePolicy, Decision, FixedPolicy, QueueView
 
 SERVICE = 0.1
 

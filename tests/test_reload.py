@@ -17,7 +17,7 @@ from batchserve.cli import config_from_args
 from batchserve.config import Config
 from batchserve.errors import StartupError
 from batchserve.live_config import live_changes, model_changes
-from batchserve.specs import ModelSpec
+from batchserve.models.specs import ModelSpec
 
 from .conftest import ROOT
 

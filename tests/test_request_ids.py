@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from batchserve.backends import simulate
 from batchserve.gpu_pool import WARM_UP_INPUT
+from batchserve.models.backends import simulate
 
 from .conftest import TWO_TENANT_KEYS, GatedBackend, reach
 

@@ -20,7 +20,7 @@ import pytest
 import redis.asyncio
 
 from batchserve.clock import FakeClock
-from batchserve.shared_records import Record, SqliteRecords
+from batchserve.doors.shared_records import Record, SqliteRecords
 from deploy.replicas import Replicas
 
 from .conftest import HANG_GUARD_S, TWO_TENANT_KEYS, real_server

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
-from batchserve.item import QueuedRequest, Ticket
-from batchserve.results import ResultStore
+from batchserve.batching.request import QueuedRequest, Ticket
+from batchserve.doors.status_store import ResultStore
 
 from .conftest import PLAIN_KEY
 

@@ -10,12 +10,12 @@ from typing import Any
 import pytest
 
 from batchserve.config import Config
-from batchserve.engine import Engine
+from batchserve.engine.core import Engine
 from batchserve.errors import InvalidInput
-from batchserve.generators import Seq, SimulatedGenerator, sim_token
-from batchserve.sampling_params import checked_params
+from batchserve.models.generators import Seq, SimulatedGenerator, sim_token
+from batchserve.models.specs import ModelSpec
+from batchserve.rules.sampling_params import checked_params
 from batchserve.server import create_app
-from batchserve.specs import ModelSpec
 
 BAD = [
     ("temperature", "hot"),

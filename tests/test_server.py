@@ -14,10 +14,10 @@ import pytest
 from aiohttp import ClientResponse, web
 from aiohttp.typedefs import Handler
 
-from batchserve.backends import simulate, simulated_factory
 from batchserve.clock import FakeClock
 from batchserve.config import Config
-from batchserve.engine import Engine
+from batchserve.engine.core import Engine
+from batchserve.models.backends import simulate, simulated_factory
 from batchserve.server import create_app
 
 from . import raw_http

@@ -6,9 +6,9 @@ import asyncio
 
 from aiohttp.test_utils import TestClient
 
-from batchserve.backends import POISON_MARKER, simulated_factory
 from batchserve.clock import FakeClock
-from batchserve.status_api import MAX_WAIT_MS
+from batchserve.doors.status_api import MAX_WAIT_MS
+from batchserve.models.backends import POISON_MARKER, simulated_factory
 
 from .conftest import HANG_GUARD_S, reach
 

@@ -7,12 +7,12 @@ import asyncio
 import queue
 import threading
 
-from batchserve.capacity import BatchBudget, StepCost
 from batchserve.clock import FakeClock
 from batchserve.config import Config
-from batchserve.engine import Engine
-from batchserve.generators import Seq, sim_token
-from batchserve.specs import ModelSpec
+from batchserve.engine.core import Engine
+from batchserve.models.generators import Seq, sim_token
+from batchserve.models.specs import ModelSpec
+from batchserve.rules.capacity import BatchBudget, StepCost
 
 from .conftest import HANG_GUARD_S
 

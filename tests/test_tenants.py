@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from batchserve.backends import simulated_factory
 from batchserve.clock import FakeClock
 from batchserve.errors import StartupError
-from batchserve.tenants import KeyRing, Tenant, TokenBucket
+from batchserve.models.backends import simulated_factory
+from batchserve.rules.tenants import KeyRing, Tenant, TokenBucket
 
 from . import raw_http
 from .conftest import GatedBackend, reach

@@ -37,8 +37,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import StartupError
-from ..generators import GeneratorSettings, Made, Seq, plain_chat_prompt
 from .detokenizer import Detokenizer
+from .generators import GeneratorSettings, Made, Seq, plain_chat_prompt
 from .kv_cache import PagedKV
 from .linears import LayerWeights, Products, layer_weights, mlp
 from .sampling import choose_tokens

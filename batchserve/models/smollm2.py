@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..generators import GeneratorSettings
 from . import causal_lm
+from .generators import GeneratorSettings
 
 
 def load(device: str, settings: GeneratorSettings | None = None) -> causal_lm.CausalLM:

@@ -21,7 +21,7 @@ import os
 from typing import Any
 
 from ..errors import StartupError
-from ..generators import Seq
+from .generators import Seq
 from .sampling import choose_token
 
 VOCAB = 257

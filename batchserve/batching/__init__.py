@@ -1,0 +1,3 @@
+"""What travels from a handler through the batcher to a device: the request and its
+ticket, the deadline timer, the answers to a failed batch (faults) and the poison memory.
+May import models, devices, rules and the bottom modules; not the batcher, pool or engine."""

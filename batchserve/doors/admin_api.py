@@ -1,0 +1,82 @@
+"""The admin door: versions loaded, reweighted and removed without a restart.
+
+    PUT    /admin/models/{name}/versions/{version}   body: the models-file fields -> 202
+    PATCH  /admin/models/{name}/versions/{version}   body: {"weight": 10}          -> 200
+    DELETE /admin/models/{name}/versions/{version}                                  -> 202
+
+Mounted only with `--admin-key`; callers send `Authorization: Bearer <admin key>` (a wrong or
+missing key is 401). A bad body is 400 naming the field and changes nothing. The engine
+logs every change. The key is compared in constant time and never logged or echoed.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+from ..engine.core import Engine
+from ..errors import BatchserveError, InvalidInput, Unauthenticated
+from ..models.specs import SpecError, spec_from_fields
+from .wire import error_response, json_response, read_json, request_id_of
+
+ROUTE = "/admin/models/{name}/versions/{version}"
+Change = Callable[[web.Request, str, str], Awaitable[dict[str, Any]]]
+"""One admin change: (request, model name, version) to the version's description."""
+
+
+class AdminApi:
+    def __init__(self, engine: Engine, admin_key: str) -> None:
+        self._engine = engine
+        self._key = admin_key.encode()
+
+    async def put(self, request: web.Request) -> web.Response:
+        return await self._answer(request, self._put, 202)
+
+    async def patch(self, request: web.Request) -> web.Response:
+        return await self._answer(request, self._patch, 200)
+
+    async def delete(self, request: web.Request) -> web.Response:
+        return await self._answer(request, self._delete, 202)
+
+    async def _answer(self, request: web.Request, change: Change, status: int) -> web.Response:
+        request_id = request_id_of(request)[0]
+        try:
+            authorize(request.headers.get("Authorization"), self._key)
+            body = await change(request, request.match_info["name"], request.match_info["version"])
+        except BatchserveError as error:
+            return error_response(error, request_id)
+        return json_response(status, body, {"X-Request-Id": request_id})
+
+    async def _put(self, request: web.Request, name: str, version: str) -> dict[str, Any]:
+        fields = await read_json(request, self._engine.config.max_body_bytes)
+        for field, value in (("name", name), ("version", version)):
+            if fields.setdefault(field, value) != value:
+                raise InvalidInput(f"field {field!r} differs from the path's {value!r}")
+        try:
+            spec = spec_from_fields(fields, self._engine.config)
+        except SpecError as exc:
+            raise InvalidInput(str(exc)) from None
+        return {"name": name, **self._engine.add_version(spec)}
+
+    async def _patch(self, request: web.Request, name: str, version: str) -> dict[str, Any]:
+        fields = await read_json(request, self._engine.config.max_body_bytes)
+        weight = fields.get("weight")
+        if set(fields) != {"weight"}:
+            raise InvalidInput("PATCH takes one field, 'weight'")
+        if isinstance(weight, bool) or not isinstance(weight, int | float) or not weight > 0:
+            raise InvalidInput("field 'weight' must be a number more than 0")
+        return {"name": name, **self._engine.set_weight(name, version, float(weight))}
+
+    async def _delete(self, request: web.Request, name: str, version: str) -> dict[str, Any]:
+        return {"name": name, **self._engine.remove_version(name, version)}
+
+
+def authorize(authorization: str | None, key: bytes) -> None:
+    """Raises Unauthenticated unless `authorization` is `Bearer <key>`."""
+    scheme, _, given = (authorization or "").partition(" ")
+    sent = given.strip().encode("utf-8", "surrogateescape")  # the bytes, UTF-8 or not
+    if scheme.lower() != "bearer" or not hmac.compare_digest(sent, key):
+        raise Unauthenticated("send Authorization: Bearer <admin key>")

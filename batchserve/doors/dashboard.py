@@ -1,0 +1,56 @@
+"""The operator's views: a live page at /, its numbers at /api/stats, Prometheus at /metrics.
+
+The page is static HTML with a vendored, pinned chart library (uPlot, from npm); it polls
+/api/stats once a second. No build step. The vendored files are served by name, one route
+each, so a wrong path gets the API's JSON 404 like any other. With API keys, the numbers
+(/api/stats, /metrics) need an operator key (`authorize`); the page and its script hold
+none, and ask for the key when /api/stats answers 401.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from ..errors import BatchserveError
+from ..observability.metrics import Metrics
+from .wire import error_response, json_response, request_id_of
+
+STATIC_DIR = Path(__file__).parent / "static"
+
+
+class Dashboard:
+    vendor_files = ("uPlot.iife.min.js", "uPlot.min.css")
+
+    def __init__(
+        self, metrics: Metrics, authorize: Callable[[str | None], None] = lambda _: None
+    ) -> None:
+        self._metrics = metrics
+        self._authorize = authorize
+
+    async def page(self, request: web.Request) -> web.FileResponse:
+        return web.FileResponse(STATIC_DIR / "dashboard.html")
+
+    async def vendor_file(self, request: web.Request) -> web.FileResponse:
+        return web.FileResponse(STATIC_DIR / "vendor" / Path(request.path).name)
+
+    async def stats(self, request: web.Request) -> web.Response:
+        if (refused := self._refused(request)) is not None:
+            return refused
+        return json_response(200, self._metrics.snapshot())
+
+    async def scrape(self, request: web.Request) -> web.Response:
+        if (refused := self._refused(request)) is not None:
+            return refused
+        body = generate_latest(self._metrics.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    def _refused(self, request: web.Request) -> web.Response | None:
+        try:
+            self._authorize(request.headers.get("Authorization"))
+        except BatchserveError as error:
+            return error_response(error, request_id_of(request)[0])
+        return None

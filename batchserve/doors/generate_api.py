@@ -1,0 +1,111 @@
+"""`POST /api/generate`: one prompt, its text whole or streamed as server-sent events.
+
+    {"prompt": "...", "max_tokens": 64, "stop": ["\\n"], "params": {}, "stream": true,
+     "timeout_ms": 2000, "model": "...", "version": "..."}
+
+`params` goes to the generator: its sampling keys (`temperature`, `top_p`, `top_k`, `seed`,
+`ignore_eos`, `min_tokens`) are checked by `rules/sampling_params.py` (400 naming the key; `null` is
+absent), and any other key passes through unchanged for a custom generator to read.
+
+Not streaming: 200 {"output", "tokens", "finish_reason", "ttft_ms", "latency_ms", ...}.
+Streaming: `data: {"token": "..."}` per piece, a final event with `finish_reason` and the
+timings, then `data: [DONE]`; a failure once the stream has started is `event: error` with
+`data: {"error": {"code", "message"}}`, and the stream ends.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+from aiohttp import web
+
+from ..engine.core import Engine
+from ..errors import BatchserveError, InvalidInput
+from .generation_answer import Events, answer_generation, data_event
+from .wire import (
+    model_fields,
+    read_call,
+    refuse_unknown_fields,
+    timeout_ms_of,
+)
+
+_FIELDS = frozenset(
+    {"prompt", "max_tokens", "stop", "params", "stream", "timeout_ms", "model", "version"}
+)
+
+
+class GenerateBody(NamedTuple):
+    prompt: str
+    max_tokens: int | None
+    stop: str | list[str] | None
+    params: dict[str, Any] | None
+    stream: bool
+    timeout_ms: float | None
+    model: str | None
+    version: str | None
+
+
+def parse_generate(payload: dict[str, Any], request: web.Request) -> GenerateBody:
+    """The body's fields, checked for shape; the engine checks their values."""
+    refuse_unknown_fields(payload, _FIELDS)
+    prompt = payload.get("prompt")
+    if not isinstance(prompt, str):
+        raise InvalidInput('the body needs a string field "prompt"')
+    stream = payload.get("stream", False)
+    if not isinstance(stream, bool):
+        raise InvalidInput('"stream" must be true or false')
+    model, version, params = model_fields(payload)
+    return GenerateBody(
+        prompt,
+        payload.get("max_tokens"),
+        payload.get("stop"),
+        params,
+        stream,
+        timeout_ms_of(payload.get("timeout_ms"), request),
+        model,
+        version,
+    )
+
+
+class GenerateApi:
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        engine = self._engine
+        arrival = engine.clock.time()
+        call = await read_call(request, engine, "generate", arrival, parse_generate)
+        if isinstance(call, web.Response):
+            return call
+        body = call.body
+        generating = engine.generate(
+            body.prompt,
+            model=body.model,
+            version=body.version,
+            max_tokens=body.max_tokens,
+            stop=body.stop,
+            params=body.params,
+            timeout_ms=body.timeout_ms,
+            request_id=call.request_id,
+            tenant=call.tenant,
+            arrival=arrival,
+        )
+        return await answer_generation(
+            request,
+            generating,
+            call.request_id,
+            stream=body.stream,
+            events=EVENTS,
+            whole=lambda gen, output: {"output": output, **gen.summary()},
+        )
+
+
+def _failure_event(error: BatchserveError) -> bytes:
+    return data_event({"error": {"code": error.code, "message": str(error)}}, event="error")
+
+
+EVENTS = Events(
+    piece=lambda text: data_event({"token": text}),
+    ending=lambda gen: data_event(gen.summary()),
+    failure=_failure_event,
+)

@@ -1,0 +1,155 @@
+"""The OpenAI-shaped door: `POST /v1/embeddings`, `GET /v1/models` and `/v1/models/{id}`,
+so OpenAI client libraries work unchanged (generation: `openai_completions.py`).
+
+    client = openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="unused")
+    client.embeddings.create(model="minilm", input=["a", "b"]).data[0].embedding
+
+Each input of a request is one engine request: inputs batch with everyone else's of the same
+model (and may land in different batches), and the answer lists them in the order given.
+Errors keep our status codes and carry OpenAI's body shape, which its clients raise as typed
+exceptions. Vectors go out as floats, or as base64 of little-endian float32 when asked (the
+official Python client asks for that by default).
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import base64
+import sys
+from typing import Any
+
+from aiohttp import web
+
+from ..batching.request import Result
+from ..engine.core import Engine
+from ..errors import BatchserveError, InvalidInput, ModelNotFound
+from ..models.specs import MAX_NAME
+from .wire import (
+    error_response,
+    json_response,
+    read_call,
+    refuse_unknown_fields,
+    request_id_of,
+)
+
+MAX_EMBEDDING_INPUTS = 2048
+"""OpenAI's own limit on inputs per embeddings request."""
+_EMBEDDING_FIELDS = frozenset({"model", "input", "encoding_format", "user", "dimensions"})
+
+
+class OpenAIApi:
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+
+    async def embeddings(self, request: web.Request) -> web.Response:
+        engine = self._engine
+        arrival = engine.clock.time()
+        call = await read_call(
+            request, engine, "embeddings", arrival, self._parse_embeddings, openai_shape=True
+        )
+        if isinstance(call, web.Response):
+            return call
+        request_id, tenant, (model, texts, base64_wanted) = call
+        outcomes = await asyncio.gather(
+            *(
+                engine.infer(
+                    text,
+                    model=model,
+                    request_id=f"{request_id}.{index}" if len(texts) > 1 else request_id,
+                    tenant=tenant,
+                    arrival=arrival,
+                    route="embeddings",
+                    part=len(texts) > 1,
+                )
+                for index, text in enumerate(texts)
+            ),
+            return_exceptions=True,
+        )
+        results: list[Result] = []
+        for outcome in outcomes:
+            if isinstance(outcome, BatchserveError):
+                return error_response(outcome, request_id, openai_shape=True)
+            if isinstance(outcome, BaseException):
+                raise outcome
+            results.append(outcome)
+        tokens = sum(engine.count_tokens(r, t) for r, t in zip(results, texts, strict=True))
+        body = {
+            "object": "list",
+            "data": [
+                {
+                    "object": "embedding",
+                    "index": index,
+                    "embedding": _encoded(result.output) if base64_wanted else result.output,
+                }
+                for index, result in enumerate(results)
+            ],
+            "model": model,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+        }
+        return json_response(200, body, {"X-Request-Id": request_id})
+
+    async def models(self, request: web.Request) -> web.Response:
+        """GET /v1/models: every model this server runs, batch and generation; with API
+        keys, for a caller with a key (or the anonymous tier)."""
+        try:
+            self._engine.authenticate(request.headers.get("Authorization"))
+        except BatchserveError as error:
+            return error_response(error, request_id_of(request)[0], openai_shape=True)
+        data = [_model_object(model["name"]) for model in self._engine.models()]
+        return json_response(200, {"object": "list", "data": data})
+
+    async def model(self, request: web.Request) -> web.Response:
+        """GET /v1/models/{model}: one model's object (`client.models.retrieve`), or 404;
+        with API keys, for a caller with a key, as the list."""
+        request_id, _ = request_id_of(request)
+        try:
+            self._engine.authenticate(request.headers.get("Authorization"))
+        except BatchserveError as error:
+            return error_response(error, request_id, openai_shape=True)
+        name = request.match_info["model"]
+        if any(model["name"] == name for model in self._engine.models()):
+            return json_response(200, _model_object(name))
+        unknown = ModelNotFound(f"no model {name[:MAX_NAME]!r} (GET /v1/models lists them)")
+        return error_response(unknown, request_id, openai_shape=True)
+
+    def _parse_embeddings(
+        self, payload: dict[str, Any], request: web.Request
+    ) -> tuple[str, list[str], bool]:
+        """The model (one that returns vectors), the inputs and whether base64 is wanted."""
+        model, texts, base64_wanted = _embeddings_request(payload)
+        dim = self._engine.embedding_dim(model)
+        if payload.get("dimensions") not in (None, dim):
+            raise InvalidInput(f"model {model} returns {dim} dimensions, not others")
+        return model, texts, base64_wanted
+
+
+def _embeddings_request(payload: dict[str, Any]) -> tuple[str, list[str], bool]:
+    """The model, the inputs and whether base64 is wanted, checked for shape."""
+    refuse_unknown_fields(payload, _EMBEDDING_FIELDS)
+    model = payload.get("model")
+    if not isinstance(model, str):
+        raise InvalidInput('the body needs a string field "model"')
+    given = payload.get("input")
+    texts = [given] if isinstance(given, str) else given
+    if not isinstance(texts, list) or not texts or not all(isinstance(text, str) for text in texts):
+        raise InvalidInput('"input" must be a string or a non-empty list of strings')
+    if len(texts) > MAX_EMBEDDING_INPUTS:
+        raise InvalidInput(
+            f'"input" holds {len(texts)} strings; the limit is {MAX_EMBEDDING_INPUTS}'
+        )
+    encoding = payload.get("encoding_format", "float")
+    if encoding not in ("float", "base64"):
+        raise InvalidInput('"encoding_format" must be "float" or "base64"')
+    return model, texts, encoding == "base64"
+
+
+def _model_object(name: str) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "batchserve"}
+
+
+def _encoded(vector: list[float]) -> str:
+    packed = array.array("f", vector)
+    if sys.byteorder != "little":
+        packed.byteswap()
+    return base64.b64encode(packed.tobytes()).decode()

@@ -1,0 +1,218 @@
+"""The OpenAI-shaped generation doors: `POST /v1/completions` and `/v1/chat/completions`.
+
+    client = openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="unused")
+    client.completions.create(model="default", prompt="Hello", max_tokens=16)
+    for chunk in client.chat.completions.create(model="default", messages=[...], stream=True):
+        print(chunk.choices[0].delta.content or "", end="")
+
+Both run one generation through the engine, exactly as `/api/generate` does; a chat's
+messages become one prompt by the generator's `chat_prompt(messages)` when it has one, else
+by a plain role-tagged template. `temperature`, `top_p`, `seed` and vLLM's `top_k`,
+`ignore_eos` and `min_tokens` go to the generator as params. OpenAI's other fields are taken
+where their value changes nothing here (`tools: []`, `n: 1`, `store`, ...) and refused (400,
+naming the field) where it would change the answer (`openai_fields.py`), never ignored.
+Errors carry OpenAI's body shape, which its clients raise as typed exceptions; a failure
+mid-stream is a `data: {"error": ...}` chunk, which the official client raises.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, NamedTuple
+
+from aiohttp import web
+
+from ..engine.core import Engine
+from ..errors import BatchserveError, InvalidInput
+from ..generation.request import Generation
+from .generation_answer import Events, answer_generation, data_event
+from .openai_fields import check_fields, sampling_params
+from .wire import read_call, timeout_ms_of
+
+
+class Completion(NamedTuple):
+    """A completions or chat body, read: what the engine needs, and how to answer."""
+
+    model: str
+    prompt: str
+    """The prompt; for a chat, its messages in the generator's template once read."""
+    messages: list[dict[str, str]] | None
+    max_tokens: int | None
+    stop: str | list[str] | None
+    params: dict[str, Any]
+    stream: bool
+    include_usage: bool
+    timeout_ms: float | None
+
+
+class OpenAICompletionsApi:
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._complete(request, chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._complete(request, chat=True)
+
+    async def _complete(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
+        engine = self._engine
+        arrival = engine.clock.time()
+        route = "chat_completions" if chat else "completions"
+
+        def parse(payload: dict[str, Any], request: web.Request) -> Completion:
+            """The body, a chat's messages made one prompt here, so that a refusal of
+            either (an unknown model) is recorded like any other bad body."""
+            body = _read_completion(payload, request, chat=chat)
+            if body.messages is None:
+                return body
+            return body._replace(prompt=engine.chat_prompt(body.model, body.messages))
+
+        call = await read_call(request, engine, route, arrival, parse, openai_shape=True)
+        if isinstance(call, web.Response):
+            return call
+        body = call.body
+        shape = _Shape(chat, f"{'chatcmpl' if chat else 'cmpl'}-{call.request_id}", body.model)
+        generating = engine.generate(
+            body.prompt,
+            model=body.model,
+            max_tokens=body.max_tokens,
+            stop=body.stop,
+            params=body.params,
+            timeout_ms=body.timeout_ms,
+            request_id=call.request_id,
+            tenant=call.tenant,
+            arrival=arrival,
+            route=route,
+        )
+        events = Events(
+            piece=shape.piece,
+            ending=lambda gen: shape.ending(gen, body.include_usage),
+            failure=_failure_chunk,
+        )
+        return await answer_generation(
+            request,
+            generating,
+            call.request_id,
+            stream=body.stream,
+            events=events,
+            whole=shape.whole,
+            openai_shape=True,
+        )
+
+
+class _Shape:
+    """How one answer is written: a completion or a chat completion, whole or in chunks."""
+
+    def __init__(self, chat: bool, answer_id: str, model: str) -> None:
+        self._chat = chat
+        self._head = {
+            "id": answer_id,
+            "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": model,
+        }
+        self._started = False
+
+    def whole(self, gen: Generation, output: str) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0, "finish_reason": gen.finish_reason}
+        if self._chat:
+            choice["message"] = {"role": "assistant", "content": output}
+        else:
+            choice |= {"text": output, "logprobs": None}
+        return self._head | {"choices": [choice], "usage": _usage(gen)}
+
+    def piece(self, text: str) -> bytes:
+        return self._chunk(text, None)
+
+    def ending(self, gen: Generation, include_usage: bool) -> bytes:
+        ending = self._chunk("", gen.finish_reason)
+        if include_usage:
+            ending += data_event(self._chunk_head() | {"choices": [], "usage": _usage(gen)})
+        return ending
+
+    def _chunk(self, text: str, finish_reason: str | None) -> bytes:
+        choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason}
+        if self._chat:
+            delta: dict[str, str] = {} if finish_reason else {"content": text}
+            if not self._started:
+                delta["role"] = "assistant"
+            choice["delta"] = delta
+        else:
+            choice |= {"text": text, "logprobs": None}
+        self._started = True
+        return data_event(self._chunk_head() | {"choices": [choice]})
+
+    def _chunk_head(self) -> dict[str, Any]:
+        if self._chat:
+            return self._head | {"object": "chat.completion.chunk"}
+        return self._head
+
+
+def _usage(gen: Generation) -> dict[str, int]:
+    made = len(gen.seq.tokens)
+    return {
+        "prompt_tokens": gen.prompt_tokens,
+        "completion_tokens": made,
+        "total_tokens": gen.prompt_tokens + made,
+    }
+
+
+def _failure_chunk(error: BatchserveError) -> bytes:
+    return data_event(
+        {"error": {"message": str(error), "type": error.code.lower(), "code": error.code}}
+    )
+
+
+def _read_completion(payload: dict[str, Any], request: web.Request, *, chat: bool) -> Completion:
+    check_fields(payload, chat=chat)
+    model = payload.get("model")
+    if not isinstance(model, str):
+        raise InvalidInput('the body needs a string field "model"')
+    messages = _messages(payload.get("messages")) if chat else None
+    prompt = "" if chat else _prompt(payload.get("prompt"))
+    max_tokens = payload.get("max_completion_tokens")
+    if max_tokens is None:
+        max_tokens = payload.get("max_tokens")
+    stream = payload.get("stream") or False
+    options = payload.get("stream_options") or {}
+    if not isinstance(stream, bool) or not isinstance(options, dict):
+        raise InvalidInput('"stream" must be true or false, "stream_options" an object')
+    return Completion(
+        model,
+        prompt,
+        messages,
+        max_tokens,
+        payload.get("stop"),
+        sampling_params(payload),
+        stream,
+        options.get("include_usage") is True,
+        timeout_ms_of(None, request),
+    )
+
+
+def _prompt(given: object) -> str:
+    if isinstance(given, list) and len(given) == 1:
+        given = given[0]
+    if not isinstance(given, str):
+        raise InvalidInput('"prompt" must be a string (or a list of one string)')
+    return given
+
+
+def _messages(given: object) -> list[dict[str, str]]:
+    """A chat's messages as (role, text) pairs; content parts of type text are joined."""
+    if not isinstance(given, list) or not given:
+        raise InvalidInput('"messages" must be a non-empty list')
+    messages: list[dict[str, str]] = []
+    for message in given:
+        role = message.get("role") if isinstance(message, dict) else None
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, list):
+            parts = [p.get("text") for p in content if isinstance(p, dict)]
+            if len(parts) != len(content) or not all(isinstance(p, str) for p in parts):
+                raise InvalidInput("message content parts must be of type text")
+            content = "".join(parts)  # type: ignore[arg-type]
+        if not isinstance(role, str) or not isinstance(content, str):
+            raise InvalidInput('each message needs a string "role" and text "content"')
+        messages.append({"role": role, "content": content})
+    return messages

@@ -1,0 +1,103 @@
+"""Which fields of an OpenAI completions or chat body this server takes, and at what values.
+
+Clients and benchmark tools send OpenAI's whole vocabulary. A field is one of three kinds:
+
+- read: the prompt or messages, `max_tokens`, `stop`, `stream`, and the sampling fields
+  (`temperature`, `top_p`, `seed`, and vLLM's `top_k`, `ignore_eos`, `min_tokens`), which go
+  to the generator as params (`rules/sampling_params.py` checks them);
+- neutral: taken and ignored at a value that changes nothing about the answer here
+  (`tools: []`, `response_format: {"type": "text"}`, `store`, `metadata`, `user`, `n: 1`,
+  `logprobs: false`, a penalty of 0, ...); at any other value refused with 400 naming the
+  field, since the answer would not be what was asked for;
+- unknown: refused with 400, named.
+
+`null` is always taken as absent, as OpenAI does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from ..errors import InvalidInput
+
+SAMPLING_FIELDS = ("temperature", "top_p", "seed", "top_k", "ignore_eos", "min_tokens")
+"""Top-level fields that become the generation's params, as given."""
+READ = frozenset({"model", "max_tokens", "stop", "stream", "stream_options", *SAMPLING_FIELDS})
+COMPLETION_READ = READ | {"prompt"}
+CHAT_READ = READ | {"messages", "max_completion_tokens"}
+
+
+def _is_int(wanted: int) -> Callable[[object], bool]:
+    return lambda value: type(value) is int and value == wanted
+
+
+def _is_number(wanted: float) -> Callable[[object], bool]:
+    return lambda value: type(value) in (int, float) and value == wanted
+
+
+def _is(*wanted: object) -> Callable[[object], bool]:
+    """One of `wanted`, of the same type (so that `true` is not taken for 1)."""
+    return lambda value: any(type(value) is type(w) and value == w for w in wanted)
+
+
+def _of_type(*types: type) -> Callable[[object], bool]:
+    return lambda value: isinstance(value, types)
+
+
+def _text_format(value: object) -> bool:
+    return isinstance(value, Mapping) and dict(value) == {"type": "text"}
+
+
+_Rule = tuple[Callable[[object], bool], str, str]
+"""A neutral field's test, the value(s) it passes in words, and why no other value will do."""
+
+_NEUTRAL: dict[str, _Rule] = {
+    "n": (_is_int(1), "1", "one choice is made per request"),
+    "logprobs": (_is(False), "false", "log probabilities are not reported"),
+    "top_logprobs": (_is_int(0), "0", "log probabilities are not reported"),
+    "presence_penalty": (_is_number(0), "0", "penalties are not applied"),
+    "frequency_penalty": (_is_number(0), "0", "penalties are not applied"),
+    "repetition_penalty": (_is_number(1), "1", "penalties are not applied"),
+    "min_p": (_is_number(0), "0", "min_p sampling is not supported"),
+    "logit_bias": (_is({}), "{}", "logit bias is not applied"),
+    "response_format": (_text_format, '{"type": "text"}', "structured output is not supported"),
+    "tools": (_is([]), "[]", "tool calls are not supported"),
+    "tool_choice": (_is("none", "auto"), '"none" or "auto"', "tool calls are not supported"),
+    "functions": (_is([]), "[]", "function calls are not supported"),
+    "function_call": (_is("none", "auto"), '"none" or "auto"', "function calls are not supported"),
+    "parallel_tool_calls": (_of_type(bool), "true or false", ""),
+    "modalities": (_is(["text"]), '["text"]', "text is the only output"),
+    "store": (_of_type(bool), "true or false", ""),
+    "metadata": (_of_type(Mapping), "an object", ""),
+    "service_tier": (_of_type(str), "a string", ""),
+    "user": (_of_type(str), "a string", ""),
+    "prompt_cache_key": (_of_type(str), "a string", ""),
+    "safety_identifier": (_of_type(str), "a string", ""),
+}
+_COMPLETION_NEUTRAL = {
+    **_NEUTRAL,
+    "best_of": (_is_int(1), "1", "one choice is made per request"),
+    "echo": (_is(False), "false", "the prompt is not echoed"),
+    "suffix": (_is(""), '""', "a suffix is not supported"),
+}
+
+
+def check_fields(payload: Mapping[str, Any], *, chat: bool) -> None:
+    """Refuses (InvalidInput, naming the field) an unknown field, or a neutral one at a value
+    that would change the answer."""
+    read = CHAT_READ if chat else COMPLETION_READ
+    neutral = _NEUTRAL if chat else _COMPLETION_NEUTRAL
+    unknown = sorted(name for name in payload if name not in read and name not in neutral)
+    if unknown:
+        raise InvalidInput(f"unknown field(s): {', '.join(unknown)[:200]}")
+    for name, value in payload.items():
+        rule = neutral.get(name)
+        if rule is not None and value is not None and not rule[0](value):
+            passes, why = rule[1], rule[2]
+            raise InvalidInput(f'"{name}" must be {passes} or null' + (f": {why}" if why else ""))
+
+
+def sampling_params(payload: Mapping[str, Any]) -> dict[str, Any]:
+    """The body's sampling fields that are not null, as the generation's params."""
+    return {name: payload[name] for name in SAMPLING_FIELDS if payload.get(name) is not None}

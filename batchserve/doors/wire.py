@@ -1,0 +1,280 @@
+"""The API's wire format: reading a request's id and body, writing answers and errors.
+
+The only module that turns the error tree (`errors.py`) into HTTP answers.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from http import HTTPStatus
+from typing import TYPE_CHECKING, Any, Generic, NamedTuple, TypeVar
+
+import orjson
+from aiohttp import web
+
+from ..batching.request import Ask, Result, new_request_id
+from ..errors import (
+    BatchserveError,
+    InputTooLarge,
+    InvalidInput,
+    MethodNotAllowed,
+    NotReady,
+    Overloaded,
+    RateLimited,
+    Unauthenticated,
+)
+
+if TYPE_CHECKING:
+    from ..engine.core import Engine
+    from ..rules.tenants import Tenant
+
+_BODY_FIELDS = frozenset({"input", "timeout_ms", "model", "version", "params"})
+MAX_REQUEST_ID = 128
+TIMEOUT_HEADER = "X-Request-Timeout-Ms"
+
+
+AskedFor = TypeVar("AskedFor")
+AnyRequest = TypeVar("AnyRequest", bound=web.BaseRequest)
+"""A door's request: a `web.Request` as aiohttp's routing hands it, or typed as the
+`web.BaseRequest` a server hands its handler, as server.py's `AppRunner` hands the
+inference door."""
+
+
+class Call(NamedTuple, Generic[AskedFor]):
+    """Who asks for what: a request read off the wire, before the engine sees it."""
+
+    request_id: str
+    tenant: Tenant | None
+    body: AskedFor
+
+
+async def read_call(
+    request: AnyRequest,
+    engine: Engine,
+    route: str,
+    arrival: float,
+    parse_body: Callable[[dict[str, Any], AnyRequest], AskedFor],
+    *,
+    openai_shape: bool = False,
+) -> Call[AskedFor] | web.Response:
+    """The request's id, tenant and body: its JSON object as `parse_body(payload, request)`
+    reads it (e.g. `parse_input`); or, for a request refused here (bad id, unknown key, bad
+    body), its recorded error answer."""
+    request_id, problem = request_id_of(request)
+    tenant = None
+    try:
+        if problem is not None:
+            raise problem
+        if engine.config.keys_file:  # else it runs open: no key to look for
+            tenant = engine.authenticate(request.headers.get("Authorization"))
+        body = parse_body(await read_json(request, engine.config.max_body_bytes), request)
+    except BatchserveError as error:
+        engine.record(route, request_id, arrival, error, tenant)
+        return error_response(error, request_id, openai_shape=openai_shape)
+    return Call(request_id, tenant, body)
+
+
+def request_id_of(request: web.BaseRequest) -> tuple[str, InvalidInput | None]:
+    """The client's X-Request-Id, or a fresh one; an unusable id is replaced, never echoed."""
+    given = request.headers.get("X-Request-Id")
+    if not given:
+        return new_request_id(), None
+    if len(given) > MAX_REQUEST_ID or not given.isprintable():
+        problem = InvalidInput(
+            f"X-Request-Id must be at most {MAX_REQUEST_ID} printable characters"
+        )
+        return new_request_id(), problem
+    return given, None
+
+
+async def read_json(request: web.BaseRequest, limit: int) -> dict[str, Any]:
+    """The body as a JSON object, within `limit` bytes."""
+    length = request.content_length  # parsed from the header at each read
+    if length is not None and length > limit:
+        raise too_large(limit)
+    content = request.content
+    if content.is_eof() and content.exception() is None:
+        # All of it has arrived, as a small body has by the time its handler runs: taken
+        # as it is, without `read`'s copies and two waits for more (3 % of the server's CPU
+        # a request, benchmarks/README.md, section 4).
+        body = content.read_nowait()
+        if len(body) > limit:
+            raise too_large(limit)
+    else:
+        try:
+            body = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise too_large(limit) from None
+        except web.RequestPayloadError as exc:
+            # A body its Content-Encoding does not describe (gzip that is not gzip), or a
+            # chunked body that breaks off: the client's fault, not the server's.
+            raise InvalidInput(f"the body could not be read: {_last_line(exc)}") from None
+    try:
+        payload: Any = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidInput(_json_problem(exc)) from None
+    if not isinstance(payload, dict):
+        raise InvalidInput('the body must be a JSON object like {"input": "..."}')
+    return payload
+
+
+def _last_line(exc: BaseException) -> str:
+    """aiohttp's payload errors read "400, message:\n  <what>"; the what, bounded."""
+    lines = str(exc).strip().splitlines()
+    return lines[-1].strip()[:200] if lines else type(exc).__name__
+
+
+def too_large(limit: int) -> InputTooLarge:
+    return InputTooLarge(f"the body is over the limit of {limit} bytes")
+
+
+def parse_input(payload: dict[str, Any], request: web.BaseRequest) -> Ask:
+    """The body's input text, its model, version and params, and the request's own timeout
+    in ms (None: the server's).
+
+    Only the shape is checked here; the engine checks the input's size and text, routes the
+    model and checks the params against it, and caps the timeout, for library callers as
+    for HTTP ones.
+    """
+    text = payload.get("input")
+    if len(payload) == 1 and isinstance(text, str) and TIMEOUT_HEADER not in request.headers:
+        return Ask(text)  # {"input": "..."} alone, the common body: nothing more to read
+    refuse_unknown_fields(payload, _BODY_FIELDS)
+    if not isinstance(text, str):
+        raise InvalidInput('the body needs a string field "input"')
+    timeout_ms = timeout_ms_of(payload.get("timeout_ms"), request)
+    if len(payload) == 1 or (len(payload) == 2 and "timeout_ms" in payload):
+        return Ask(text, timeout_ms)
+    return Ask(text, timeout_ms, *model_fields(payload))
+
+
+def refuse_unknown_fields(payload: dict[str, Any], known: frozenset[str]) -> None:
+    unknown = payload.keys() - known
+    if unknown:
+        raise InvalidInput(f"unknown field(s): {', '.join(sorted(unknown))[:200]}")
+
+
+def model_fields(payload: dict[str, Any]) -> tuple[str | None, str | None, dict[str, Any] | None]:
+    """The optional "model", "version" and "params" of a body, checked for shape."""
+    model, version, params = payload.get("model"), payload.get("version"), payload.get("params")
+    for name, value in (("model", model), ("version", version)):
+        if value is not None and not isinstance(value, str):
+            raise InvalidInput(f'"{name}" must be a string')
+    if params is not None and not isinstance(params, dict):
+        raise InvalidInput('"params" must be a JSON object')
+    return model, version, params
+
+
+def _json_problem(exc: orjson.JSONDecodeError) -> str:
+    """orjson's words for bad UTF-8 ("surrogates not allowed") mislead; say what is wrong."""
+    if "not valid UTF-8" in exc.msg:
+        return "the body is not valid UTF-8 text"
+    if "surrogate" in exc.msg:
+        return (
+            f"the body is not valid UTF-8 JSON: the \\u escape before char {exc.pos} is half"
+            " of a UTF-16 surrogate pair, which is not Unicode text"
+        )
+    return f"the body is not valid UTF-8 JSON: {exc}"
+
+
+def timeout_ms_of(in_body: object, request: web.BaseRequest) -> float | None:
+    """The request's own timeout: the body's, else the header's, else None."""
+    requested: object = in_body
+    if requested is None and TIMEOUT_HEADER in request.headers:
+        try:
+            requested = float(request.headers[TIMEOUT_HEADER])
+        except ValueError:
+            raise InvalidInput(f"{TIMEOUT_HEADER} must be a number") from None
+    if requested is None:
+        return None
+    if (
+        isinstance(requested, bool)
+        or not isinstance(requested, int | float)
+        or not math.isfinite(requested)
+        or requested <= 0
+    ):
+        raise InvalidInput("timeout_ms must be a number above 0")
+    return float(requested)
+
+
+def answer_body(request_id: str, result: Result, latency_s: float) -> dict[str, Any]:
+    # Milliseconds to 3 decimals as round(s * 1e3, 3) gives them, at half its cost: a whole
+    # number of microseconds over 1e3 is the nearest float to that decimal.
+    return {
+        "output": result.output,
+        "model": result.model,
+        "version": result.version,
+        "request_id": request_id,
+        "latency_ms": round(latency_s * 1e6) / 1e3,
+        "queue_ms": round(result.queue_s * 1e6) / 1e3,
+        "compute_ms": round(result.compute_s * 1e6) / 1e3,
+        "batch_size": result.batch_size,
+    }
+
+
+def answer_response(request_id: str, result: Result, latency_s: float) -> web.Response:
+    """A 200 with `result`'s answer, its timings again as Server-Timing (ms) for browsers'
+    and proxies' tools; built in one go, since every answered request passes here."""
+    body = answer_body(request_id, result, latency_s)
+    headers = {
+        "Content-Type": "application/json",
+        # Fixed decimals, which format in half the time of the floats' shortest forms.
+        "Server-Timing": f"queue;dur={body['queue_ms']:.3f}, compute;dur={body['compute_ms']:.3f}",
+        "X-Request-Id": request_id,
+    }
+    return web.Response(body=orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY), headers=headers)
+
+
+def error_body(error: BatchserveError, request_id: str) -> dict[str, Any]:
+    return {"error": error.code, "message": str(error), "request_id": request_id}
+
+
+_JSON_TYPE = {"Content-Type": "application/json"}
+
+
+def json_response(
+    status: int, body: dict[str, Any], headers: dict[str, str] | None = None
+) -> web.Response:
+    """The Content-Type goes in with the other headers: aiohttp's `content_type` argument
+    parses the header it sets, and each header set after construction is another call."""
+    return web.Response(
+        status=status,
+        body=orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY),
+        headers=_JSON_TYPE if headers is None else _JSON_TYPE | headers,
+    )
+
+
+def status_response(
+    status: int, message: str, request_id: str, headers: dict[str, str] | None = None
+) -> web.Response:
+    """An error answer for a status outside the error tree (aiohttp's own refusals, a
+    server fault), in the same shape: its code is the status's name (UNSUPPORTED_MEDIA_TYPE)."""
+    body = {"error": HTTPStatus(status).name, "message": message, "request_id": request_id}
+    return json_response(status, body, {"X-Request-Id": request_id, **(headers or {})})
+
+
+def error_response(
+    error: BatchserveError, request_id: str, *, openai_shape: bool = False
+) -> web.Response:
+    """The error's status, body and headers; `openai_shape` nests the body as OpenAI's API
+    does ({"error": {"message", "type", "code"}}), which its client libraries parse."""
+    body = error_body(error, request_id)
+    if openai_shape:
+        body = {
+            "error": {"message": str(error), "type": error.code.lower(), "code": error.code},
+            "request_id": request_id,
+        }
+    headers = {"X-Request-Id": request_id}
+    if isinstance(error, Overloaded | RateLimited | NotReady) and error.retry_after_s:
+        body["retry_after_ms"] = max(1, round(error.retry_after_s * 1e3))
+        headers["Retry-After"] = str(max(1, math.ceil(error.retry_after_s)))
+    if isinstance(error, RateLimited):
+        headers["RateLimit-Limit"] = f"{error.limit:g}"
+        headers["RateLimit-Remaining"] = "0"
+        headers["RateLimit-Reset"] = str(max(1, math.ceil(error.reset_s)))
+    if isinstance(error, Unauthenticated):
+        headers["WWW-Authenticate"] = "Bearer"
+    if isinstance(error, MethodNotAllowed):
+        headers["Allow"] = ", ".join(error.allowed)
+    return json_response(error.status, body, headers)

@@ -1,0 +1,306 @@
+"""The generation models an engine runs: each version's line of waiting sequences, its
+devices' schedulers, and which version a request goes to.
+
+A `GenerationModel` owns the queue its devices take from (fair between tenants, by tier, as
+for batch requests; preempted sequences go back ahead of it) and its `StepLoop`s; it starts
+their tasks and, closing, cancels and awaits them. `Generators` holds them all by name.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from ..clock import Clock
+from ..config import Config, GenerateMode
+from ..devices.names import parse_devices
+from ..errors import (
+    BackendError,
+    BatchserveError,
+    InvalidInput,
+    ModelNotFound,
+    StartupError,
+)
+from ..models.generators import (
+    SIM,
+    GeneratorFactory,
+    GeneratorSettings,
+    chat_formatter,
+    generator_factory,
+    plain_chat_prompt,
+    simulated_generator_factory,
+    token_counter,
+)
+from ..models.registry import weighted_pick
+from ..models.specs import DEFAULT_MODEL, MAX_NAME, ModelSpec
+from ..rules.capacity import BatchBudget, DecayedRate
+from ..rules.fair_queue import FairQueue
+from ..tasks import CrashHandler, TaskSet
+from .request import Generation, GenState
+from .step_loop import StepLoop
+
+
+def build_generation_model(
+    config: Config, spec: ModelSpec, *, clock: Clock, on_crash: CrashHandler
+) -> GenerationModel:
+    """A generation model ready to load: its devices and the factory that loads each."""
+    assert spec.generator is not None
+    try:
+        names = parse_devices(spec.devices)
+    except StartupError as exc:
+        raise StartupError(f"generator {spec.label}: {exc}") from None
+    flag = "--generator" if spec.name == DEFAULT_MODEL else f"{spec.label} generator"
+    if spec.generator == SIM and not all(name.startswith("sim:") for name in names):
+        raise StartupError(
+            f"{flag} sim runs on sim:N devices, not {spec.devices}; name a generator"
+            " (e.g. batchserve.models.tiny_gpt:load) for real devices"
+        )
+    fixed_ms, per_token_ms = config.sim_step_ms
+    simulated = simulated_generator_factory(
+        fixed_s=fixed_ms / 1e3,
+        per_token_s=per_token_ms / 1e3,
+        kv_budget_tokens=config.sim_kv_budget,
+        fail_rate=config.sim_fail_rate,
+        hang_s=config.sim_hang_ms / 1e3,
+        seed=config.sim_seed,
+    )
+    settings = GeneratorSettings(
+        model_path=spec.model_path or config.model_path,
+        dtype=spec.dtype or config.dtype,
+        kv_cache_bytes=config.kv_cache_bytes,
+    )
+    return GenerationModel(
+        spec,
+        generator_factory(spec.generator, flag, simulated, settings),
+        names,
+        clock=clock,
+        mode=config.generate_mode,
+        step_budget=BatchBudget(fixed_s=config.batch_timeout_ms / 1e3 or None),
+        step_tokens=config.step_tokens,
+        on_crash=on_crash,
+    )
+
+
+class GenerationModel:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        factory: GeneratorFactory,
+        device_names: list[str],
+        *,
+        clock: Clock,
+        mode: GenerateMode,
+        step_budget: BatchBudget,
+        step_tokens: int,
+        on_crash: CrashHandler,
+    ) -> None:
+        self.spec = spec
+        self.mode = mode
+        self._factory = factory
+        self._stop_wait_s = step_budget.seconds(None)
+        self.loops = [
+            StepLoop(name, self, clock, step_budget, step_tokens) for name in device_names
+        ]
+        self._waiting: FairQueue[Generation] = FairQueue()
+        self._resumed: deque[Generation] = deque()
+        """Preempted, or taken and found too big for the device that took it: next in line."""
+        self._work = asyncio.Event()
+        self._tasks = TaskSet(on_crash)
+        self.count_tokens: Callable[[str], int] = len
+        self.chat_prompt: Callable[[list[dict[str, str]]], str] = plain_chat_prompt
+        self.kv_budget = 0
+        """The smallest device budget: what a lone sequence must fit."""
+        self.steps = 0
+        self.token_rate = DecayedRate()
+        """Tokens made a second, recent."""
+        self.preemptions = 0
+        self.step_failures = 0
+        self.hung_steps = 0
+
+    def __repr__(self) -> str:
+        return f"<GenerationModel {self.spec.label} waiting={self.waiting}>"
+
+    @property
+    def max_batch_size(self) -> int:
+        return self.spec.max_batch_size
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting) + len(self._resumed)
+
+    @property
+    def running(self) -> int:
+        return sum(len(loop.running) for loop in self.loops)
+
+    async def start(self) -> None:
+        """Loads the generator on every device, then starts their schedulers."""
+        outcomes = await asyncio.gather(
+            *(loop.load(self._factory) for loop in self.loops), return_exceptions=True
+        )
+        for loop, outcome in zip(self.loops, outcomes, strict=True):
+            if isinstance(outcome, StartupError):
+                raise outcome
+            if isinstance(outcome, BaseException):
+                raise StartupError(
+                    f"generator {self.spec.label} failed to load on {loop.device}:"
+                    f" {type(outcome).__name__}: {outcome}"
+                )
+        self.count_tokens = token_counter(outcomes[0])  # type: ignore[arg-type]
+        self.chat_prompt = chat_formatter(outcomes[0])  # type: ignore[arg-type]
+        self.kv_budget = min(loop.kv_budget for loop in self.loops)
+        for loop in self.loops:
+            self._tasks.start(loop.run(self.mode), name=f"batchserve-steps-{loop.device}")
+
+    async def aclose(self) -> None:
+        await self._tasks.aclose()
+        await asyncio.gather(*(loop.stop(self._stop_wait_s) for loop in self.loops))
+
+    def submit(self, gen: Generation) -> None:
+        self._waiting.push(gen)
+        self.wake()
+
+    def take(self) -> Generation | None:
+        """The next sequence in line that still wants to run."""
+        while True:
+            if self._resumed:
+                gen = self._resumed.popleft()
+            else:
+                taken = self._waiting.take(1)
+                if not taken:
+                    return None
+                gen = taken[0]
+            if not gen.cancelled and not gen.done:
+                return gen
+
+    def put_back(self, gen: Generation) -> None:
+        self._resumed.appendleft(gen)
+        self.wake()
+
+    def hand_back(self, gens: list[Generation], call: str, budget_s: float, now: float) -> None:
+        """Sequences of a device whose `call` ("the step on sim:0") hung: back to the head of
+        the line, tokens and all, while another device can go on with them; failed (500)
+        otherwise."""
+        if any(not loop.hung for loop in self.loops):
+            for gen in reversed(gens):
+                if not gen.done and not gen.cancelled:
+                    gen.state = GenState.WAITING
+                    self.put_back(gen)
+            return
+        error = BackendError(
+            f"{call} ran past its budget of {budget_s * 1e3:.0f} ms and no"
+            " other device can go on with the sequence"
+        )
+        for gen in gens:
+            gen.fail(error, now)
+
+    def discard(self, gen: Generation) -> None:
+        """Its waiter is done with it: still waiting, it leaves the line now."""
+        if gen.state is GenState.WAITING:
+            self._waiting.discard(gen)
+            if gen in self._resumed:
+                self._resumed.remove(gen)
+
+    def wake(self) -> None:
+        self._work.set()
+
+    async def wait_for_work(self) -> None:
+        while not self._waiting and not self._resumed:
+            self._work.clear()
+            await self._work.wait()
+
+    def fail_all(self, error: BatchserveError, now: float) -> None:
+        """Ends every sequence, waiting or running, with `error` (a drain that timed out)."""
+        for gen in [*self._resumed, *self._waiting]:
+            gen.fail(error, now)
+        for loop in self.loops:
+            for gen in loop.running:
+                gen.fail(error, now)
+        self._resumed.clear()
+        self._waiting.clear()
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "version": self.spec.version,
+            "state": "ready",
+            "kind": "generation",
+            "weight": self.spec.weight,
+            "devices": [loop.device for loop in self.loops],
+            "kv_budget_tokens": self.kv_budget,
+            "mode": self.mode,
+        }
+
+
+class Generators:
+    """Every generation model version by name, and the routing of requests to them."""
+
+    def __init__(self, models: list[GenerationModel]) -> None:
+        self._by_name: dict[str, dict[str, GenerationModel]] = {}
+        for model in models:
+            self._by_name.setdefault(model.spec.name, {})[model.spec.version] = model
+
+    def __iter__(self) -> Iterator[GenerationModel]:
+        return iter([m for versions in self._by_name.values() for m in versions.values()])
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._by_name
+
+    @property
+    def names(self) -> list[str]:
+        return sorted(self._by_name)
+
+    async def __aenter__(self) -> Generators:
+        """Loads every generation model on its devices and starts their schedulers."""
+        try:
+            await asyncio.gather(*(model.start() for model in self))
+        except BaseException:
+            await self.__aexit__()
+            raise
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await asyncio.gather(*(model.aclose() for model in self))
+
+    def route(self, model: str | None, version: str | None, request_id: str) -> GenerationModel:
+        """The version a generation runs on: pinned, or by weight, stable per request id."""
+        if model is None:
+            if len(self._by_name) != 1:
+                raise InvalidInput(
+                    'name a "model": this server generates with'
+                    f" {', '.join(self.names) or 'no model'}"
+                )
+            model = self.names[0]
+        versions = self._by_name.get(model)
+        if versions is None:
+            raise ModelNotFound(
+                f"no generation model {model[:MAX_NAME]!r}; this server generates with"
+                f" {', '.join(self.names) or 'no model'} (GET /api/models)"
+            )
+        if version is not None:
+            chosen = versions.get(version)
+            if chosen is None:
+                raise ModelNotFound(
+                    f"model {model} has no version {version[:MAX_NAME]!r};"
+                    f" it has {', '.join(sorted(versions))}"
+                )
+            return chosen
+        ready = list(versions.values())
+        return weighted_pick(ready, [m.spec.weight for m in ready], request_id)
+
+    def describe(self) -> list[dict[str, Any]]:
+        return [
+            {"name": name, "versions": [m.describe() for m in versions.values()]}
+            for name, versions in sorted(self._by_name.items())
+        ]
+
+    def states(self) -> dict[str, str]:
+        return {
+            f"{loop.device} ({model.spec.label})": "busy" if loop.running else "idle"
+            for model in self
+            for loop in model.loops
+        }
+
+    def fail_all(self, error: BatchserveError, now: float) -> None:
+        for model in self:
+            model.fail_all(error, now)

@@ -1,0 +1,282 @@
+"""Generation models: the backend contract, the simulated generator, and how one loads.
+
+A generator is loaded once per device by a factory (`--generator pkg.mod:attr`, or a models
+file entry's `generator`), called on that device's thread with its name (and, if the factory
+takes a keyword `settings`, the server's `GeneratorSettings`: a model path, dtype, KV cache
+bytes). What it returns has `kv_budget_tokens`, `step(seqs)` (one decoding step; a sequence's
+first step includes its prompt's prefill) and `release(seq_ids)`, and may have
+`count_tokens(text)`; without it a prompt's UTF-8 bytes count. A sequence in a step holds
+`count_tokens(prompt) + len(tokens) + 1` tokens of the budget. The scheduler
+(`generation/step_loop.py`) keeps to the contract; this module checks what a generator gives back.
+
+A step answers each sequence with a `str` (one token's text), None (the end of sequence), or
+a `Made`: the id of the token made and the whole characters it completed (a tokenizer's
+token may end inside a character), the end with the text held back until then, or nothing
+yet. A generator that sets `chunked_prefill = True` is handed at most `Seq.chunk` of a
+sequence's uncomputed tokens a step, and answers `Made()` (nothing yet) until its prompt is
+all in: the scheduler then spreads a long prefill over several steps beside the decoding
+sequences.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import random
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+from ..errors import StartupError
+from .backends import POISON_MARKER, HangOnce, SimulatedFault, import_attr
+
+SIM = "sim"
+"""`--generator sim`: the simulated generator."""
+
+
+@dataclass(slots=True, eq=False)
+class Seq:
+    """One sequence as the model sees it; the server appends each token after the step."""
+
+    id: str
+    prompt: str
+    tokens: list[str] = field(default_factory=list)
+    """The text of each token made (a `Made` token that completed no character: "")."""
+    params: dict[str, Any] = field(default_factory=dict)
+    token_ids: list[int] = field(default_factory=list)
+    """The ids of the tokens made, for generators that answer `Made` (kept across a release,
+    so a preempted sequence is recomputed from the same ids, not from re-tokenized text)."""
+    max_tokens: int | None = None
+    """The most tokens it may make: a generator flushes held-back text with the last one."""
+    chunk: int | None = None
+    """For a `chunked_prefill` generator: how many of its uncomputed tokens this step takes
+    (None: all of them)."""
+
+
+@dataclass(slots=True, frozen=True)
+class Made:
+    """What one step made for one sequence: a token (`token_id`, and `text`, the whole
+    characters it completed), the end (`end`, with any text held back until then), or
+    nothing yet (a prefill chunk short of the prompt's end)."""
+
+    text: str = ""
+    token_id: int | None = None
+    end: bool = False
+
+
+StepAnswer = str | Made | None
+
+
+@runtime_checkable
+class Generator(Protocol):
+    kv_budget_tokens: int
+
+    def step(self, seqs: list[Seq]) -> Sequence[StepAnswer]: ...
+
+    def release(self, seq_ids: list[str]) -> None: ...
+
+
+GeneratorFactory = Callable[[str], Generator]
+
+
+@dataclass(slots=True, frozen=True, kw_only=True)
+class GeneratorSettings:
+    """What the server's flags (or a models file entry) say about a real model, handed to a
+    factory that takes a keyword `settings`: the generators that load weights read them."""
+
+    model_path: str | None = None
+    """A local model folder or GGUF file; None: the factory's own default."""
+    dtype: str = "auto"
+    """float32, bfloat16 or float16; auto: float32 on CPU, bfloat16 on a GPU that has it."""
+    kv_cache_bytes: int = 256 * 2**20
+    """The KV cache preallocated on each device, from which its token budget follows."""
+
+
+class BadStep(RuntimeError):
+    """A step answered with something other than one str, Made or None per sequence."""
+
+
+def check_step(tokens: object, count: int) -> list[StepAnswer]:
+    """A step's answer, if it keeps the contract."""
+    if not isinstance(tokens, list) or len(tokens) != count:
+        size = len(tokens) if isinstance(tokens, list) else type(tokens).__name__
+        raise BadStep(f"step answered {size} for {count} sequences")
+    if not all(token is None or isinstance(token, str | Made) for token in tokens):
+        raise BadStep("step answered something other than str, Made or None")
+    return tokens
+
+
+def token_counter(generator: Generator) -> Callable[[str], int]:
+    """The generator's own count of a text's tokens, else its UTF-8 bytes."""
+    counter = getattr(generator, "count_tokens", None)
+    if callable(counter):
+        return lambda text: int(counter(text))
+    return lambda text: len(text.encode())
+
+
+def plain_chat_prompt(messages: list[dict[str, str]]) -> str:
+    """A chat as one prompt, for generators without a template of their own."""
+    turns = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages)
+    return turns + "<|assistant|>\n"
+
+
+def chat_formatter(generator: Generator) -> Callable[[list[dict[str, str]]], str]:
+    """The generator's own `chat_prompt(messages)`, else the plain template."""
+    formatter = getattr(generator, "chat_prompt", None)
+    return formatter if callable(formatter) else plain_chat_prompt
+
+
+class SimulatedGenerator:
+    """Stands in for a decoder the way `SimulatedDevice` stands in for a batch model.
+
+    Its answer to a prompt is the prompt reversed, one character a token, then the end of
+    sequence, so a test can check every stream against its own prompt; with `ignore_eos`, or
+    before `min_tokens`, it goes on reversing from the top (other params change nothing). A
+    step sleeps `fixed_s` plus `per_token_s` for each token it processes: a new sequence's
+    prompt and what it has generated (prefill, also after a release), one for each sequence
+    already decoding. A concurrent step, or one over the budget, raises; a prompt carrying
+    the poison marker makes every step that carries it raise, `fail_rate` makes a share of
+    steps raise, and the first step that carries a prompt with the hang marker sleeps
+    `hang_s` (once, on whichever device runs it first).
+    """
+
+    def __init__(
+        self,
+        device: str,
+        *,
+        fixed_s: float,
+        per_token_s: float,
+        kv_budget_tokens: int,
+        fail_rate: float = 0.0,
+        hang_s: float = 10.0,
+        hang_once: HangOnce | None = None,
+        seed: int = 0,
+    ) -> None:
+        self.device = device
+        self.kv_budget_tokens = kv_budget_tokens
+        self._fixed_s = fixed_s
+        self._per_token_s = per_token_s
+        self._fail_rate = fail_rate
+        self._hang_s = hang_s
+        self._hang_once = hang_once or HangOnce()
+        self._random = random.Random(f"{seed}:{device}")
+        self._prefilled: set[str] = set()
+        self._busy = threading.Lock()
+        self.steps = 0
+
+    def __repr__(self) -> str:
+        return f"<SimulatedGenerator {self.device} steps={self.steps}>"
+
+    def count_tokens(self, text: str) -> int:
+        return len(text)
+
+    def step(self, seqs: list[Seq]) -> list[str | None]:
+        if not self._busy.acquire(blocking=False):
+            raise RuntimeError(f"{self.device} was entered by two steps at once")
+        try:
+            held = sum(len(s.prompt) + len(s.tokens) + 1 for s in seqs)
+            if not seqs or held > self.kv_budget_tokens:
+                raise ValueError(f"a step of {len(seqs)} sequences holding {held} tokens")
+            self.steps += 1
+            new = [s for s in seqs if s.id not in self._prefilled]
+            processed = sum(len(s.prompt) + len(s.tokens) for s in new) + len(seqs) - len(new)
+            if self._hang_once.claim([s.prompt for s in seqs]):
+                time.sleep(self._hang_s)
+            time.sleep(self._fixed_s + self._per_token_s * processed)
+            if any(POISON_MARKER in s.prompt for s in seqs):
+                raise SimulatedFault("a sequence of the step carries the poison marker")
+            if self._random.random() < self._fail_rate:
+                raise SimulatedFault("injected step failure")
+            self._prefilled.update(s.id for s in new)
+            return [sim_token(s.prompt, len(s.tokens), _ends_held(s)) for s in seqs]
+        finally:
+            self._busy.release()
+
+    def release(self, seq_ids: list[str]) -> None:
+        self._prefilled.difference_update(seq_ids)
+
+
+def sim_token(prompt: str, index: int, held: bool = False) -> str | None:
+    """The simulated generator's token `index` for `prompt`: None once it has said it all,
+    unless the end is `held`; then it says it again (a space for an empty prompt)."""
+    if index < len(prompt):
+        return prompt[-1 - index]
+    if held:
+        return prompt[-1 - index % len(prompt)] if prompt else " "
+    return None
+
+
+def _ends_held(seq: Seq) -> bool:
+    """Whether the sequence's params hold its end of sequence back at this token (vLLM's
+    `ignore_eos` and `min_tokens`, checked at admission by `rules/sampling_params.py`)."""
+    return bool(seq.params.get("ignore_eos")) or len(seq.tokens) < seq.params.get("min_tokens", 0)
+
+
+def simulated_generator_factory(
+    *,
+    fixed_s: float,
+    per_token_s: float,
+    kv_budget_tokens: int,
+    fail_rate: float,
+    hang_s: float,
+    seed: int,
+) -> GeneratorFactory:
+    hang_once = HangOnce()
+
+    def load(device: str) -> Generator:
+        return SimulatedGenerator(
+            device,
+            fixed_s=fixed_s,
+            per_token_s=per_token_s,
+            kv_budget_tokens=kv_budget_tokens,
+            fail_rate=fail_rate,
+            hang_s=hang_s,
+            hang_once=hang_once,
+            seed=seed,
+        )
+
+    return load
+
+
+def generator_factory(
+    path_or_factory: str | Callable[[str], object],
+    flag: str,
+    simulated: GeneratorFactory,
+    settings: GeneratorSettings | None = None,
+) -> GeneratorFactory:
+    """The factory `path_or_factory` names ("sim": `simulated`), wrapped to hand it the
+    settings if it takes them and to check what it loads on each device."""
+    if path_or_factory == SIM:
+        factory: Callable[..., object] = simulated
+    elif isinstance(path_or_factory, str):
+        factory = import_attr(path_or_factory, flag)
+    else:
+        factory = path_or_factory
+    name = path_or_factory if isinstance(path_or_factory, str) else "the generator factory"
+
+    if settings is not None and _takes_settings(factory):
+        factory = functools.partial(factory, settings=settings)
+
+    def load(device: str) -> Generator:
+        generator = factory(device)
+        budget = getattr(generator, "kv_budget_tokens", None)
+        if not isinstance(generator, Generator) or not callable(generator.step):
+            raise StartupError(
+                f"{flag} {name} returned {type(generator).__name__} for {device}, not a"
+                " generator (kv_budget_tokens, step, release)"
+            )
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+            raise StartupError(f"{flag} {name}: kv_budget_tokens must be an int of 1 or more")
+        return generator
+
+    return load
+
+
+def _takes_settings(factory: Callable[..., object]) -> bool:
+    try:
+        parameters = inspect.signature(factory).parameters
+    except (TypeError, ValueError):  # a builtin or C callable: it takes the device only
+        return False
+    return "settings" in parameters

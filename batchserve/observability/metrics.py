@@ -1,0 +1,508 @@
+"""What operators watch: Prometheus metrics for /metrics and live numbers for the dashboard.
+
+Per answered request the handler pays one counter increment, one histogram observation
+(children bound once; `loop_metrics.py`, lock-free on the loop) and one append to a short
+window; queue wait and compute are observed once per successful batch call. Everything else
+(queue depth, devices' busy ratio and health, capacity, the autoscaling signal) is read from
+the batcher and the pool when scraped, so it costs the hot path nothing.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from array import array
+from bisect import bisect_left
+from collections import deque
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
+from ..batcher import Batcher
+from ..batching.request import QueuedRequest, Result
+from ..clock import Clock
+from ..generation.models import Generators
+from ..generation.request import Generation
+from ..gpu_pool import HEALTHY, DeviceState, GpuPool
+from ..models.registry import Registry
+from .loop_metrics import LoopCount, LoopCounters, LoopHistogram, LoopHistograms
+
+LATENCY_BUCKETS = (
+    0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.125, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.75,
+    1.0, 2.0, 5.0, 10.0,
+)  # fmt: skip
+TOKEN_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0,
+)  # fmt: skip
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 80, 96, 100)
+TARGET_UTILIZATION = 0.7
+"""The desired-replicas signal sizes the fleet so that each replica runs at this share of its
+measured capacity: headroom for bursts, and for the batching policy to stagger devices."""
+NO_TIER = "none"
+"""The tier label until API keys exist."""
+REJECTIONS = frozenset({"OVERLOADED", "NOT_READY", "RATE_LIMITED"})
+WINDOW_S = 2.0
+
+
+class Metrics:
+    def __init__(
+        self,
+        batcher: Batcher,
+        pool: GpuPool,
+        registry: Registry,
+        generators: Generators,
+        *,
+        clock: Clock,
+        slo_s: float,
+    ) -> None:
+        self._clock = clock
+        self._versions = registry
+        self.registry = CollectorRegistry()
+        self._requests = LoopCounters(
+            "batchserve_requests",
+            "Requests answered, by route, HTTP status, tier, error code, and model and version"
+            " (of 200s; empty for errors, which may name no model).",
+            ["route", "code", "tier", "error", "model", "version"],
+        )
+        self._rejections = Counter(
+            "batchserve_rejections",
+            "Requests refused before they were queued, by reason.",
+            ["reason"],
+            registry=self.registry,
+        )
+        self._latency = LoopHistograms(
+            "batchserve_request_latency_seconds",
+            "Arrival to answer, for requests answered 200, by model and version.",
+            ["model", "version"],
+            LATENCY_BUCKETS,
+        )
+        queue_wait = LoopHistograms(
+            "batchserve_queue_wait_seconds",
+            "Arrival to the start of the batch call, for each request of a call that succeeded.",
+            [],
+            LATENCY_BUCKETS,
+        )
+        compute = LoopHistograms(
+            "batchserve_compute_seconds",
+            "Duration of the batch call, once for each request of a call that succeeded.",
+            [],
+            LATENCY_BUCKETS,
+        )
+        for family in (self._requests, self._latency, queue_wait, compute):
+            self.registry.register(family)
+        self._queue_wait, self._compute = queue_wait, compute
+        self._queue_wait_all, self._compute_all = queue_wait.child(), compute.child()
+        self._ttft = Histogram(
+            "batchserve_time_to_first_token_seconds",
+            "Arrival to the first token, for generations that made one, by model and version.",
+            ["model", "version"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self._tpot = Histogram(
+            "batchserve_time_per_output_token_seconds",
+            "After the first token, each generation's mean time per further token.",
+            ["model", "version"],
+            buckets=TOKEN_BUCKETS,
+            registry=self.registry,
+        )
+        self._generated = Counter(
+            "batchserve_generated_tokens",
+            "Tokens generated for answered generations, by model and version.",
+            ["model", "version"],
+            registry=self.registry,
+        )
+        self._answered: dict[
+            tuple[str, str, str, str], tuple[LoopCount, LoopHistogram, RecentWindow]
+        ] = {}
+        """Per route, tier, model and version, its counter and latency children and its
+        version's window: bound once, since finding them costs more than counting. Every key
+        is the server's own (routes, tiers, registered models), so this stays small."""
+        self._windows: dict[str, RecentWindow] = {}
+        """Each model version's recent answers, by its label (model@version)."""
+        self._state = _StateCollector(batcher, pool, registry, clock, slo_s)
+        self.registry.register(self._state)
+        self._generation_state = _GenerationCollector(generators, clock)
+        self.registry.register(self._generation_state)
+        self._first_tokens: deque[tuple[float, float, str]] = deque()
+        """(time, time to first token, model label) of recent generations, for the page."""
+
+    def ok(self, route: str, tier: str, now: float, latency_s: float, result: Result) -> None:
+        key = (route, tier, result.model, result.version)
+        children = self._answered.get(key)
+        if children is None:
+            if self._versions.get(result.model, result.version) is None:
+                return  # answered after its version was removed: its series are gone
+            label = f"{result.model}@{result.version}"
+            children = self._answered[key] = (
+                self._requests.child(route, "200", tier, "", result.model, result.version),
+                self._latency.child(result.model, result.version),
+                self._windows.setdefault(label, RecentWindow()),
+            )
+        children[0].value += 1
+        self._latency.observe(children[1], latency_s)
+        children[2].add(now, latency_s, result)
+
+    def forget(self, model: str, version: str) -> None:
+        """Removes every series of a model version that was removed (and what the dashboard
+        keeps of it), so that versions added and deleted over time do not grow the scrape."""
+        self._requests.remove_where(lambda values: values[4:] == (model, version))
+        self._latency.remove_where(lambda values: values == (model, version))
+        for key in [key for key in self._answered if key[2:] == (model, version)]:
+            del self._answered[key]
+        self._windows.pop(f"{model}@{version}", None)
+        for family in (self._ttft, self._tpot, self._generated):
+            family.remove(model, version)  # nothing to remove is not an error
+
+    def batch_ran(self, batch: list[QueuedRequest], started: float, finished: float) -> None:
+        """Each request's queue wait and the call's duration, for a batch call that succeeded:
+        observed once a batch rather than twice an answer."""
+        self._queue_wait.observe_each(self._queue_wait_all, [started - r.arrival for r in batch])
+        self._compute.observe(self._compute_all, finished - started, len(batch))
+
+    def generated(self, route: str, tier: str, now: float, gen: Generation) -> None:
+        """A generation that ended by itself (stop or length); per generation, not per token."""
+        self._requests.child(route, "200", tier, "", gen.model, gen.version).value += 1
+        self._latency.observe(self._latency.child(gen.model, gen.version), now - gen.arrival)
+        tokens = len(gen.seq.tokens)
+        self._generated.labels(gen.model, gen.version).inc(tokens)
+        first = gen.first_token_at
+        if first is not None:
+            self._ttft.labels(gen.model, gen.version).observe(first - gen.arrival)
+            self._first_tokens.append((now, first - gen.arrival, f"{gen.model}@{gen.version}"))
+            _keep_recent(self._first_tokens, now)
+            if tokens > 1:
+                self._tpot.labels(gen.model, gen.version).observe((now - first) / (tokens - 1))
+
+    def failed(self, route: str, tier: str, status: int, code: str) -> None:
+        self._requests.child(route, str(status), tier, code, "", "").value += 1
+        if code in REJECTIONS:
+            self._rejections.labels(code).inc()
+
+    def snapshot(self) -> dict[str, Any]:
+        """The dashboard's numbers: the last WINDOW_S of answers and the state right now,
+        for all and for each model version. `time` is wall-clock, for the time axis."""
+        now = self._clock.time()
+        answered = {label: window.columns(now) for label, window in self._windows.items()}
+        everything = [
+            list(itertools.chain.from_iterable(columns[field] for columns in answered.values()))
+            for field in range(ROW)
+        ]
+        state = self._state.summary(now)
+        for row in state["models"]:
+            row.update(window_numbers(answered.get(row["label"], [()] * ROW)))
+        _keep_recent(self._first_tokens, now)
+        generation = self._generation_state.summary(now)
+        for row in generation:
+            ttfts = tuple(t for _, t, label in self._first_tokens if label == row["label"])
+            row["ttft_p50_ms"] = _percentile_ms(ttfts, 0.50)
+            row["ttft_p99_ms"] = _percentile_ms(ttfts, 0.99)
+        return {
+            "time": time.time(),
+            **window_numbers(everything),
+            **state,
+            "generation": generation,
+        }
+
+
+ROW = 5
+"""The numbers a window keeps of an answer: time, latency, queue wait, compute, batch size."""
+
+
+class RecentWindow:
+    """A model version's answers of the last WINDOW_S, for live percentiles (Prometheus
+    keeps buckets).
+
+    An answer is ROW numbers in a flat array of doubles, not a tuple of objects: a window
+    keeps seconds of answers, and each object kept that long after its answer costs the
+    loop (benchmarks/README.md, section 4). Rows go in two generations of WINDOW_S each;
+    the add that finds the newer one over starts another and drops the older, so a window
+    that nobody reads holds at most two windows' worth."""
+
+    def __init__(self) -> None:
+        self._older: array[float] = array("d")
+        self._newer: array[float] = array("d")
+        self._turn_at = -math.inf
+
+    def __len__(self) -> int:
+        return (len(self._older) + len(self._newer)) // ROW
+
+    def add(self, now: float, latency_s: float, result: Result) -> None:
+        if now >= self._turn_at:
+            self._older, self._newer = self._newer, array("d")
+            self._turn_at = now + WINDOW_S
+        self._newer.extend((now, latency_s, result.queue_s, result.compute_s, result.batch_size))
+
+    def columns(self, now: float) -> list[array[float]]:
+        """The answers of the last WINDOW_S: a column for each of an answer's ROW numbers."""
+        rows = self._older + self._newer
+        first = bisect_left(rows[0::ROW], now - WINDOW_S)  # rows are added in time order
+        return [rows[field::ROW][first:] for field in range(ROW)]
+
+
+def _keep_recent(window: deque[Any], now: float) -> None:
+    """Drops the rows (time first) older than WINDOW_S. Adds drop them too, not only reads: a
+    window that only a dashboard reads would otherwise grow by a row an answer for as long as
+    nobody opens the page."""
+    cutoff = now - WINDOW_S
+    while window and window[0][0] < cutoff:
+        window.popleft()
+
+
+def window_numbers(columns: Sequence[Sequence[float]]) -> dict[str, float | None]:
+    """The dashboard's numbers of a window's columns (`RecentWindow.columns`, or several
+    windows' joined)."""
+    _, latencies, queue_waits, computes, batch_sizes = columns
+    return {
+        "throughput_rps": len(latencies) / WINDOW_S,
+        "p50_ms": _percentile_ms(latencies, 0.50),
+        "p99_ms": _percentile_ms(latencies, 0.99),
+        "queue_p50_ms": _percentile_ms(queue_waits, 0.50),
+        "compute_p50_ms": _percentile_ms(computes, 0.50),
+        "mean_batch": sum(batch_sizes) / len(batch_sizes) if batch_sizes else None,
+    }
+
+
+def _percentile_ms(values: Sequence[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return 1e3 * ordered[min(len(ordered) - 1, int(len(ordered) * q))]
+
+
+class _StateCollector(Collector):
+    """Reads the batcher and the pool at scrape time."""
+
+    def __init__(
+        self, batcher: Batcher, pool: GpuPool, registry: Registry, clock: Clock, slo_s: float
+    ) -> None:
+        self._batcher = batcher
+        self._registry = registry
+        self._pool = pool
+        self._clock = clock
+        self._slo_s = slo_s
+
+    def summary(self, now: float) -> dict[str, Any]:
+        stats = self._batcher.stats()
+        capacity = self._batcher.capacity_rps()
+        arrival = self._batcher.arrival_rps(now)
+        return {
+            "queued": stats.queued,
+            "in_flight": stats.in_flight,
+            "healthy_devices": stats.healthy_devices,
+            "capacity_rps": capacity,
+            "arrival_rps": arrival,
+            "predicted_wait_s": self._batcher.predicted_queue_wait_s(stats.queued),
+            "slo_s": self._slo_s,
+            "desired_replicas": desired_replicas(arrival, capacity),
+            "batch_sizes": {str(size): n for size, n in sorted(self._batcher.batch_sizes.items())},
+            "models": [
+                {
+                    "label": version.spec.label,
+                    "model": version.name,
+                    "version": version.version,
+                    "state": version.state.value,
+                    "devices": version.loaded_on,
+                    "queued": self._batcher.queued_for(version),
+                    "arrival_rps": version.arrivals.at(now),
+                    "device_seconds_per_s": version.device_time.at(now),
+                    "batches": self._batcher.batch_fill[version.name, version.version, "batches"],
+                }
+                for version in self._registry
+            ],
+            "devices": [
+                {
+                    "name": device.name,
+                    "state": device.state.value,
+                    "busy_ratio": device.busy_ratio(now),
+                    "busy_seconds": device.busy_total_s,
+                }
+                for device in self._pool.devices
+            ],
+        }
+
+    def collect(self) -> Iterator[Metric]:
+        state = self.summary(self._clock.time())
+
+        def gauge(name: str, text: str, value: float | None) -> GaugeMetricFamily:
+            return GaugeMetricFamily(name, text, value=math.nan if value is None else value)
+
+        yield gauge("batchserve_queue_depth", "Requests waiting for a batch.", state["queued"])
+        yield gauge(
+            "batchserve_in_flight_requests", "Requests inside a batch call.", state["in_flight"]
+        )
+        busy = sum(d["state"] == DeviceState.BUSY.value for d in state["devices"])
+        yield gauge("batchserve_in_flight_batches", "Batch calls running now.", busy)
+        yield gauge(
+            "batchserve_capacity_rps",
+            "Requests a second the healthy devices can take in full batches, measured.",
+            state["capacity_rps"],
+        )
+        yield gauge("batchserve_arrival_rps", "Recent arrivals a second.", state["arrival_rps"])
+        yield gauge(
+            "batchserve_predicted_queue_wait_seconds",
+            "How long a request arriving now would wait for the queue ahead of it.",
+            state["predicted_wait_s"],
+        )
+        yield gauge("batchserve_slo_seconds", "The latency objective (--slo-ms).", self._slo_s)
+        yield gauge(
+            "batchserve_desired_replicas",
+            f"Replicas that would carry the recent arrivals at {TARGET_UTILIZATION:.0%} of"
+            " this replica's measured capacity.",
+            state["desired_replicas"],
+        )
+        yield from self._devices(state["devices"])
+        yield self._batch_sizes()
+        fill = CounterMetricFamily(
+            "batchserve_batch_fill",
+            "Batches sent and requests in them, per model version: requests / batches is its"
+            " mean batch size, which falls when traffic spreads over many keys (params,"
+            " lengths). Never labelled with params.",
+            labels=["model", "version", "kind"],
+        )
+        for labels, count in sorted(self._batcher.batch_fill.items()):
+            fill.add_metric(list(labels), count)
+        yield fill
+        faults = CounterMetricFamily(
+            "batchserve_faults", "Device and batch faults, by kind.", labels=["kind"]
+        )
+        for kind, count in sorted(self._pool.faults.items()):
+            faults.add_metric([kind], count)
+        yield faults
+        retries = CounterMetricFamily(
+            "batchserve_recoveries", "Requests retried or failed after a fault.", labels=["kind"]
+        )
+        for kind, count in sorted(self._batcher.recoveries.items()):
+            retries.add_metric([kind], count)
+        yield retries
+
+    def _devices(self, devices: list[dict[str, Any]]) -> Iterator[Metric]:
+        """The gauges of each device, from the summary already taken at this scrape."""
+        ratio = GaugeMetricFamily(
+            "batchserve_device_busy_ratio",
+            "Share of the last 10 s each device spent in batch calls.",
+            labels=["device"],
+        )
+        busy = CounterMetricFamily(
+            "batchserve_device_busy_seconds",
+            "Time each device spent in finished batch calls.",
+            labels=["device"],
+        )
+        healthy = GaugeMetricFamily(
+            "batchserve_device_healthy", "1 while the device takes work.", labels=["device"]
+        )
+        state = GaugeMetricFamily(
+            "batchserve_device_state",
+            "1 for each device's current state.",
+            labels=["device", "state"],
+        )
+        for device in devices:
+            ratio.add_metric([device["name"]], device["busy_ratio"])
+            busy.add_metric([device["name"]], device["busy_seconds"])
+            healthy.add_metric([device["name"]], float(DeviceState(device["state"]) in HEALTHY))
+            state.add_metric([device["name"], device["state"]], 1.0)
+        yield from (ratio, busy, healthy, state)
+
+    def _batch_sizes(self) -> Metric:
+        sizes = self._batcher.batch_sizes
+        cumulative = 0
+        buckets: list[tuple[str, float]] = []
+        for bound in BATCH_BUCKETS:
+            cumulative = sum(count for size, count in sizes.items() if size <= bound)
+            buckets.append((str(bound), cumulative))
+        buckets.append(("+Inf", sum(sizes.values())))
+        return HistogramMetricFamily(
+            "batchserve_batch_size",
+            "Requests per batch call, retries included.",
+            buckets=buckets,
+            sum_value=sum(size * count for size, count in sizes.items()),
+        )
+
+
+class _GenerationCollector(Collector):
+    """Reads the generation models' schedulers at scrape time."""
+
+    def __init__(self, generators: Generators, clock: Clock) -> None:
+        self._generators = generators
+        self._clock = clock
+
+    def summary(self, now: float) -> list[dict[str, Any]]:
+        return [
+            {
+                "label": model.spec.label,
+                "model": model.spec.name,
+                "version": model.spec.version,
+                "devices": [loop.device for loop in model.loops],
+                "running": model.running,
+                "waiting": model.waiting,
+                "kv_used_tokens": sum(loop.kv_used for loop in model.loops),
+                "kv_budget_tokens": sum(loop.kv_budget for loop in model.loops),
+                "tokens_per_s": model.token_rate.at(now),
+                "steps": model.steps,
+                "preemptions": model.preemptions,
+                "step_failures": model.step_failures,
+                "hung_steps": model.hung_steps,
+            }
+            for model in self._generators
+        ]
+
+    def collect(self) -> Iterator[Metric]:
+        rows = self.summary(self._clock.time())
+        labels = ["model", "version"]
+        gauge, counter = GaugeMetricFamily, CounterMetricFamily
+        families: list[tuple[str, str, str, type[GaugeMetricFamily | CounterMetricFamily]]] = [
+            ("running", "batchserve_sequences_running", "Sequences in steps now.", gauge),
+            ("waiting", "batchserve_sequences_waiting", "Sequences waiting to run.", gauge),
+            (
+                "kv_used_tokens",
+                "batchserve_kv_used_tokens",
+                "KV-cache tokens the running sequences hold, over all devices.",
+                gauge,
+            ),
+            (
+                "kv_budget_tokens",
+                "batchserve_kv_budget_tokens",
+                "KV-cache tokens the devices can hold at once, summed.",
+                gauge,
+            ),
+            ("steps", "batchserve_generation_steps", "Decoding steps run.", counter),
+            (
+                "preemptions",
+                "batchserve_preemptions",
+                "Sequences put back in line because the running ones outgrew the budget.",
+                counter,
+            ),
+            (
+                "step_failures",
+                "batchserve_step_failures",
+                "Steps that raised or answered badly (each is retried in halves).",
+                counter,
+            ),
+            (
+                "hung_steps",
+                "batchserve_hung_steps",
+                "Device calls (steps, releases) that ran past their budget (their sequences"
+                " went on elsewhere).",
+                counter,
+            ),
+        ]
+        for key, name, text, kind in families:
+            family = kind(name, text, labels=labels)
+            for row in rows:
+                family.add_metric([row["model"], row["version"]], row[key])
+            yield family
+
+
+def desired_replicas(arrival_rps: float, capacity_rps: float | None) -> int:
+    if not capacity_rps:
+        return 1
+    return max(1, math.ceil(arrival_rps / (capacity_rps * TARGET_UTILIZATION)))

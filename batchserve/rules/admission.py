@@ -1,0 +1,101 @@
+"""Who may send what: API keys, tenants' rate limits, deadlines and the input itself.
+
+The engine asks these questions of every request, from HTTP or from Python, before it
+queues it; whether the engine is ready and whether its queue has room are its own to say.
+Time is passed in.
+"""
+
+from __future__ import annotations
+
+import hmac
+import math
+from collections.abc import Callable
+
+from ..config import Config
+from ..errors import InputTooLarge, InvalidInput, RateLimited, Unauthenticated
+from .tenants import KeyRing, Tenant
+
+
+class Admission:
+    def __init__(self, config: Config) -> None:
+        self._timeout_ms = config.timeout_ms
+        self._max_input_bytes = config.max_input_bytes
+        self._keys = (
+            KeyRing.load(config.keys_file, config.anonymous_tier) if config.keys_file else None
+        )
+        self._admin_key = (config.admin_key or "").encode()
+        self._public_numbers = config.public_metrics
+
+    def authenticate(self, authorization: str | None) -> Tenant | None:
+        """The caller's tenant from `Authorization: Bearer <key>`; None when the server runs
+        open (no keys file)."""
+        if self._keys is None:
+            return None
+        tenant = self._keys.authenticate(authorization)
+        if tenant is None:
+            raise Unauthenticated(
+                "send Authorization: Bearer <API key>; this one is missing or unknown"
+            )
+        return tenant
+
+    def authorize_operator(self, authorization: str | None) -> None:
+        """Lets the caller read the server's numbers (/metrics, /api/stats): anyone on a
+        server without keys or with --public-metrics on, else only an operator key (a
+        keys-file entry with role = "operator") or the admin key."""
+        if self._keys is None or self._public_numbers:
+            return
+        scheme, _, given = (authorization or "").partition(" ")
+        secret = given.strip().encode()
+        admin = scheme.lower() == "bearer" and self._admin_key and secret
+        if admin and hmac.compare_digest(secret, self._admin_key):
+            return
+        tenant = self._keys.authenticate(authorization)
+        if tenant is None or not tenant.operator or tenant is self._keys.anonymous:
+            raise Unauthenticated(
+                "send Authorization: Bearer <operator key>: a key whose keys-file entry has"
+                ' role = "operator", or the admin key (or start with --public-metrics on)'
+            )
+
+    def take_token(
+        self, tenant: Tenant | None, now: float, capacity_rps: Callable[[], float | None]
+    ) -> None:
+        """Spends one of the tenant's tokens at its tier's rate for the live capacity, or
+        refuses the request with when to retry and the rate now."""
+        if tenant is None or self._keys is None:
+            return
+        wait_s, bucket = self._keys.take(tenant, now, capacity_rps())
+        if wait_s:
+            raise RateLimited(
+                f"tenant {tenant.name} is over the {tenant.tier} tier's rate of"
+                f" {bucket.rate:.3g} requests a second",
+                retry_after_s=wait_s,
+                limit=bucket.rate,
+                reset_s=bucket.seconds_to_full(),
+            )
+
+    def check_input(self, text: str) -> None:
+        if not isinstance(text, str):
+            raise InvalidInput(f"the input must be a str, not {type(text).__name__}")
+        if text.isascii() and len(text) <= self._max_input_bytes:
+            return  # the common case, without encoding it: ASCII is one byte a character
+        try:
+            size = len(text.encode())
+        except UnicodeEncodeError:
+            raise InvalidInput("the input is not valid Unicode text") from None
+        if size > self._max_input_bytes:
+            raise InputTooLarge(f"the input is {size} bytes; the limit is {self._max_input_bytes}")
+
+    def timeout_s(self, timeout_ms: float | None, tenant: Tenant | None) -> float:
+        """The request's own timeout, capped by the server's and by its tier's deadline."""
+        cap_ms = self._timeout_ms
+        if tenant is not None and self._keys is not None:
+            tier_ms = self._keys.limits[tenant.tier].timeout_ms
+            if tier_ms is not None:
+                cap_ms = min(cap_ms, tier_ms)
+        if timeout_ms is None:
+            return cap_ms / 1e3
+        if isinstance(timeout_ms, bool) or not (
+            isinstance(timeout_ms, int | float) and math.isfinite(timeout_ms) and timeout_ms > 0
+        ):
+            raise InvalidInput("timeout_ms must be a number above 0")
+        return min(timeout_ms, cap_ms) / 1e3
