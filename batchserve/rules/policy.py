@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from ..config import PolicyName
-from ..models.specs import ModelSpec
 from .capacity import CallTime
 
 
@@ -145,8 +144,20 @@ class FixedPolicy:
         return Decision(min(queue.size, self.max_batch_size))
 
 
+class BatchLimits(Protocol):
+    """What `make_policy` reads of a model version's spec (models.specs.ModelSpec): named
+    here so that the rules import nothing from the models above them."""
+
+    @property
+    def max_batch_size(self) -> int: ...
+    @property
+    def slo_ms(self) -> float | None: ...
+    @property
+    def max_linger_ms(self) -> float | None: ...
+
+
 def make_policy(
-    kind: PolicyName, spec: ModelSpec, default_linger_ms: float, call_time: CallTime
+    kind: PolicyName, spec: BatchLimits, default_linger_ms: float, call_time: CallTime
 ) -> Policy:
     """The policy --policy names, for one model version; the adaptive one reads that
     version's batch-time estimate. Its linger budget is the version's `max_linger_ms`, else
