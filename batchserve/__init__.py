@@ -4,11 +4,25 @@ Embedded in a Python program, the same engine serves without HTTP:
 
     async with batchserve.Engine(batchserve.Config(), fn=my_batch_fn) as engine:
         result = await engine.infer("some input")
+
+A generator for `--generator` implements `Generator` over `Seq`s, answering `str`, `Made` or
+None per sequence, and may take a keyword `settings` (`GeneratorSettings`).
 """
 
 from .batching.request import Ask, Result, Ticket
 from .config import Config
 from .engine.core import Engine
+from .models.generators import Generator, GeneratorSettings, Made, Seq
 
-__all__ = ["Ask", "Config", "Engine", "Result", "Ticket"]
+__all__ = [
+    "Ask",
+    "Config",
+    "Engine",
+    "Generator",
+    "GeneratorSettings",
+    "Made",
+    "Result",
+    "Seq",
+    "Ticket",
+]
 __version__ = "0.1.0"
