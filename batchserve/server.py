@@ -2,9 +2,9 @@
 
 `create_app` mounts the doors over one `Engine`: this module's inference and health routes,
 generation (`generate_api.py`), the OpenAI-shaped routes (`openai_api.py`,
-`openai_completions.py`), the status API (`status_api.py`) and the dashboard
-(`dashboard.py`). Each is handed only what
-it needs; none holds another's object. The app's cleanup context starts the engine and, at
+`openai_completions.py`), KServe's Open Inference Protocol (`doors/oip.py`), the status
+API (`status_api.py`) and the dashboard (`dashboard.py`). Each is handed only what it
+needs; none holds another's object. The app's cleanup context starts the engine and, at
 shutdown, drains and stops it. Every path or method that no route serves gets the same JSON
 error body and `X-Request-Id` as any other answer. `AppRunner` serves such an app with the
 inference door ahead of aiohttp's routing.
@@ -21,6 +21,7 @@ from .admin_api import ROUTE as ADMIN_ROUTE
 from .admin_api import AdminApi, authorize
 from .connections import Connection, ConnectionServer
 from .dashboard import Dashboard
+from .doors.oip import OipApi
 from .engine import Engine
 from .errors import (
     BatchserveError,
@@ -141,6 +142,7 @@ def create_app(engine: Engine) -> web.Application:
     app.router.add_post("/v1/embeddings", openai.embeddings)
     app.router.add_get("/v1/models", openai.models)
     app.router.add_get("/v1/models/{model:.+}", openai.model)
+    OipApi(engine).mount(app.router)
     completions = OpenAICompletionsApi(engine)
     app.router.add_post("/v1/completions", completions.completions)
     app.router.add_post("/v1/chat/completions", completions.chat_completions)

@@ -1,0 +1,1 @@
+"""The HTTP doors onto the engine: each parses its protocol, calls the engine, answers."""
