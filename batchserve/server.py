@@ -2,8 +2,8 @@
 
 `create_app` mounts the doors over one `Engine`: this module's inference and health routes,
 generation (`doors/generate_api.py`), the OpenAI-shaped routes (`doors/openai_api.py`,
-`doors/openai_completions.py`), the status API (`doors/status_api.py`) and the dashboard
-(`doors/dashboard.py`). Each is handed only what
+`doors/openai_completions.py`), KServe's Open Inference Protocol (`doors/oip.py`), the status
+API (`doors/status_api.py`) and the dashboard (`doors/dashboard.py`). Each is handed only what
 it needs; none holds another's object. The app's cleanup context starts the engine and, at
 shutdown, drains and stops it. Every path or method that no route serves gets the same JSON
 error body and `X-Request-Id` as any other answer. `AppRunner` serves such an app with the
@@ -23,6 +23,7 @@ from .doors.admin_api import AdminApi, authorize
 from .doors.connections import Connection, ConnectionServer
 from .doors.dashboard import Dashboard
 from .doors.generate_api import GenerateApi
+from .doors.oip import OipApi
 from .doors.openai_api import OpenAIApi
 from .doors.openai_completions import OpenAICompletionsApi
 from .doors.status_api import StatusApi
@@ -141,6 +142,7 @@ def create_app(engine: Engine) -> web.Application:
     app.router.add_post("/v1/embeddings", openai.embeddings)
     app.router.add_get("/v1/models", openai.models)
     app.router.add_get("/v1/models/{model:.+}", openai.model)
+    OipApi(engine).mount(app.router)
     completions = OpenAICompletionsApi(engine)
     app.router.add_post("/v1/completions", completions.completions)
     app.router.add_post("/v1/chat/completions", completions.chat_completions)

@@ -34,6 +34,7 @@ from collections.abc import Callable
 from typing import Any
 
 from aiohttp import hdrs, web
+from aiohttp.compression_utils import HAS_BROTLI, HAS_ZSTD
 from aiohttp.http import HttpRequestParser, RawRequestMessage
 from aiohttp.http_exceptions import ContentEncodingError
 from aiohttp.streams import EMPTY_PAYLOAD, StreamReader
@@ -46,7 +47,9 @@ from .wire import error_response, request_id_of, status_response
 log = logging.getLogger("batchserve.connections")
 MAX_REASON = 200
 """A refusal's reason, in its answer and its log line, is cut to this many characters."""
-DECODED_ENCODINGS = "gzip, deflate"
+DECODED_ENCODINGS = ", ".join(["gzip", "deflate"] + ["br"] * HAS_BROTLI + ["zstd"] * HAS_ZSTD)
+"""The Content-Encodings aiohttp decodes here: br and zstd only where their packages are
+installed (tritonclient[http], in the test extra, brings brotli)."""
 
 
 class BodyBudget:

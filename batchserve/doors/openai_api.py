@@ -14,15 +14,13 @@ official Python client asks for that by default).
 from __future__ import annotations
 
 import array
-import asyncio
 import base64
 import sys
 from typing import Any
 
 from aiohttp import web
 
-from ..batching.request import Result
-from ..engine.core import Engine
+from ..engine.core import MAX_INPUTS_PER_CALL, Engine
 from ..errors import BatchserveError, InvalidInput, ModelNotFound
 from ..models.specs import MAX_NAME
 from .wire import (
@@ -33,7 +31,7 @@ from .wire import (
     request_id_of,
 )
 
-MAX_EMBEDDING_INPUTS = 2048
+MAX_EMBEDDING_INPUTS = MAX_INPUTS_PER_CALL
 """OpenAI's own limit on inputs per embeddings request."""
 _EMBEDDING_FIELDS = frozenset({"model", "input", "encoding_format", "user", "dimensions"})
 
@@ -51,28 +49,17 @@ class OpenAIApi:
         if isinstance(call, web.Response):
             return call
         request_id, tenant, (model, texts, base64_wanted) = call
-        outcomes = await asyncio.gather(
-            *(
-                engine.infer(
-                    text,
-                    model=model,
-                    request_id=f"{request_id}.{index}" if len(texts) > 1 else request_id,
-                    tenant=tenant,
-                    arrival=arrival,
-                    route="embeddings",
-                    part=len(texts) > 1,
-                )
-                for index, text in enumerate(texts)
-            ),
-            return_exceptions=True,
-        )
-        results: list[Result] = []
-        for outcome in outcomes:
-            if isinstance(outcome, BatchserveError):
-                return error_response(outcome, request_id, openai_shape=True)
-            if isinstance(outcome, BaseException):
-                raise outcome
-            results.append(outcome)
+        try:
+            results = await engine.infer_all(
+                texts,
+                model=model,
+                request_id=request_id,
+                tenant=tenant,
+                arrival=arrival,
+                route="embeddings",
+            )
+        except BatchserveError as error:
+            return error_response(error, request_id, openai_shape=True)
         tokens = sum(engine.count_tokens(r, t) for r, t in zip(results, texts, strict=True))
         body = {
             "object": "list",

@@ -6,7 +6,7 @@ The only module that turns the error tree (`errors.py`) into HTTP answers.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any, Generic, NamedTuple, TypeVar
 
@@ -40,6 +40,10 @@ AnyRequest = TypeVar("AnyRequest", bound=web.BaseRequest)
 `web.BaseRequest` a server hands its handler, as server.py's `AppRunner` hands the
 inference door."""
 
+ErrorShape = Callable[[BatchserveError, str], dict[str, Any]]
+"""An error answer's JSON body from the error and the request id, for a door whose protocol
+has its own (Retry-After and the other headers are added the same for every shape)."""
+
 
 class Call(NamedTuple, Generic[AskedFor]):
     """Who asks for what: a request read off the wire, before the engine sees it."""
@@ -57,10 +61,13 @@ async def read_call(
     parse_body: Callable[[dict[str, Any], AnyRequest], AskedFor],
     *,
     openai_shape: bool = False,
+    read: Callable[[AnyRequest, int], Awaitable[dict[str, Any]]] | None = None,
+    shape: ErrorShape | None = None,
 ) -> Call[AskedFor] | web.Response:
-    """The request's id, tenant and body: its JSON object as `parse_body(payload, request)`
-    reads it (e.g. `parse_input`); or, for a request refused here (bad id, unknown key, bad
-    body), its recorded error answer."""
+    """The request's id, tenant and body: its JSON object (as `read(request, limit)` reads
+    it, default `read_json`) as `parse_body(payload, request)` reads it (e.g.
+    `parse_input`); or, for a request refused here (bad id, unknown key, bad body), its
+    recorded error answer, its body in `shape` if given."""
     request_id, problem = request_id_of(request)
     tenant = None
     try:
@@ -68,10 +75,11 @@ async def read_call(
             raise problem
         if engine.config.keys_file:  # else it runs open: no key to look for
             tenant = engine.authenticate(request.headers.get("Authorization"))
-        body = parse_body(await read_json(request, engine.config.max_body_bytes), request)
+        payload = await (read or read_json)(request, engine.config.max_body_bytes)
+        body = parse_body(payload, request)
     except BatchserveError as error:
         engine.record(route, request_id, arrival, error, tenant)
-        return error_response(error, request_id, openai_shape=openai_shape)
+        return error_response(error, request_id, openai_shape=openai_shape, shape=shape)
     return Call(request_id, tenant, body)
 
 
@@ -90,26 +98,43 @@ def request_id_of(request: web.BaseRequest) -> tuple[str, InvalidInput | None]:
 
 async def read_json(request: web.BaseRequest, limit: int) -> dict[str, Any]:
     """The body as a JSON object, within `limit` bytes."""
+    body = arrived_body(request, limit)  # no coroutine awaited for a body already here
+    return json_object(await read_bytes(request, limit) if body is None else body)
+
+
+def arrived_body(request: web.BaseRequest, limit: int) -> bytes | None:
+    """The body if all of it has arrived, as a small body has by the time its handler
+    runs: taken as it is, without `read`'s copies and two waits for more (3 % of the
+    server's CPU a request, benchmarks/README.md, section 4); None if more is to come."""
     length = request.content_length  # parsed from the header at each read
     if length is not None and length > limit:
         raise too_large(limit)
     content = request.content
-    if content.is_eof() and content.exception() is None:
-        # All of it has arrived, as a small body has by the time its handler runs: taken
-        # as it is, without `read`'s copies and two waits for more (3 % of the server's CPU
-        # a request, benchmarks/README.md, section 4).
-        body = content.read_nowait()
-        if len(body) > limit:
-            raise too_large(limit)
-    else:
-        try:
-            body = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            raise too_large(limit) from None
-        except web.RequestPayloadError as exc:
-            # A body its Content-Encoding does not describe (gzip that is not gzip), or a
-            # chunked body that breaks off: the client's fault, not the server's.
-            raise InvalidInput(f"the body could not be read: {_last_line(exc)}") from None
+    if not content.is_eof() or content.exception() is not None:
+        return None
+    body = content.read_nowait()
+    if len(body) > limit:
+        raise too_large(limit)
+    return body
+
+
+async def read_bytes(request: web.BaseRequest, limit: int) -> bytes:
+    """The body, within `limit` bytes."""
+    body = arrived_body(request, limit)
+    if body is not None:
+        return body
+    try:
+        return await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise too_large(limit) from None
+    except web.RequestPayloadError as exc:
+        # A body its Content-Encoding does not describe (gzip that is not gzip), or a
+        # chunked body that breaks off: the client's fault, not the server's.
+        raise InvalidInput(f"the body could not be read: {_last_line(exc)}") from None
+
+
+def json_object(body: bytes) -> dict[str, Any]:
+    """`body` as a JSON object; InvalidInput that says what is wrong if it is not one."""
     try:
         payload: Any = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
@@ -255,11 +280,16 @@ def status_response(
 
 
 def error_response(
-    error: BatchserveError, request_id: str, *, openai_shape: bool = False
+    error: BatchserveError,
+    request_id: str,
+    *,
+    openai_shape: bool = False,
+    shape: ErrorShape | None = None,
 ) -> web.Response:
     """The error's status, body and headers; `openai_shape` nests the body as OpenAI's API
-    does ({"error": {"message", "type", "code"}}), which its client libraries parse."""
-    body = error_body(error, request_id)
+    does ({"error": {"message", "type", "code"}}), which its client libraries parse;
+    `shape` makes another protocol's body (`error_body`'s by default)."""
+    body = error_body(error, request_id) if shape is None else shape(error, request_id)
     if openai_shape:
         body = {
             "error": {"message": str(error), "type": error.code.lower(), "code": error.code},

@@ -25,7 +25,7 @@ import gc
 import logging
 import sys
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -63,6 +63,10 @@ from ..tasks import TaskSet
 from .recorder import Recorder
 
 log = logging.getLogger(__name__)
+
+MAX_INPUTS_PER_CALL = 2048
+"""The most inputs a door takes in one request for `infer_all` (an embeddings list, an Open
+Inference Protocol tensor): OpenAI's own limit on inputs per embeddings request."""
 
 
 class Phase(enum.Enum):
@@ -237,6 +241,47 @@ class Engine:
             raise
         finally:
             self.settle(route, request, expiry, tenant, outcome)
+
+    async def infer_all(
+        self,
+        texts: Sequence[str],
+        *,
+        model: str | None = None,
+        version: str | None = None,
+        timeout_ms: float | None = None,
+        request_id: str,
+        tenant: Tenant | None = None,
+        arrival: float | None = None,
+        route: str = "inference",
+    ) -> list[Result]:
+        """Runs each of `texts` as one request of `infer`, batched with everyone else's
+        (perhaps in different batches); returns their results in the order given, or raises
+        the error of the first input (by position) that failed, once all are done. Several
+        inputs are `part`s, with ids `<request_id>.<index>`."""
+        several = len(texts) > 1
+        outcomes = await asyncio.gather(
+            *(
+                self.infer(
+                    text,
+                    model=model,
+                    version=version,
+                    timeout_ms=timeout_ms,
+                    request_id=f"{request_id}.{index}" if several else request_id,
+                    tenant=tenant,
+                    arrival=arrival,
+                    route=route,
+                    part=several,
+                )
+                for index, text in enumerate(texts)
+            ),
+            return_exceptions=True,
+        )
+        results: list[Result] = []
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                raise outcome
+            results.append(outcome)
+        return results
 
     def submit(
         self,

@@ -1,0 +1,446 @@
+"""KServe's Open Inference Protocol (v2) over HTTP, as Triton, KServe and MLServer speak it,
+so `tritonclient`, the `kserve` SDK and Kubernetes probes work unchanged.
+
+    client = tritonclient.http.InferenceServerClient("127.0.0.1:8000")
+    text = tritonclient.http.InferInput("input", [2], "BYTES")
+    text.set_data_from_numpy(numpy.array([b"a cat", b"a dog"], dtype=object))
+    client.infer("default", [text]).as_numpy("output")
+
+Every batch model is a model of the protocol with one input tensor, `input`, and one output,
+`output`, both `BYTES` of shape [-1]: a request's tensor is [N] or [N, 1] strings, and each
+string is one engine request (`Engine.infer_all`, as an embeddings list): batched with
+everyone else's, answered in order in an output of the request's shape. An output that is
+not a string goes out as its JSON text. Health answers 200 for true and 400 for false (the
+protocol's 4xx). Errors are the protocol's `{"error": message}` with our status codes and
+headers, plus `code` and `request_id`. Triton's binary tensor extension (tritonclient's
+default) is read and written: a body of an `Inference-Header-Content-Length`-byte JSON
+header, then each binary tensor's bytes, a BYTES element being a 4-byte little-endian length
+and that many bytes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import orjson
+from aiohttp import web
+
+from .. import __version__
+from ..engine.core import MAX_INPUTS_PER_CALL, Engine
+from ..errors import BatchserveError, InvalidInput, ModelNotFound
+from ..models.specs import MAX_NAME
+from .wire import (
+    error_response,
+    json_object,
+    json_response,
+    read_bytes,
+    read_call,
+    read_json,
+    refuse_unknown_fields,
+    request_id_of,
+    timeout_ms_of,
+)
+
+ROUTE = "oip"
+"""The route's name in metrics and the access log."""
+INPUT, OUTPUT = "input", "output"
+HEADER_LENGTH = "Inference-Header-Content-Length"
+EXTENSIONS = ["binary_tensor_data"]
+_REQUEST_FIELDS = frozenset({"id", "parameters", "inputs", "outputs"})
+_INPUT_FIELDS = frozenset({"name", "shape", "datatype", "parameters", "data"})
+_OUTPUT_FIELDS = frozenset({"name", "parameters"})
+_NUMPY = orjson.OPT_SERIALIZE_NUMPY
+
+_TENSOR: dict[str, Any] = {
+    "type": "object",
+    "required": ["name", "datatype", "shape"],
+    "properties": {
+        "name": {"type": "string"},
+        "datatype": {"type": "string"},
+        "shape": {"type": "array", "items": {"type": "integer"}},
+    },
+}
+_PARAMETERS: dict[str, Any] = {
+    "type": "object",
+    "additionalProperties": {"type": ["string", "number", "boolean"]},
+}
+_STRINGS: dict[str, Any] = {
+    "type": "array",
+    "items": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]},
+}
+SERVER_METADATA_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["name", "version", "extensions"],
+    "properties": {
+        "name": {"type": "string"},
+        "version": {"type": "string"},
+        "extensions": {"type": "array", "items": {"type": "string"}},
+    },
+}
+METADATA_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["name", "platform", "inputs", "outputs"],
+    "properties": {
+        "name": {"type": "string"},
+        "versions": {"type": "array", "items": {"type": "string"}},
+        "platform": {"type": "string"},
+        "inputs": {"type": "array", "items": _TENSOR},
+        "outputs": {"type": "array", "items": _TENSOR},
+    },
+}
+INFER_REQUEST_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["inputs"],
+    "additionalProperties": False,
+    "properties": {
+        "id": {"type": "string"},
+        "parameters": _PARAMETERS,
+        "inputs": {
+            "type": "array",
+            "minItems": 1,
+            "maxItems": 1,
+            "items": {
+                "type": "object",
+                "required": ["name", "shape", "datatype"],
+                "additionalProperties": False,
+                "properties": {
+                    "name": {"const": INPUT},
+                    "shape": {"type": "array", "items": {"type": "integer", "minimum": 1}},
+                    "datatype": {"const": "BYTES"},
+                    "parameters": _PARAMETERS,
+                    "data": _STRINGS,
+                },
+            },
+        },
+        "outputs": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["name"],
+                "additionalProperties": False,
+                "properties": {"name": {"const": OUTPUT}, "parameters": _PARAMETERS},
+            },
+        },
+    },
+}
+INFER_RESPONSE_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["model_name", "outputs"],
+    "properties": {
+        "model_name": {"type": "string"},
+        "model_version": {"type": "string"},
+        "id": {"type": "string"},
+        "outputs": {
+            "type": "array",
+            "items": {**_TENSOR, "properties": {
+                **_TENSOR["properties"], "parameters": _PARAMETERS, "data": _STRINGS,
+            }},
+        },
+    },
+}  # fmt: skip
+ERROR_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {"type": "string"},
+        "code": {"type": "string"},
+        "request_id": {"type": "string"},
+        "retry_after_ms": {"type": "integer"},
+    },
+}
+
+
+class OipRoute(NamedTuple):
+    method: str
+    path: str
+    handler: str
+    """The name of `OipApi`'s method that answers it."""
+    summary: str
+    answers: dict[int, dict[str, Any] | None]
+    """Status -> body schema (None: no body)."""
+
+
+_MODEL_ERRORS: dict[int, dict[str, Any] | None] = {401: ERROR_SCHEMA, 404: ERROR_SCHEMA}
+_INFER_ANSWERS: dict[int, dict[str, Any] | None] = {
+    200: INFER_RESPONSE_SCHEMA,
+    **{status: ERROR_SCHEMA for status in (400, 401, 404, 409, 413, 429, 500, 503, 504)},
+}
+_M, _V = "/v2/models/{model}", "/v2/models/{model}/versions/{version}"
+ROUTES = (
+    OipRoute("GET", "/v2", "server_metadata", "server metadata", {200: SERVER_METADATA_SCHEMA}),
+    OipRoute("GET", "/v2/health/live", "live", "server live", {200: None}),
+    OipRoute("GET", "/v2/health/ready", "ready", "server ready", {200: None, 400: ERROR_SCHEMA}),
+    OipRoute("GET", _M, "model_metadata", "model metadata",
+             {200: METADATA_SCHEMA, **_MODEL_ERRORS}),
+    OipRoute("GET", _V, "model_metadata", "model version metadata",
+             {200: METADATA_SCHEMA, **_MODEL_ERRORS}),
+    OipRoute("GET", f"{_M}/ready", "model_ready", "model ready",
+             {200: None, 400: ERROR_SCHEMA, **_MODEL_ERRORS}),
+    OipRoute("GET", f"{_V}/ready", "model_ready", "model version ready",
+             {200: None, 400: ERROR_SCHEMA, **_MODEL_ERRORS}),
+    OipRoute("POST", f"{_M}/infer", "infer", "inference", _INFER_ANSWERS),
+    OipRoute("POST", f"{_V}/infer", "infer", "inference on a version", _INFER_ANSWERS),
+)  # fmt: skip
+"""Every route of the protocol, declared once: `mount` adds them, a document reads them."""
+
+
+class Tensors(NamedTuple):
+    """An inference request, read: the strings of its input, its shape, and how to answer."""
+
+    texts: list[str]
+    shape: list[int]
+    id: str | None
+    binary: bool
+    timeout_ms: float | None
+
+
+def error_shape(error: BatchserveError, request_id: str) -> dict[str, Any]:
+    return {"error": str(error), "code": error.code, "request_id": request_id}
+
+
+class OipApi:
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+
+    def mount(self, router: web.UrlDispatcher) -> None:
+        for route in ROUTES:
+            router.add_route(route.method, route.path, getattr(self, route.handler))
+
+    async def server_metadata(self, request: web.Request) -> web.Response:
+        body = {"name": "batchserve", "version": __version__, "extensions": EXTENSIONS}
+        return json_response(200, body)
+
+    async def live(self, request: web.Request) -> web.Response:
+        return web.Response()
+
+    async def ready(self, request: web.Request) -> web.Response:
+        """Serving with a healthy device, as /readyz (the result store aside: no OIP route
+        uses it)."""
+        ready, status = self._engine.readiness()
+        return web.Response() if ready else _not_ready(f"the server is not ready: {status}")
+
+    async def model_metadata(self, request: web.Request) -> web.Response:
+        try:
+            name, versions = self._model(request)
+        except BatchserveError as error:
+            return error_response(error, request_id_of(request)[0], shape=error_shape)
+        tensor: dict[str, Any] = {"datatype": "BYTES", "shape": [-1]}
+        body = {
+            "name": name,
+            "versions": sorted(versions),
+            "platform": "batchserve",
+            "inputs": [{"name": INPUT, **tensor}],
+            "outputs": [{"name": OUTPUT, **tensor}],
+        }
+        return json_response(200, body)
+
+    async def model_ready(self, request: web.Request) -> web.Response:
+        """200 while the server is ready and the version (any, when none is named) is."""
+        try:
+            name, versions = self._model(request)
+        except BatchserveError as error:
+            return error_response(error, request_id_of(request)[0], shape=error_shape)
+        ready, status = self._engine.readiness()
+        if not ready:
+            return _not_ready(f"the server is not ready: {status}")
+        if "ready" not in versions.values():
+            states = ", ".join(f"{v} {state}" for v, state in sorted(versions.items()))
+            return _not_ready(f"model {name} is not ready ({states})")
+        return web.Response()
+
+    def _model(self, request: web.Request) -> tuple[str, dict[str, str]]:
+        """The model's name and its versions' states (only the path's version, if it names
+        one); 404 for no such model or version, 401 for a caller without a key."""
+        self._engine.authenticate(request.headers.get("Authorization"))
+        name, version = request.match_info["model"], request.match_info.get("version")
+        for model in self._engine.models():
+            if model["name"] != name:
+                continue
+            versions = {
+                v["version"]: v["state"]
+                for v in model["versions"]
+                if v["kind"] == "batch" and v["state"] != "draining"
+            }
+            if not versions:
+                raise ModelNotFound(
+                    f"model {name} generates text; this protocol serves batch models"
+                    " (POST /v1/completions)"
+                )
+            if version is None:
+                return name, versions
+            if version in versions:
+                return name, {version: versions[version]}
+            raise ModelNotFound(
+                f"model {name} has no version {version[:MAX_NAME]!r};"
+                f" it has {', '.join(sorted(versions))}"
+            )
+        raise ModelNotFound(f"no model {name[:MAX_NAME]!r} (GET /api/models lists them)")
+
+    async def infer(self, request: web.Request) -> web.Response:
+        engine = self._engine
+        arrival = engine.clock.time()
+        call = await read_call(
+            request, engine, ROUTE, arrival, read_tensors_request,
+            read=read_with_binary, shape=error_shape,
+        )  # fmt: skip
+        if isinstance(call, web.Response):
+            return call
+        request_id, tenant, asked = call
+        try:
+            results = await engine.infer_all(
+                asked.texts,
+                model=request.match_info["model"],
+                version=request.match_info.get("version"),
+                timeout_ms=asked.timeout_ms,
+                request_id=request_id,
+                tenant=tenant,
+                arrival=arrival,
+                route=ROUTE,
+            )
+        except BatchserveError as error:
+            return error_response(error, request_id, shape=error_shape)
+        outputs = [_as_text(result.output) for result in results]
+        output: dict[str, Any] = {"name": OUTPUT, "datatype": "BYTES", "shape": asked.shape}
+        head: dict[str, Any] = {"model_name": results[0].model}
+        versions = {r.version for r in results}
+        if len(versions) == 1:  # unpinned, the strings may have run on different versions
+            head["model_version"] = versions.pop()
+        if asked.id is not None:
+            head["id"] = asked.id
+        head["outputs"] = [output]
+        headers = {"X-Request-Id": request_id}
+        if not asked.binary:
+            output["data"] = outputs
+            return json_response(200, head, headers)
+        blob = b"".join(_packed(text.encode()) for text in outputs)
+        output["parameters"] = {"binary_data_size": len(blob)}
+        header = orjson.dumps(head)
+        headers |= {"Content-Type": "application/octet-stream", HEADER_LENGTH: str(len(header))}
+        return web.Response(body=header + blob, headers=headers)
+
+
+def _not_ready(why: str) -> web.Response:
+    return json_response(400, {"error": why})
+
+
+def _as_text(output: Any) -> str:
+    """A BYTES element: the output if it is a string, else its JSON text."""
+    return output if isinstance(output, str) else orjson.dumps(output, option=_NUMPY).decode()
+
+
+def _packed(data: bytes) -> bytes:
+    return len(data).to_bytes(4, "little") + data
+
+
+async def read_with_binary(request: web.BaseRequest, limit: int) -> dict[str, Any]:
+    """The body's JSON object; with the binary extension, its JSON header, each binary
+    input's strings put in its "data" as if they had been sent as JSON."""
+    declared = request.headers.get(HEADER_LENGTH)
+    if declared is None:
+        return await read_json(request, limit)
+    body = await read_bytes(request, limit)
+    if not declared.isdigit() or int(declared) > len(body):
+        raise InvalidInput(f"{HEADER_LENGTH} must be a length within the body")
+    offset = int(declared)
+    payload = json_object(body[:offset])
+    inputs = payload.get("inputs")
+    for tensor in inputs if isinstance(inputs, list) else []:
+        parameters = tensor.get("parameters") if isinstance(tensor, dict) else None
+        size = parameters.get("binary_data_size") if isinstance(parameters, dict) else None
+        if size is None:
+            continue
+        if type(size) is not int or not 0 <= size <= len(body) - offset:
+            raise InvalidInput('"binary_data_size" must be a length within the body')
+        if "data" in tensor:
+            raise InvalidInput('an input has both "data" and "binary_data_size"')
+        if tensor.get("datatype") == "BYTES":  # others are refused by their datatype
+            tensor["data"] = _unpacked(body[offset : offset + size])
+        offset += size
+    if offset != len(body):
+        raise InvalidInput(f"the body has {len(body) - offset} bytes past its tensors' data")
+    return payload
+
+
+def _unpacked(blob: bytes) -> list[str]:
+    """BYTES elements: each a 4-byte little-endian length, then that many UTF-8 bytes."""
+    texts: list[str] = []
+    at = 0
+    while at < len(blob) and len(texts) <= MAX_INPUTS_PER_CALL:
+        size = int.from_bytes(blob[at : at + 4], "little")
+        if at + 4 + size > len(blob):
+            raise InvalidInput("binary BYTES data ends inside an element")
+        try:
+            texts.append(blob[at + 4 : at + 4 + size].decode())
+        except UnicodeDecodeError:
+            raise InvalidInput(f"string {len(texts)} of the input is not UTF-8") from None
+        at += 4 + size
+    return texts
+
+
+def read_tensors_request(payload: dict[str, Any], request: web.Request) -> Tensors:
+    """The request's one BYTES input of shape [N] or [N, 1] (flat or nested data), checked
+    for shape; the engine checks each string as it checks any input."""
+    refuse_unknown_fields(payload, _REQUEST_FIELDS)
+    given_id = payload.get("id")
+    if given_id is not None and not isinstance(given_id, str):
+        raise InvalidInput('"id" must be a string')
+    parameters = _parameters(payload, "the request")
+    inputs = payload.get("inputs")
+    if not isinstance(inputs, list) or len(inputs) != 1 or not isinstance(inputs[0], dict):
+        raise InvalidInput(f'"inputs" must hold one tensor, "{INPUT}": the model takes one')
+    tensor = inputs[0]
+    refuse_unknown_fields(tensor, _INPUT_FIELDS)
+    if tensor.get("name") != INPUT:
+        raise InvalidInput(f'the input tensor must be named "{INPUT}" (see the model metadata)')
+    if tensor.get("datatype") != "BYTES":
+        raise InvalidInput(f'input "{INPUT}" must have datatype "BYTES" (strings)')
+    _parameters(tensor, f'input "{INPUT}"')
+    shape = tensor.get("shape")
+    if (
+        not isinstance(shape, list)
+        or not shape
+        or not all(isinstance(n, int) and not isinstance(n, bool) for n in shape)
+        or shape[1:] not in ([], [1])
+        or shape[0] < 1
+    ):
+        raise InvalidInput(f'input "{INPUT}" must have shape [N] or [N, 1], N at least 1')
+    if shape[0] > MAX_INPUTS_PER_CALL:
+        raise InvalidInput(
+            f'input "{INPUT}" holds {shape[0]} strings; the limit is {MAX_INPUTS_PER_CALL}'
+        )
+    data = tensor.get("data")
+    if isinstance(data, list) and all(isinstance(row, list) and len(row) == 1 for row in data):
+        data = [row[0] for row in data]  # [N, 1] in its natural, nested form
+    if not isinstance(data, list) or not all(isinstance(text, str) for text in data):
+        raise InvalidInput(f'input "{INPUT}" needs "data": a list of strings')
+    if len(data) != shape[0]:
+        raise InvalidInput(f'input "{INPUT}" has {len(data)} strings for shape {shape}')
+    binary = parameters.get("binary_data_output") is True
+    outputs = payload.get("outputs")
+    if outputs is not None and not isinstance(outputs, list):
+        raise InvalidInput('"outputs" must be a list')
+    for wanted in outputs or []:
+        if not isinstance(wanted, dict):
+            raise InvalidInput('each of "outputs" must be an object with a "name"')
+        refuse_unknown_fields(wanted, _OUTPUT_FIELDS)
+        if wanted.get("name") != OUTPUT:
+            raise InvalidInput(f'the model has one output, "{OUTPUT}"')
+        binary = _parameters(wanted, f'output "{OUTPUT}"').get("binary_data", binary) is True
+    return Tensors(data, shape, given_id, binary, _timeout_ms(parameters, request))
+
+
+def _parameters(holder: dict[str, Any], what: str) -> dict[str, Any]:
+    parameters = holder.get("parameters", {})
+    if not isinstance(parameters, dict):
+        raise InvalidInput(f'"parameters" of {what} must be an object')
+    return parameters
+
+
+def _timeout_ms(parameters: dict[str, Any], request: web.Request) -> float | None:
+    """Triton's "timeout" parameter (microseconds), else X-Request-Timeout-Ms, else None."""
+    timeout_us = parameters.get("timeout")
+    if timeout_us is not None and (
+        isinstance(timeout_us, bool) or not isinstance(timeout_us, int | float) or timeout_us <= 0
+    ):
+        raise InvalidInput('parameter "timeout" must be a number of microseconds above 0')
+    return timeout_ms_of(None if timeout_us is None else timeout_us / 1e3, request)
