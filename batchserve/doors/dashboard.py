@@ -9,6 +9,7 @@ none, and ask for the key when /api/stats answers 401.
 
 from __future__ import annotations
 
+import mimetypes
 from collections.abc import Callable
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ..errors import BatchserveError
 from ..observability.metrics import Metrics
+from .openapi import Answer, Operation, errors, json_answer
 from .wire import error_response, json_response, request_id_of
 
 STATIC_DIR = Path(__file__).parent / "static"
@@ -54,3 +56,40 @@ class Dashboard:
         except BatchserveError as error:
             return error_response(error, request_id_of(request)[0])
         return None
+
+
+PAGE = Operation(
+    summary="The live dashboard",
+    tag="operator",
+    answers={200: Answer(description="the page", schema={"type": "string"},
+                         media_type="text/html")},
+)  # fmt: skip
+
+
+def vendor_file_operation(name: str) -> Operation:
+    """GET /static/vendor/{name}: a vendored file of the page (uPlot)."""
+    kind = mimetypes.guess_type(name)[0] or "application/octet-stream"
+    return Operation(
+        summary=f"The dashboard's {name}",
+        tag="operator",
+        answers={200: Answer(description="the file", schema={"type": "string"}, media_type=kind)},
+    )
+
+
+STATS = Operation(
+    summary="The dashboard's numbers",
+    tag="operator",
+    answers={200: json_answer("the numbers", {"type": "object"}), **errors(401)},
+    auth="operator",
+)
+SCRAPE = Operation(
+    summary="Prometheus metrics",
+    tag="operator",
+    answers={
+        200: Answer(
+            description="the exposition", schema={"type": "string"}, media_type="text/plain"
+        ),
+        **errors(401),
+    },
+    auth="operator",
+)

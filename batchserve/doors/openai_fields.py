@@ -101,3 +101,45 @@ def check_fields(payload: Mapping[str, Any], *, chat: bool) -> None:
 def sampling_params(payload: Mapping[str, Any]) -> dict[str, Any]:
     """The body's sampling fields that are not null, as the generation's params."""
     return {name: payload[name] for name in SAMPLING_FIELDS if payload.get(name) is not None}
+
+
+def _or_null(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"anyOf": [schema, {"type": "null"}]}
+
+
+_NEUTRAL_SCHEMAS: dict[str, dict[str, Any]] = {
+    "n": {"const": 1},
+    "logprobs": {"const": False},
+    "top_logprobs": {"const": 0},
+    "presence_penalty": {"const": 0},
+    "frequency_penalty": {"const": 0},
+    "repetition_penalty": {"const": 1},
+    "min_p": {"const": 0},
+    "logit_bias": {"type": "object", "maxProperties": 0},
+    "response_format": {"type": "object", "required": ["type"], "additionalProperties": False,
+                        "properties": {"type": {"const": "text"}}},
+    "tools": {"type": "array", "maxItems": 0},
+    "tool_choice": {"enum": ["none", "auto"]},
+    "functions": {"type": "array", "maxItems": 0},
+    "function_call": {"enum": ["none", "auto"]},
+    "parallel_tool_calls": {"type": "boolean"},
+    "modalities": {"type": "array", "prefixItems": [{"const": "text"}], "minItems": 1,
+                   "maxItems": 1},
+    "store": {"type": "boolean"},
+    "metadata": {"type": "object"},
+    "service_tier": {"type": "string"},
+    "user": {"type": "string"},
+    "prompt_cache_key": {"type": "string"},
+    "safety_identifier": {"type": "string"},
+    "best_of": {"const": 1},
+    "echo": {"const": False},
+    "suffix": {"const": ""},
+}  # fmt: skip
+"""The values each neutral field takes, as JSON Schema, for the OpenAPI document
+(tests/test_openapi.py checks that it names exactly the fields `_NEUTRAL` rules)."""
+
+
+def neutral_schemas(*, chat: bool) -> dict[str, dict[str, Any]]:
+    """The body's neutral fields, each at the value(s) it takes or null."""
+    names = _NEUTRAL if chat else _COMPLETION_NEUTRAL
+    return {name: _or_null(_NEUTRAL_SCHEMAS[name]) for name in names}

@@ -308,3 +308,38 @@ def error_response(
     if isinstance(error, MethodNotAllowed):
         headers["Allow"] = ", ".join(error.allowed)
     return json_response(error.status, body, headers)
+
+
+INFERENCE_BODY = {
+    "title": "InferenceRequest",
+    "type": "object",
+    "required": ["input"],
+    "additionalProperties": False,
+    "properties": {
+        "input": {"type": "string", "description": "up to --max-input-bytes of UTF-8"},
+        "timeout_ms": {"type": ["number", "null"], "exclusiveMinimum": 0,
+                       "description": "the request's own timeout, capped by --timeout-ms"},
+        "model": {"type": ["string", "null"], "description": "needed where several run"},
+        "version": {"type": ["string", "null"], "description": "pins a version"},
+        "params": {"type": ["object", "null"],
+                   "description": "keyword arguments the model's function takes; others: 400"},
+    },
+}  # fmt: skip
+"""`parse_input`'s body, for the OpenAPI document."""
+INFERENCE_ANSWER = {
+    "title": "InferenceAnswer",
+    "type": "object",
+    "required": ["output", "model", "version", "request_id", "latency_ms", "queue_ms",
+                 "compute_ms", "batch_size"],
+    "properties": {
+        "output": {"description": "what the batch function returned for this input"},
+        "model": {"type": "string"},
+        "version": {"type": "string"},
+        "request_id": {"type": "string"},
+        "latency_ms": {"type": "number", "minimum": 0},
+        "queue_ms": {"type": "number", "minimum": 0},
+        "compute_ms": {"type": "number", "minimum": 0},
+        "batch_size": {"type": "integer", "minimum": 1},
+    },
+}  # fmt: skip
+"""`answer_body`, for the OpenAPI document."""

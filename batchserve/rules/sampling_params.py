@@ -120,3 +120,15 @@ def _shown(value: object) -> str:
     else:
         text = "an object" if isinstance(value, Mapping) else f"a {type(value).__name__}"
     return text if len(text) <= 40 else text[:37] + "..."
+
+
+SCHEMAS: dict[str, dict[str, Any]] = {
+    "temperature": {"type": "number", "minimum": 0, "maximum": MAX_TEMPERATURE},
+    "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+    "top_k": {"type": "integer", "minimum": -1, "maximum": MAX_TOP_K},
+    "seed": {"type": "integer", "minimum": SEED_RANGE[0], "maximum": SEED_RANGE[1]},
+    "ignore_eos": {"type": "boolean"},
+    "min_tokens": {"type": "integer", "minimum": 0, "description": "at most max_tokens"},
+}
+"""Each known param's rule (`_RULES`) as JSON Schema, null allowed, for the OpenAPI document."""
+SCHEMAS = {name: {"anyOf": [schema, {"type": "null"}]} for name, schema in SCHEMAS.items()}
