@@ -255,8 +255,8 @@ def create_app(engine: Engine) -> web.Application:
         routes.add("GET", "/", dashboard.page, PAGE)
         routes.add("GET", "/api/stats", dashboard.stats, STATS)
         routes.add("GET", "/metrics", dashboard.scrape, SCRAPE)
-        for name in dashboard.vendor_files:
-            file = vendor_file_operation(name)
+        for name, kind in dashboard.vendor_files.items():
+            file = vendor_file_operation(name, kind)
             routes.add("GET", f"/static/vendor/{name}", dashboard.vendor_file, file)
     # Last, so that it only gets what no route above serves (aiohttp's own 404 and 405 are
     # plain text); a route on the hot path pays nothing for it, unlike a middleware.

@@ -121,7 +121,12 @@ STOP = {"anyOf": [
     {"type": "null"},
 ]}  # fmt: skip
 """`stop`, as the engine checks it, for the OpenAPI document."""
-SSE = {"type": "string", "description": "server-sent events, then data: [DONE]"}
+SSE = {
+    "type": "object",
+    "required": ["data"],
+    "properties": {"event": {"type": "string"}, "data": {"type": "string"}},
+    "description": "one server-sent event: its data is a JSON object, the last one [DONE]",
+}
 
 
 def max_tokens_schema(config: Config) -> dict[str, Any]:

@@ -28,11 +28,8 @@ COMPLETION_READ = READ | {"prompt"}
 CHAT_READ = READ | {"messages", "max_completion_tokens"}
 
 
-def _is_int(wanted: int) -> Callable[[object], bool]:
-    return lambda value: type(value) is int and value == wanted
-
-
 def _is_number(wanted: float) -> Callable[[object], bool]:
+    """`wanted` as a JSON number: 1.0 is 1, as in JSON Schema (a bool is not)."""
     return lambda value: type(value) in (int, float) and value == wanted
 
 
@@ -53,9 +50,9 @@ _Rule = tuple[Callable[[object], bool], str, str]
 """A neutral field's test, the value(s) it passes in words, and why no other value will do."""
 
 _NEUTRAL: dict[str, _Rule] = {
-    "n": (_is_int(1), "1", "one choice is made per request"),
+    "n": (_is_number(1), "1", "one choice is made per request"),
     "logprobs": (_is(False), "false", "log probabilities are not reported"),
-    "top_logprobs": (_is_int(0), "0", "log probabilities are not reported"),
+    "top_logprobs": (_is_number(0), "0", "log probabilities are not reported"),
     "presence_penalty": (_is_number(0), "0", "penalties are not applied"),
     "frequency_penalty": (_is_number(0), "0", "penalties are not applied"),
     "repetition_penalty": (_is_number(1), "1", "penalties are not applied"),
@@ -77,7 +74,7 @@ _NEUTRAL: dict[str, _Rule] = {
 }
 _COMPLETION_NEUTRAL = {
     **_NEUTRAL,
-    "best_of": (_is_int(1), "1", "one choice is made per request"),
+    "best_of": (_is_number(1), "1", "one choice is made per request"),
     "echo": (_is(False), "false", "the prompt is not echoed"),
     "suffix": (_is(""), '""', "a suffix is not supported"),
 }

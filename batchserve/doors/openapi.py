@@ -151,7 +151,7 @@ REQUEST_ID = header(
 TIMEOUT = header(
     "X-Request-Timeout-Ms",
     "the request's own timeout in ms, capped by --timeout-ms (the body's timeout_ms wins)",
-    {"type": "string", "pattern": "^[0-9]{1,9}(\\.[0-9]{1,3})?$"},
+    {"type": "number", "exclusiveMinimum": 0},
 )
 
 

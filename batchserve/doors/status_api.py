@@ -310,7 +310,7 @@ POLL = Operation(
         {
             "name": "wait_ms",
             "in": "query",
-            "schema": {"type": "string", "pattern": "^[0-9]{1,5}(\\.[0-9]{1,3})?$"},
+            "schema": {"type": "number", "minimum": 0, "maximum": MAX_WAIT_MS},
             "description": f"wait up to this many ms (at most {MAX_WAIT_MS:.0f}) for it to end",
         },
     ),

@@ -206,11 +206,14 @@ def _json_problem(exc: orjson.JSONDecodeError) -> str:
 def timeout_ms_of(in_body: object, request: web.BaseRequest) -> float | None:
     """The request's own timeout: the body's, else the header's, else None."""
     requested: object = in_body
-    if requested is None and TIMEOUT_HEADER in request.headers:
+    if TIMEOUT_HEADER in request.headers:
+        # Read even where the body's wins: a malformed header is refused, never ignored.
         try:
-            requested = float(request.headers[TIMEOUT_HEADER])
+            in_header = float(request.headers[TIMEOUT_HEADER])
         except ValueError:
             raise InvalidInput(f"{TIMEOUT_HEADER} must be a number") from None
+        if requested is None:
+            requested = in_header
     if requested is None:
         return None
     if (

@@ -41,6 +41,9 @@ def _number(value: object) -> float | None:
 
 
 def _integer(value: object) -> int | None:
+    """`value` as an int if it is a whole JSON number: 482.0 is 482, as in JSON Schema."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
     return None if isinstance(value, bool) or not isinstance(value, int) else value
 
 
