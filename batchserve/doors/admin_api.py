@@ -56,6 +56,10 @@ class AdminApi:
         for field, value in (("name", name), ("version", version)):
             if fields.setdefault(field, value) != value:
                 raise InvalidInput(f"field {field!r} differs from the path's {value!r}")
+        # A version that names no devices runs on the server's, not on --devices: a server
+        # started from --models never reads that flag, and its default (sim:4) may be none
+        # of its devices.
+        fields.setdefault("devices", _as_devices(self._engine.device_names))
         try:
             spec = spec_from_fields(fields, self._engine.config)
         except SpecError as exc:
@@ -91,6 +95,15 @@ _VERSION = {
                    "state": {"type": "string"}},
 }  # fmt: skip
 _PATH = {"name": {"type": "string", "minLength": 1}, "version": {"type": "string", "minLength": 1}}
+
+
+def _as_devices(names: list[str]) -> str:
+    """The devices field that names exactly `names` (sim:N for simulated ones)."""
+    if names and all(name.startswith("sim:") for name in names):
+        return f"sim:{len(names)}"  # the pool's simulated devices are sim:0 .. sim:N-1
+    return ",".join(names)
+
+
 ADMIN_PUT = Operation(
     summary="Add a version: it loads in the background",
     tag="admin",
