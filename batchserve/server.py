@@ -31,6 +31,8 @@ from .doors.openai_completions import OpenAICompletionsApi, completion_operation
 from .doors.openapi import (
     REQUEST_ID,
     TIMEOUT,
+    Kind,
+    LiveModels,
     Operation,
     Routes,
     Security,
@@ -202,6 +204,27 @@ def _security(config: Config) -> Security:
     )
 
 
+def _live_models(engine: Engine) -> LiveModels:
+    def names(kind: Kind) -> list[str]:
+        batch = kind if kind != "embedding" else "batch"
+        named = [
+            model["name"]
+            for model in engine.models()
+            if any(version["kind"] == batch for version in model["versions"])
+        ]
+        return named if kind != "embedding" else [n for n in named if _embeds(engine, n)]
+
+    return names
+
+
+def _embeds(engine: Engine, model: str) -> bool:
+    try:
+        engine.embedding_dim(model)
+    except BatchserveError:
+        return False
+    return True
+
+
 def create_app(engine: Engine) -> web.Application:
     app = web.Application(client_max_size=engine.config.max_body_bytes)
     app[ENGINE_KEY] = engine
@@ -220,7 +243,9 @@ def create_app(engine: Engine) -> web.Application:
     app.on_shutdown.append(drain_on_shutdown)
     status_api = StatusApi(engine)
     app[INFERENCE_KEY] = inference = InferenceApi(engine, status_api.store_problem)
-    app[ROUTES_KEY] = routes = Routes(app, _security(engine.config), "batchserve", __version__)
+    app[ROUTES_KEY] = routes = Routes(
+        app, _security(engine.config), "batchserve", __version__, _live_models(engine)
+    )
     routes.add("POST", INFERENCE_PATH, inference.inference, INFERENCE)
     routes.add("GET", "/api/models", inference.models, MODELS)
     routes.add("GET", "/healthz", inference.healthz, HEALTHZ)
@@ -230,7 +255,7 @@ def create_app(engine: Engine) -> web.Application:
     routes.add("POST", "/v1/embeddings", openai.embeddings, EMBEDDINGS)
     routes.add("GET", "/v1/models", openai.models, OPENAI_MODELS)
     routes.add("GET", "/v1/models/{model:.+}", openai.model, OPENAI_MODEL)
-    OipApi(engine).mount(app.router)
+    OipApi(engine).mount(routes)
     completions = OpenAICompletionsApi(engine)
     chat = completion_operation(engine.config, chat=True)
     routes.add(

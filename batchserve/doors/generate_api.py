@@ -24,7 +24,7 @@ from ..engine.core import MAX_STOP_CHARS, MAX_STOPS, Engine
 from ..errors import BatchserveError, InvalidInput
 from ..rules.sampling_params import SCHEMAS
 from .generation_answer import Events, answer_generation, data_event
-from .openapi import REQUEST_ID, TIMEOUT, Answer, Operation, errors
+from .openapi import REQUEST_ID, TIMEOUT, Answer, ModelName, Operation, errors
 from .wire import (
     model_fields,
     read_call,
@@ -151,7 +151,7 @@ def generate_operation(config: Config) -> Operation:
             },
             "stream": {"type": "boolean"},
             "timeout_ms": {"type": ["number", "null"], "exclusiveMinimum": 0},
-            "model": {"type": ["string", "null"]},
+            "model": ModelName("generation", nullable=True),
             "version": {"type": ["string", "null"]},
         },
     }

@@ -23,7 +23,7 @@ from aiohttp import web
 from ..engine.core import MAX_INPUTS_PER_CALL, Engine
 from ..errors import BatchserveError, InvalidInput, ModelNotFound
 from ..models.specs import MAX_NAME
-from .openapi import REQUEST_ID, Operation, errors, json_answer
+from .openapi import REQUEST_ID, ModelName, Operation, errors, json_answer
 from .wire import (
     error_response,
     json_response,
@@ -160,7 +160,7 @@ EMBEDDINGS = Operation(
         "required": ["model", "input"],
         "additionalProperties": False,
         "properties": {
-            "model": {"type": "string", "description": "a model that returns vectors"},
+            "model": ModelName("embedding", "a model that returns vectors"),
             "input": {
                 "anyOf": [
                     {"type": "string"},

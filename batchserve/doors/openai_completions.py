@@ -30,7 +30,7 @@ from ..rules.sampling_params import SCHEMAS
 from .generate_api import SSE, STOP, max_tokens_schema
 from .generation_answer import Events, answer_generation, data_event
 from .openai_fields import check_fields, neutral_schemas, sampling_params
-from .openapi import REQUEST_ID, TIMEOUT, Answer, Operation, errors
+from .openapi import REQUEST_ID, TIMEOUT, Answer, ModelName, Operation, errors
 from .wire import read_call, timeout_ms_of
 
 
@@ -269,7 +269,7 @@ def completion_operation(config: Config, *, chat: bool) -> Operation:
         "required": ["model", "messages" if chat else "prompt"],
         "additionalProperties": False,
         "properties": {
-            "model": {"type": "string"},
+            "model": ModelName("generation"),
             **text,
             "max_tokens": max_tokens_schema(config),
             "stop": STOP,

@@ -8,7 +8,10 @@ routes only with --admin-key, the dashboard only with metrics) and the security 
 configure. Schemas are JSON Schema 2020-12 dicts, kept beside the code that reads or writes
 the body; one with a "title" becomes a named component, which generated clients name after.
 Every answer carries `X-Request-Id`; errors are the wire's JSON body (`ERROR`, or
-`OPENAI_ERROR` on the OpenAI-shaped routes), with the headers their status brings.
+`OPENAI_ERROR` on the OpenAI-shaped routes, OIP's own on OIP's), with the headers their
+status brings. A field or path parameter that names a model is a `ModelName`: in the
+document, an `enum` of the models of its kind that run when the document is asked for (a
+model of the other kind is refused with 400, an unknown name with 404).
 """
 
 from __future__ import annotations
@@ -27,6 +30,29 @@ Auth = Literal["key", "admin", "operator"]
 """Who may call an operation: a key of --keys-file (or the anonymous tier), the admin key,
 or an operator key (a tenant's key with operator rights, unless --public-metrics)."""
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+Kind = Literal["batch", "embedding", "generation"]
+"""A batch model, one of those that return vectors, or a generation model."""
+LiveModels = Callable[[Kind], list[str]]
+"""The names of the models of a kind that the engine runs now."""
+
+
+@dataclass(frozen=True)
+class ModelName:
+    """A schema placeholder: a model of `kind`, made an `enum` of the live names of that
+    kind each time the document is built; null too if `nullable` and only one runs (a body
+    must name its model where several do)."""
+
+    kind: Kind
+    description: str = ""
+    nullable: bool = False
+
+    def schema(self, names: list[str]) -> dict[str, Any]:
+        nullable = self.nullable and len(names) == 1
+        named: dict[str, Any] = {"enum": [*names, None] if nullable else names}
+        if self.description:
+            named["description"] = self.description
+        return named
+
 
 ERROR: Schema = {
     "title": "Error",
@@ -116,7 +142,7 @@ class Operation:
     answers: Mapping[int, Answer]
     body: Schema | None = None
     parameters: tuple[Schema, ...] = ()
-    path: Mapping[str, Schema] = field(default_factory=dict)
+    path: Mapping[str, Schema | ModelName] = field(default_factory=dict)
     auth: Auth | None = None
     description: str = ""
 
@@ -125,9 +151,11 @@ def json_answer(description: str, schema: Schema, *headers: str) -> Answer:
     return Answer(description=description, schema=schema, headers=headers)
 
 
-def errors(*statuses: int, openai: bool = False) -> dict[int, Answer]:
-    """The error answers of `statuses` in the wire's error body (OpenAI's on its routes)."""
-    schema = OPENAI_ERROR if openai else ERROR
+def errors(*statuses: int, openai: bool = False, schema: Schema | None = None) -> dict[int, Answer]:
+    """The error answers of `statuses` in the wire's error body (OpenAI's on its routes, or
+    `schema`, a protocol's own)."""
+    if schema is None:
+        schema = OPENAI_ERROR if openai else ERROR
     return {
         status: Answer(
             description=_ERROR_WHEN.get(status, HTTPStatus(status).phrase),
@@ -145,8 +173,9 @@ def header(name: str, description: str, schema: Schema) -> Schema:
 
 REQUEST_ID = header(
     "X-Request-Id",
-    "the request's id, echoed back (up to 128 printable characters); else the server makes one",
-    {"type": "string", "minLength": 1, "maxLength": 128, "pattern": "^[\\x20-\\x7e]+$"},
+    "the request's id, echoed back (up to 128 printable characters); absent or empty, the"
+    " server makes one",
+    {"type": "string", "maxLength": 128, "pattern": "^[\\x20-\\x7e\\xa1-\\xac\\xae-\\xff]*$"},
 )
 TIMEOUT = header(
     "X-Request-Timeout-Ms",
@@ -181,12 +210,20 @@ class Security:
 class Routes:
     """An app's routes, each declared with its operation; and the document they make."""
 
-    def __init__(self, app: web.Application, security: Security, title: str, version: str):
+    def __init__(
+        self,
+        app: web.Application,
+        security: Security,
+        title: str,
+        version: str,
+        live_models: LiveModels = lambda kind: [],
+    ) -> None:
         self._app = app
         self._security = security
         self._info = {"title": title, "version": version}
+        self._live_models = live_models
         self.operations: dict[tuple[str, str], Operation] = {}
-        self._document: bytes | None = None
+        self._document: tuple[object, bytes] | None = None
 
     def add(self, method: str, path: str, handler: Handler, operation: Operation) -> None:
         """Mounts `handler` at `method path` (a GET answers HEAD too) and records what it
@@ -198,6 +235,13 @@ class Routes:
         self.operations[method, path] = operation
 
     def document(self) -> dict[str, Any]:
+        return self._build(self._names())
+
+    def _names(self) -> dict[str, list[str]]:
+        kinds: tuple[Kind, ...] = ("batch", "embedding", "generation")
+        return {kind: sorted(self._live_models(kind)) for kind in kinds}
+
+    def _build(self, names: dict[str, list[str]]) -> dict[str, Any]:
         paths: dict[str, dict[str, Any]] = {}
         components: dict[str, Any] = {"schemas": {}}
         for (method, path), operation in self.operations.items():
@@ -205,6 +249,7 @@ class Routes:
             paths.setdefault(openapi_path, {})[method.lower()] = self._operation(
                 method, path, operation, components["schemas"]
             )
+        paths, components = _live(paths, names), _live(components, names)
         schemes = {}
         if self._security.key or self._security.operator:
             schemes["apiKey"] = {
@@ -229,10 +274,12 @@ class Routes:
         }
 
     async def serve(self, request: web.Request) -> web.Response:
-        """GET /openapi.json: built once, at the first ask, when every route is mounted."""
-        if self._document is None:
-            self._document = orjson.dumps(self.document())
-        return web.Response(body=self._document, content_type="application/json")
+        """GET /openapi.json: built for the models that run now (an admin may have added or
+        removed one since the last ask), and kept until they change."""
+        names = self._names()
+        if self._document is None or self._document[0] != names:
+            self._document = (names, orjson.dumps(self._build(names)))
+        return web.Response(body=self._document[1], content_type="application/json")
 
     def _operation(
         self, method: str, path: str, operation: Operation, named: dict[str, Any]
@@ -299,3 +346,14 @@ def _named(schema: Schema, named: dict[str, Any]) -> Schema:
         return schema
     named[title] = schema
     return {"$ref": f"#/components/schemas/{title}"}
+
+
+def _live(schema: Any, names: Mapping[str, list[str]]) -> Any:
+    """`schema` with each `ModelName` in it made the enum of its kind's live names."""
+    if isinstance(schema, ModelName):
+        return schema.schema(names[schema.kind])
+    if isinstance(schema, Mapping):
+        return {key: _live(value, names) for key, value in schema.items()}
+    if isinstance(schema, list | tuple):
+        return [_live(value, names) for value in schema]
+    return schema

@@ -24,6 +24,7 @@ from ..errors import (
     RateLimited,
     Unauthenticated,
 )
+from .openapi import ModelName
 
 if TYPE_CHECKING:
     from ..engine.core import Engine
@@ -322,7 +323,7 @@ INFERENCE_BODY = {
         "input": {"type": "string", "description": "up to --max-input-bytes of UTF-8"},
         "timeout_ms": {"type": ["number", "null"], "exclusiveMinimum": 0,
                        "description": "the request's own timeout, capped by --timeout-ms"},
-        "model": {"type": ["string", "null"], "description": "needed where several run"},
+        "model": ModelName("batch", "needed where several run", nullable=True),
         "version": {"type": ["string", "null"], "description": "pins a version"},
         "params": {"type": ["object", "null"],
                    "description": "keyword arguments the model's function takes; others: 400"},
