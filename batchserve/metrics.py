@@ -9,13 +9,14 @@ the batcher and the pool when scraped, so it costs the hot path nothing.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import time
 from array import array
 from bisect import bisect_left
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -27,11 +28,11 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from .batcher import Batcher
+from .batcher import Batcher, BatcherSnapshot
 from .clock import Clock
 from .generation import Generation
 from .generation_models import Generators
-from .gpu_pool import HEALTHY, DeviceState, GpuPool
+from .gpu_pool import HEALTHY, DeviceState, GpuPool, PoolStats
 from .item import QueuedRequest, Result
 from .loop_metrics import LoopCount, LoopCounters, LoopHistogram, LoopHistograms
 from .registry import Registry
@@ -280,7 +281,7 @@ def _percentile_ms(values: Sequence[float], q: float) -> float | None:
 
 
 class _StateCollector(Collector):
-    """Reads the batcher and the pool at scrape time."""
+    """Reads the batcher's and the pool's snapshots at scrape time."""
 
     def __init__(
         self, batcher: Batcher, pool: GpuPool, registry: Registry, clock: Clock, slo_s: float
@@ -292,19 +293,19 @@ class _StateCollector(Collector):
         self._slo_s = slo_s
 
     def summary(self, now: float) -> dict[str, Any]:
-        stats = self._batcher.stats()
-        capacity = self._batcher.capacity_rps()
-        arrival = self._batcher.arrival_rps(now)
+        return self._summary(now, self._batcher.snapshot(now), self._pool.stats(now))
+
+    def _summary(self, now: float, batcher: BatcherSnapshot, pool: PoolStats) -> dict[str, Any]:
         return {
-            "queued": stats.queued,
-            "in_flight": stats.in_flight,
-            "healthy_devices": stats.healthy_devices,
-            "capacity_rps": capacity,
-            "arrival_rps": arrival,
-            "predicted_wait_s": self._batcher.predicted_queue_wait_s(stats.queued),
+            "queued": batcher.queued,
+            "in_flight": batcher.in_flight,
+            "healthy_devices": batcher.healthy_devices,
+            "capacity_rps": batcher.capacity_rps,
+            "arrival_rps": batcher.arrival_rps,
+            "predicted_wait_s": batcher.predicted_wait_s,
             "slo_s": self._slo_s,
-            "desired_replicas": desired_replicas(arrival, capacity),
-            "batch_sizes": {str(size): n for size, n in sorted(self._batcher.batch_sizes.items())},
+            "desired_replicas": desired_replicas(batcher.arrival_rps, batcher.capacity_rps),
+            "batch_sizes": {str(size): n for size, n in sorted(batcher.batch_sizes.items())},
             "models": [
                 {
                     "label": version.spec.label,
@@ -312,10 +313,12 @@ class _StateCollector(Collector):
                     "version": version.version,
                     "state": version.state.value,
                     "devices": version.loaded_on,
-                    "queued": self._batcher.queued_for(version),
+                    "queued": batcher.queued_by_version.get((version.name, version.version), 0),
                     "arrival_rps": version.arrivals.at(now),
                     "device_seconds_per_s": version.device_time.at(now),
-                    "batches": self._batcher.batch_fill[version.name, version.version, "batches"],
+                    "batches": batcher.batch_fill.get(
+                        (version.name, version.version, "batches"), 0
+                    ),
                 }
                 for version in self._registry
             ],
@@ -323,15 +326,17 @@ class _StateCollector(Collector):
                 {
                     "name": device.name,
                     "state": device.state.value,
-                    "busy_ratio": device.busy_ratio(now),
-                    "busy_seconds": device.busy_total_s,
+                    "busy_ratio": device.busy_ratio,
+                    "busy_seconds": device.busy_seconds,
                 }
-                for device in self._pool.devices
+                for device in pool.devices
             ],
         }
 
     def collect(self) -> Iterator[Metric]:
-        state = self.summary(self._clock.time())
+        now = self._clock.time()
+        batcher, pool = self._batcher.snapshot(now), self._pool.stats(now)
+        state = self._summary(now, batcher, pool)
 
         def gauge(name: str, text: str, value: float | None) -> GaugeMetricFamily:
             return GaugeMetricFamily(name, text, value=math.nan if value is None else value)
@@ -361,7 +366,7 @@ class _StateCollector(Collector):
             state["desired_replicas"],
         )
         yield from self._devices(state["devices"])
-        yield self._batch_sizes()
+        yield _batch_sizes(batcher.batch_sizes)
         fill = CounterMetricFamily(
             "batchserve_batch_fill",
             "Batches sent and requests in them, per model version: requests / batches is its"
@@ -369,19 +374,19 @@ class _StateCollector(Collector):
             " lengths). Never labelled with params.",
             labels=["model", "version", "kind"],
         )
-        for labels, count in sorted(self._batcher.batch_fill.items()):
+        for labels, count in sorted(batcher.batch_fill.items()):
             fill.add_metric(list(labels), count)
         yield fill
         faults = CounterMetricFamily(
             "batchserve_faults", "Device and batch faults, by kind.", labels=["kind"]
         )
-        for kind, count in sorted(self._pool.faults.items()):
+        for kind, count in sorted(pool.faults.items()):
             faults.add_metric([kind], count)
         yield faults
         retries = CounterMetricFamily(
             "batchserve_recoveries", "Requests retried or failed after a fault.", labels=["kind"]
         )
-        for kind, count in sorted(self._batcher.recoveries.items()):
+        for kind, count in sorted(batcher.recoveries.items()):
             retries.add_metric([kind], count)
         yield retries
 
@@ -412,24 +417,24 @@ class _StateCollector(Collector):
             state.add_metric([device["name"], device["state"]], 1.0)
         yield from (ratio, busy, healthy, state)
 
-    def _batch_sizes(self) -> Metric:
-        sizes = self._batcher.batch_sizes
-        cumulative = 0
-        buckets: list[tuple[str, float]] = []
-        for bound in BATCH_BUCKETS:
-            cumulative = sum(count for size, count in sizes.items() if size <= bound)
-            buckets.append((str(bound), cumulative))
-        buckets.append(("+Inf", sum(sizes.values())))
-        return HistogramMetricFamily(
-            "batchserve_batch_size",
-            "Requests per batch call, retries included.",
-            buckets=buckets,
-            sum_value=sum(size * count for size, count in sizes.items()),
-        )
+
+def _batch_sizes(sizes: Mapping[int, int]) -> Metric:
+    cumulative = 0
+    buckets: list[tuple[str, float]] = []
+    for bound in BATCH_BUCKETS:
+        cumulative = sum(count for size, count in sizes.items() if size <= bound)
+        buckets.append((str(bound), cumulative))
+    buckets.append(("+Inf", sum(sizes.values())))
+    return HistogramMetricFamily(
+        "batchserve_batch_size",
+        "Requests per batch call, retries included.",
+        buckets=buckets,
+        sum_value=sum(size * count for size, count in sizes.items()),
+    )
 
 
 class _GenerationCollector(Collector):
-    """Reads the generation models' schedulers at scrape time."""
+    """Reads the generation models' snapshots at scrape time."""
 
     def __init__(self, generators: Generators, clock: Clock) -> None:
         self._generators = generators
@@ -437,22 +442,8 @@ class _GenerationCollector(Collector):
 
     def summary(self, now: float) -> list[dict[str, Any]]:
         return [
-            {
-                "label": model.spec.label,
-                "model": model.spec.name,
-                "version": model.spec.version,
-                "devices": [loop.device for loop in model.loops],
-                "running": model.running,
-                "waiting": model.waiting,
-                "kv_used_tokens": sum(loop.kv_used for loop in model.loops),
-                "kv_budget_tokens": sum(loop.kv_budget for loop in model.loops),
-                "tokens_per_s": model.token_rate.at(now),
-                "steps": model.steps,
-                "preemptions": model.preemptions,
-                "step_failures": model.step_failures,
-                "hung_steps": model.hung_steps,
-            }
-            for model in self._generators
+            {**dataclasses.asdict(stats), "devices": list(stats.devices)}
+            for stats in (model.stats(now) for model in self._generators)
         ]
 
     def collect(self) -> Iterator[Metric]:
