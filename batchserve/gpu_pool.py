@@ -146,6 +146,9 @@ class PoolStats:
 
     devices: tuple[DeviceStats, ...]
     faults: Mapping[str, int]
+    batch_slots: int
+    """Requests the healthy devices take in one call each: per device, the largest max batch
+    size of the versions loaded there."""
 
 
 class GpuPool:
@@ -235,6 +238,11 @@ class GpuPool:
                 for d in self._devices
             ),
             faults=dict(self.faults),
+            batch_slots=sum(
+                max((v.spec.max_batch_size for v in d.fns), default=0)
+                for d in self._devices
+                if d.state in HEALTHY
+            ),
         )
 
     def states(self) -> dict[str, str]:

@@ -28,10 +28,10 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from .batcher import Batcher, BatcherSnapshot
+from .batcher import Batcher, BatcherSnapshot, BatcherStats
 from .clock import Clock
 from .generation import Generation
-from .generation_models import Generators
+from .generation_models import GenerationStats, Generators
 from .gpu_pool import HEALTHY, DeviceState, GpuPool, PoolStats
 from .item import QueuedRequest, Result
 from .loop_metrics import LoopCount, LoopCounters, LoopHistogram, LoopHistograms
@@ -134,6 +134,7 @@ class Metrics:
         self.registry.register(self._state)
         self._generation_state = _GenerationCollector(generators, clock)
         self.registry.register(self._generation_state)
+        self.registry.register(_PickerCollector(batcher, pool, generators, clock))
         self._first_tokens: deque[tuple[float, float, str]] = deque()
         """(time, time to first token, model label) of recent generations, for the page."""
 
@@ -491,6 +492,92 @@ class _GenerationCollector(Collector):
             for row in rows:
                 family.add_metric([row["model"], row["version"]], row[key])
             yield family
+
+
+class _PickerCollector(Collector):
+    """What the Kubernetes inference gateway's endpoint picker scrapes (its model server
+    protocol): requests waiting, requests running and a utilisation in [0, 1], one
+    unlabelled series each for the whole server, under batchserve's names and under the
+    vLLM names the picker reads by default (docs/operating.md, "Kubernetes inference
+    gateway"), so that it routes and sheds on batchserve with no flags of its own."""
+
+    def __init__(
+        self, batcher: Batcher, pool: GpuPool, generators: Generators, clock: Clock
+    ) -> None:
+        self._batcher = batcher
+        self._pool = pool
+        self._generators = generators
+        self._clock = clock
+        self._started = time.time()
+
+    def collect(self) -> Iterator[Metric]:
+        now = self._clock.time()
+        load = picker_load(
+            self._batcher.stats(),
+            self._pool.stats(now).batch_slots,
+            [model.stats(now) for model in self._generators],
+        )
+        for names, text, value in (
+            (
+                ("batchserve_requests_waiting", "vllm:num_requests_waiting"),
+                "Requests accepted and not yet in a device call: queued for a batch, or"
+                " generations waiting for a place in the steps.",
+                load.waiting,
+            ),
+            (
+                ("batchserve_requests_running", "vllm:num_requests_running"),
+                "Requests inside device calls: batch calls running now, and generations in"
+                " the steps (at most each device's max batch size).",
+                load.running,
+            ),
+            (
+                (
+                    "batchserve_utilization",
+                    "vllm:kv_cache_usage_perc",
+                    "vllm:gpu_cache_usage_perc",
+                ),
+                "0 to 1: the larger of (batch requests waiting and running) / (one full batch"
+                " on each healthy device) and, for generation models, the KV-cache budget in"
+                " use; 1 when the server holds more work than its devices take at once.",
+                load.utilization,
+            ),
+        ):
+            for name in names:
+                yield GaugeMetricFamily(name, text, value=value)
+        lora = GaugeMetricFamily(
+            "vllm:lora_requests_info",
+            "No LoRA adapters (for the inference gateway's picker, which looks for this):"
+            " the value is when the server started.",
+            labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+        )
+        lora.add_metric(["0", "", ""], self._started)
+        yield lora
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PickerLoad:
+    waiting: int
+    running: int
+    utilization: float
+
+
+def picker_load(
+    batcher: BatcherStats, batch_slots: int, generation: Sequence[GenerationStats]
+) -> PickerLoad:
+    """The server's load as the endpoint picker reads it. A batch model's utilisation is
+    the work it holds over one round of full batches (`batch_slots`): below 1, a request
+    arriving now rides in the next call of some device; at 1, it waits behind whole
+    batches. A generation model's is its KV-cache budget in use, as vLLM's. The server's is
+    the busiest of these, at most 1."""
+    batch_work = batcher.queued + batcher.in_flight
+    # With no healthy device, whatever waits is stuck: full.
+    shares = [batch_work / batch_slots if batch_slots else float(batch_work > 0)]
+    shares += [g.kv_used_tokens / g.kv_budget_tokens for g in generation if g.kv_budget_tokens]
+    return PickerLoad(
+        waiting=batcher.queued + sum(g.waiting for g in generation),
+        running=batcher.in_flight + sum(g.running for g in generation),
+        utilization=min(1.0, max(shares)),
+    )
 
 
 def desired_replicas(arrival_rps: float, capacity_rps: float | None) -> int:
