@@ -13,9 +13,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from .errors import BatchserveError
+from .exposition import TextExposition
 from .http_io import error_response, json_response, request_id_of
 from .metrics import Metrics
 
@@ -30,6 +31,7 @@ class Dashboard:
     ) -> None:
         self._metrics = metrics
         self._authorize = authorize
+        self._exposition = TextExposition(metrics.registry)
 
     async def page(self, request: web.Request) -> web.FileResponse:
         return web.FileResponse(STATIC_DIR / "dashboard.html")
@@ -45,7 +47,7 @@ class Dashboard:
     async def scrape(self, request: web.Request) -> web.Response:
         if (refused := self._refused(request)) is not None:
             return refused
-        body = generate_latest(self._metrics.registry)
+        body = self._exposition.render()
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     def _refused(self, request: web.Request) -> web.Response | None:

@@ -28,7 +28,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from .batcher import Batcher, BatcherSnapshot, BatcherStats
+from .batcher import Batcher, BatcherSnapshot
 from .clock import Clock
 from .generation import Generation
 from .generation_models import GenerationStats, Generators
@@ -130,11 +130,10 @@ class Metrics:
         is the server's own (routes, tiers, registered models), so this stays small."""
         self._windows: dict[str, RecentWindow] = {}
         """Each model version's recent answers, by its label (model@version)."""
-        self._state = _StateCollector(batcher, pool, registry, clock, slo_s)
+        self._state = _StateCollector(batcher, pool, registry, generators, clock, slo_s)
         self.registry.register(self._state)
         self._generation_state = _GenerationCollector(generators, clock)
         self.registry.register(self._generation_state)
-        self.registry.register(_PickerCollector(batcher, pool, generators, clock))
         self._first_tokens: deque[tuple[float, float, str]] = deque()
         """(time, time to first token, model label) of recent generations, for the page."""
 
@@ -285,13 +284,21 @@ class _StateCollector(Collector):
     """Reads the batcher's and the pool's snapshots at scrape time."""
 
     def __init__(
-        self, batcher: Batcher, pool: GpuPool, registry: Registry, clock: Clock, slo_s: float
+        self,
+        batcher: Batcher,
+        pool: GpuPool,
+        registry: Registry,
+        generators: Generators,
+        clock: Clock,
+        slo_s: float,
     ) -> None:
         self._batcher = batcher
         self._registry = registry
         self._pool = pool
+        self._generators = generators
         self._clock = clock
         self._slo_s = slo_s
+        self._started = time.time()
 
     def summary(self, now: float) -> dict[str, Any]:
         return self._summary(now, self._batcher.snapshot(now), self._pool.stats(now))
@@ -338,6 +345,11 @@ class _StateCollector(Collector):
         now = self._clock.time()
         batcher, pool = self._batcher.snapshot(now), self._pool.stats(now)
         state = self._summary(now, batcher, pool)
+        generation = [model.stats(now) for model in self._generators]
+        yield from _picker_families(
+            picker_load(batcher.queued, batcher.in_flight, pool.batch_slots, generation),
+            self._started,
+        )
 
         def gauge(name: str, text: str, value: float | None) -> GaugeMetricFamily:
             return GaugeMetricFamily(name, text, value=math.nan if value is None else value)
@@ -494,64 +506,43 @@ class _GenerationCollector(Collector):
             yield family
 
 
-class _PickerCollector(Collector):
+def _picker_families(load: PickerLoad, started: float) -> Iterator[Metric]:
     """What the Kubernetes inference gateway's endpoint picker scrapes (its model server
     protocol): requests waiting, requests running and a utilisation in [0, 1], one
     unlabelled series each for the whole server, under batchserve's names and under the
     vLLM names the picker reads by default (docs/operating.md, "Kubernetes inference
     gateway"), so that it routes and sheds on batchserve with no flags of its own."""
-
-    def __init__(
-        self, batcher: Batcher, pool: GpuPool, generators: Generators, clock: Clock
-    ) -> None:
-        self._batcher = batcher
-        self._pool = pool
-        self._generators = generators
-        self._clock = clock
-        self._started = time.time()
-
-    def collect(self) -> Iterator[Metric]:
-        now = self._clock.time()
-        load = picker_load(
-            self._batcher.stats(),
-            self._pool.stats(now).batch_slots,
-            [model.stats(now) for model in self._generators],
-        )
-        for names, text, value in (
-            (
-                ("batchserve_requests_waiting", "vllm:num_requests_waiting"),
-                "Requests accepted and not yet in a device call: queued for a batch, or"
-                " generations waiting for a place in the steps.",
-                load.waiting,
-            ),
-            (
-                ("batchserve_requests_running", "vllm:num_requests_running"),
-                "Requests inside device calls: batch calls running now, and generations in"
-                " the steps (at most each device's max batch size).",
-                load.running,
-            ),
-            (
-                (
-                    "batchserve_utilization",
-                    "vllm:kv_cache_usage_perc",
-                    "vllm:gpu_cache_usage_perc",
-                ),
-                "0 to 1: the larger of (batch requests waiting and running) / (one full batch"
-                " on each healthy device) and, for generation models, the KV-cache budget in"
-                " use; 1 when the server holds more work than its devices take at once.",
-                load.utilization,
-            ),
-        ):
-            for name in names:
-                yield GaugeMetricFamily(name, text, value=value)
-        lora = GaugeMetricFamily(
-            "vllm:lora_requests_info",
-            "No LoRA adapters (for the inference gateway's picker, which looks for this):"
-            " the value is when the server started.",
-            labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
-        )
-        lora.add_metric(["0", "", ""], self._started)
-        yield lora
+    for names, text, value in (
+        (
+            ("batchserve_requests_waiting", "vllm:num_requests_waiting"),
+            "Requests accepted and not yet in a device call: queued for a batch, or"
+            " generations waiting for a place in the steps.",
+            load.waiting,
+        ),
+        (
+            ("batchserve_requests_running", "vllm:num_requests_running"),
+            "Requests inside device calls: batch calls running now, and generations in"
+            " the steps (at most each device's max batch size).",
+            load.running,
+        ),
+        (
+            ("batchserve_utilization", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+            "0 to 1: the larger of (batch requests waiting and running) / (one full batch"
+            " on each healthy device) and, for generation models, the KV-cache budget in"
+            " use; 1 when the server holds more work than its devices take at once.",
+            load.utilization,
+        ),
+    ):
+        for name in names:
+            yield GaugeMetricFamily(name, text, value=value)
+    lora = GaugeMetricFamily(
+        "vllm:lora_requests_info",
+        "No LoRA adapters (for the inference gateway's picker, which looks for this):"
+        " the value is when the server started.",
+        labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+    )
+    lora.add_metric(["0", "", ""], started)
+    yield lora
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -562,20 +553,20 @@ class PickerLoad:
 
 
 def picker_load(
-    batcher: BatcherStats, batch_slots: int, generation: Sequence[GenerationStats]
+    queued: int, in_flight: int, batch_slots: int, generation: Sequence[GenerationStats]
 ) -> PickerLoad:
     """The server's load as the endpoint picker reads it. A batch model's utilisation is
     the work it holds over one round of full batches (`batch_slots`): below 1, a request
     arriving now rides in the next call of some device; at 1, it waits behind whole
     batches. A generation model's is its KV-cache budget in use, as vLLM's. The server's is
     the busiest of these, at most 1."""
-    batch_work = batcher.queued + batcher.in_flight
+    batch_work = queued + in_flight
     # With no healthy device, whatever waits is stuck: full.
     shares = [batch_work / batch_slots if batch_slots else float(batch_work > 0)]
     shares += [g.kv_used_tokens / g.kv_budget_tokens for g in generation if g.kv_budget_tokens]
     return PickerLoad(
-        waiting=batcher.queued + sum(g.waiting for g in generation),
-        running=batcher.in_flight + sum(g.running for g in generation),
+        waiting=queued + sum(g.waiting for g in generation),
+        running=in_flight + sum(g.running for g in generation),
         utilization=min(1.0, max(shares)),
     )
 
