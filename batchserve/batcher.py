@@ -19,7 +19,7 @@ import itertools
 import logging
 import math
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from .batching.faults import BatchFailure, FailureKind, RetryBudget, plan_recovery
@@ -49,6 +49,26 @@ class BatcherStats:
     healthy_devices: int
     batches: int
     completed: int
+
+
+@dataclass(frozen=True, slots=True)
+class BatcherSnapshot:
+    """What the metrics and the dashboard read of the batcher at a scrape: copies, so that a
+    reader neither reaches into the batcher nor sees it change under it."""
+
+    queued: int
+    """Requests waiting for a batch, those to be retried included."""
+    in_flight: int
+    healthy_devices: int
+    capacity_rps: float | None
+    arrival_rps: float
+    predicted_wait_s: float
+    """How long a request arriving now would wait for the queue ahead of it."""
+    queued_by_version: Mapping[tuple[str, str], int]
+    """Requests waiting per (model, version), for the versions that have any."""
+    batch_sizes: Mapping[int, int]
+    batch_fill: Mapping[tuple[str, str, str], int]
+    recoveries: Mapping[str, int]
 
 
 RIDE_MAX_FAILING = 0.25
@@ -169,6 +189,27 @@ class Batcher:
             healthy_devices=self._pool.healthy,
             batches=self._batches,
             completed=self._completed,
+        )
+
+    def snapshot(self, now: float) -> BatcherSnapshot:
+        """The metrics' view; `stats()` stays the cheap one that every state change may read."""
+        stats = self.stats()
+        queued: Counter[tuple[str, str]] = Counter()
+        for key, lane in self._lanes.items():
+            queued[key.version.name, key.version.version] += len(lane.queue)
+        for key, group in self._groups():
+            queued[key.version.name, key.version.version] += len(group)
+        return BatcherSnapshot(
+            queued=stats.queued,
+            in_flight=stats.in_flight,
+            healthy_devices=stats.healthy_devices,
+            capacity_rps=self.capacity_rps(),
+            arrival_rps=self.arrival_rps(now),
+            predicted_wait_s=self.predicted_queue_wait_s(stats.queued),
+            queued_by_version=dict(queued),
+            batch_sizes=dict(self.batch_sizes),
+            batch_fill=dict(self.batch_fill),
+            recoveries=dict(self.recoveries),
         )
 
     def queued_for(self, version: ModelVersion) -> int:

@@ -226,6 +226,14 @@ class Config:
         help="with --keys-file: on lets anyone read /metrics and /api/stats; off (the default)"
         ' needs an operator key (role = "operator" in the keys file) or the admin key',
     )
+    trust_gateway_headers: bool = setting(
+        False,
+        help="on: the Kubernetes inference gateway's headers pick each request's tenant"
+        " (x-gateway-inference-fairness-id), tier (x-gateway-inference-objective) and a"
+        " lower deadline (x-slo-ttft-ms); only behind a gateway that sets or strips them."
+        " Off (the default) ignores them: a header from a client must not pick its own"
+        " tenant",
+    )
     access_log: bool = setting(
         False,
         help="on: one JSON line per answered request on stdout (ids, status, timings, batch,"

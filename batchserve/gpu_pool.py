@@ -130,6 +130,27 @@ class Device:
             self.recent_calls.popleft()
 
 
+@dataclass(frozen=True, slots=True)
+class DeviceStats:
+    name: str
+    state: DeviceState
+    busy_ratio: float
+    """Share of the last BUSY_WINDOW_S spent inside batch calls."""
+    busy_seconds: float
+    """Time spent in finished batch calls."""
+
+
+@dataclass(frozen=True, slots=True)
+class PoolStats:
+    """What the metrics and the dashboard read of the pool at a scrape (copies)."""
+
+    devices: tuple[DeviceStats, ...]
+    faults: Mapping[str, int]
+    batch_slots: int
+    """Requests the healthy devices take in one call each: per device, the largest max batch
+    size of the versions loaded there."""
+
+
 class GpuPool:
     """The physical devices, shared by every model version placed on them."""
 
@@ -209,6 +230,20 @@ class GpuPool:
     @property
     def devices(self) -> list[Device]:
         return list(self._devices)
+
+    def stats(self, now: float) -> PoolStats:
+        return PoolStats(
+            devices=tuple(
+                DeviceStats(d.name, d.state, d.busy_ratio(now), d.busy_total_s)
+                for d in self._devices
+            ),
+            faults=dict(self.faults),
+            batch_slots=sum(
+                max((v.spec.max_batch_size for v in d.fns), default=0)
+                for d in self._devices
+                if d.state in HEALTHY
+            ),
+        )
 
     def states(self) -> dict[str, str]:
         return {device.name: device.state.value for device in self._devices}

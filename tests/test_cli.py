@@ -40,7 +40,7 @@ def test_help_explains_every_flag():
     for flag, _, _ in _FLAGS:
         assert f"--{flag}" in text
         assert f"BATCHSERVE_{flag.replace('-', '_').upper()}" in text
-    assert text.count("on or off;") == 5  # each switch names the values it takes
+    assert text.count("on or off;") == 6  # each switch names the values it takes
     assert "--metrics {on,off}" in text
     assert "off removes all three" in text  # /metrics, the dashboard at / and /api/stats
 

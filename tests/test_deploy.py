@@ -105,3 +105,55 @@ def test_the_operating_guide_shows_the_tested_files() -> None:
     for path in [*sorted(K8S.glob("*.yaml")), ROOT / "deploy/nginx/batchserve.conf"]:
         assert f"(../{path.relative_to(ROOT)})" in guide
     assert Path(ROOT / "examples/webapp.py").exists()
+
+
+GATEWAY = K8S / "gateway"
+
+
+def gateway_documents() -> dict[tuple[str, str], Any]:
+    """deploy/k8s/gateway's documents by (kind, name)."""
+    documents = {}
+    for path in sorted(GATEWAY.glob("*.yaml")):
+        for document in yaml.safe_load_all(path.read_text()):
+            documents[document["kind"], document["metadata"]["name"]] = document
+    return documents
+
+
+async def test_the_inference_pool_selects_the_pods_and_its_picker_reads_what_is_exported(
+    start_server, gated: GatedBackend
+) -> None:
+    documents, pods = gateway_documents(), container(manifests())
+    pool = documents["InferencePool", "batchserve"]["spec"]
+    assert (
+        pool["selector"]["matchLabels"]
+        == manifests()["Deployment"]["spec"]["selector"]["matchLabels"]
+    )
+    assert [port["number"] for port in pool["targetPorts"]] == [
+        port["containerPort"] for port in pods["ports"]
+    ]
+    (rule,) = documents["HTTPRoute", "batchserve"]["spec"]["rules"]
+    (backend,) = rule["backendRefs"]
+    assert (backend["kind"], backend["name"]) == ("InferencePool", "batchserve")
+    picker = documents["Deployment", pool["endpointPickerRef"]["name"]]
+    service = documents["Service", pool["endpointPickerRef"]["name"]]
+    (epp,) = picker["spec"]["template"]["spec"]["containers"]
+    args = dict(arg[2:].split("=", 1) for arg in epp["args"])
+    assert pool["endpointPickerRef"]["port"]["number"] == service["spec"]["ports"][0]["port"]
+    assert args["pool-name"] == "batchserve"
+    config = documents["ConfigMap", "batchserve-epp"]["data"]
+    assert args["config-file"].rsplit("/", 1)[1] in config
+    yaml.safe_load(config["epp.yaml"])
+    # every metric the picker is told to read is a gauge /metrics serves, unlabelled
+    client, _ = await start_server(gated, trust_gateway_headers=True)
+    scraped = await client.get(args["model-server-metrics-path"])
+    assert scraped.status == 200
+    text = await scraped.text()
+    for flag in ("total-queued-requests-metric", "total-running-requests-metric",
+                 "kv-cache-usage-percentage-metric", "lora-info-metric"):  # fmt: skip
+        name = args[flag]
+        assert f"# TYPE {name} gauge" in text, name
+        assert re.search(rf"^{re.escape(name)}[ {{]", text, re.M), name
+    guide = (ROOT / "docs" / "operating.md").read_text()
+    for path in sorted(GATEWAY.glob("*.yaml")):
+        assert f"(../{path.relative_to(ROOT)})" in guide
+    assert "--trust-gateway-headers" in guide

@@ -14,9 +14,10 @@ from pathlib import Path
 from typing import ClassVar
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from ..errors import BatchserveError
+from ..observability.exposition import TextExposition
 from ..observability.metrics import Metrics
 from .openapi import Answer, Operation, errors, json_answer
 from .wire import error_response, json_response, request_id_of
@@ -37,6 +38,7 @@ class Dashboard:
     ) -> None:
         self._metrics = metrics
         self._authorize = authorize
+        self._exposition = TextExposition(metrics.registry)
 
     async def page(self, request: web.Request) -> web.FileResponse:
         return web.FileResponse(STATIC_DIR / "dashboard.html")
@@ -55,7 +57,7 @@ class Dashboard:
     async def scrape(self, request: web.Request) -> web.Response:
         if (refused := self._refused(request)) is not None:
             return refused
-        body = generate_latest(self._metrics.registry)
+        body = self._exposition.render()
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     def _refused(self, request: web.Request) -> web.Response | None:

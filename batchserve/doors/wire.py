@@ -76,6 +76,8 @@ async def read_call(
             raise problem
         if engine.config.keys_file:  # else it runs open: no key to look for
             tenant = engine.authenticate(request.headers.get("Authorization"))
+        if engine.config.trust_gateway_headers:
+            tenant = engine.gateway_tenant(request.headers, tenant)
         payload = await (read or read_json)(request, engine.config.max_body_bytes)
         body = parse_body(payload, request)
     except BatchserveError as error:

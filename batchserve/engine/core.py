@@ -443,6 +443,13 @@ class Engine:
         open (no keys file)."""
         return self._admission.authenticate(authorization)
 
+    def gateway_tenant(
+        self, headers: Mapping[str, str], authenticated: Tenant | None
+    ) -> Tenant | None:
+        """The tenant, tier and deadline cap the Kubernetes inference gateway's headers give
+        a request, with --trust-gateway-headers on; else `authenticated` (gateway.py)."""
+        return self._admission.gateway_tenant(headers, authenticated)
+
     def authorize_operator(self, authorization: str | None) -> None:
         """Raises Unauthenticated unless the caller may read the server's numbers."""
         self._admission.authorize_operator(authorization)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from ..clock import Clock
@@ -83,6 +84,26 @@ def build_generation_model(
     )
 
 
+@dataclass(frozen=True, slots=True)
+class GenerationStats:
+    """What the metrics and the dashboard read of a generation model at a scrape."""
+
+    label: str
+    model: str
+    version: str
+    devices: tuple[str, ...]
+    running: int
+    waiting: int
+    kv_used_tokens: int
+    """KV-cache tokens its running sequences hold, over all its devices."""
+    kv_budget_tokens: int
+    tokens_per_s: float
+    steps: int
+    preemptions: int
+    step_failures: int
+    hung_steps: int
+
+
 class GenerationModel:
     def __init__(
         self,
@@ -133,6 +154,23 @@ class GenerationModel:
     @property
     def running(self) -> int:
         return sum(len(loop.running) for loop in self.loops)
+
+    def stats(self, now: float) -> GenerationStats:
+        return GenerationStats(
+            label=self.spec.label,
+            model=self.spec.name,
+            version=self.spec.version,
+            devices=tuple(loop.device for loop in self.loops),
+            running=self.running,
+            waiting=self.waiting,
+            kv_used_tokens=sum(loop.kv_used for loop in self.loops),
+            kv_budget_tokens=sum(loop.kv_budget for loop in self.loops),
+            tokens_per_s=self.token_rate.at(now),
+            steps=self.steps,
+            preemptions=self.preemptions,
+            step_failures=self.step_failures,
+            hung_steps=self.hung_steps,
+        )
 
     async def start(self) -> None:
         """Loads the generator on every device, then starts their schedulers."""

@@ -9,13 +9,14 @@ the batcher and the pool when scraped, so it costs the hot path nothing.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import time
 from array import array
 from bisect import bisect_left
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -27,12 +28,12 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from ..batcher import Batcher
+from ..batcher import Batcher, BatcherSnapshot
 from ..batching.request import QueuedRequest, Result
 from ..clock import Clock
-from ..generation.models import Generators
+from ..generation.models import GenerationStats, Generators
 from ..generation.request import Generation
-from ..gpu_pool import HEALTHY, DeviceState, GpuPool
+from ..gpu_pool import HEALTHY, DeviceState, GpuPool, PoolStats
 from ..models.registry import Registry
 from .loop_metrics import LoopCount, LoopCounters, LoopHistogram, LoopHistograms
 
@@ -129,7 +130,7 @@ class Metrics:
         is the server's own (routes, tiers, registered models), so this stays small."""
         self._windows: dict[str, RecentWindow] = {}
         """Each model version's recent answers, by its label (model@version)."""
-        self._state = _StateCollector(batcher, pool, registry, clock, slo_s)
+        self._state = _StateCollector(batcher, pool, registry, generators, clock, slo_s)
         self.registry.register(self._state)
         self._generation_state = _GenerationCollector(generators, clock)
         self.registry.register(self._generation_state)
@@ -280,31 +281,39 @@ def _percentile_ms(values: Sequence[float], q: float) -> float | None:
 
 
 class _StateCollector(Collector):
-    """Reads the batcher and the pool at scrape time."""
+    """Reads the batcher's and the pool's snapshots at scrape time."""
 
     def __init__(
-        self, batcher: Batcher, pool: GpuPool, registry: Registry, clock: Clock, slo_s: float
+        self,
+        batcher: Batcher,
+        pool: GpuPool,
+        registry: Registry,
+        generators: Generators,
+        clock: Clock,
+        slo_s: float,
     ) -> None:
         self._batcher = batcher
         self._registry = registry
         self._pool = pool
+        self._generators = generators
         self._clock = clock
         self._slo_s = slo_s
+        self._started = time.time()
 
     def summary(self, now: float) -> dict[str, Any]:
-        stats = self._batcher.stats()
-        capacity = self._batcher.capacity_rps()
-        arrival = self._batcher.arrival_rps(now)
+        return self._summary(now, self._batcher.snapshot(now), self._pool.stats(now))
+
+    def _summary(self, now: float, batcher: BatcherSnapshot, pool: PoolStats) -> dict[str, Any]:
         return {
-            "queued": stats.queued,
-            "in_flight": stats.in_flight,
-            "healthy_devices": stats.healthy_devices,
-            "capacity_rps": capacity,
-            "arrival_rps": arrival,
-            "predicted_wait_s": self._batcher.predicted_queue_wait_s(stats.queued),
+            "queued": batcher.queued,
+            "in_flight": batcher.in_flight,
+            "healthy_devices": batcher.healthy_devices,
+            "capacity_rps": batcher.capacity_rps,
+            "arrival_rps": batcher.arrival_rps,
+            "predicted_wait_s": batcher.predicted_wait_s,
             "slo_s": self._slo_s,
-            "desired_replicas": desired_replicas(arrival, capacity),
-            "batch_sizes": {str(size): n for size, n in sorted(self._batcher.batch_sizes.items())},
+            "desired_replicas": desired_replicas(batcher.arrival_rps, batcher.capacity_rps),
+            "batch_sizes": {str(size): n for size, n in sorted(batcher.batch_sizes.items())},
             "models": [
                 {
                     "label": version.spec.label,
@@ -312,10 +321,12 @@ class _StateCollector(Collector):
                     "version": version.version,
                     "state": version.state.value,
                     "devices": version.loaded_on,
-                    "queued": self._batcher.queued_for(version),
+                    "queued": batcher.queued_by_version.get((version.name, version.version), 0),
                     "arrival_rps": version.arrivals.at(now),
                     "device_seconds_per_s": version.device_time.at(now),
-                    "batches": self._batcher.batch_fill[version.name, version.version, "batches"],
+                    "batches": batcher.batch_fill.get(
+                        (version.name, version.version, "batches"), 0
+                    ),
                 }
                 for version in self._registry
             ],
@@ -323,15 +334,22 @@ class _StateCollector(Collector):
                 {
                     "name": device.name,
                     "state": device.state.value,
-                    "busy_ratio": device.busy_ratio(now),
-                    "busy_seconds": device.busy_total_s,
+                    "busy_ratio": device.busy_ratio,
+                    "busy_seconds": device.busy_seconds,
                 }
-                for device in self._pool.devices
+                for device in pool.devices
             ],
         }
 
     def collect(self) -> Iterator[Metric]:
-        state = self.summary(self._clock.time())
+        now = self._clock.time()
+        batcher, pool = self._batcher.snapshot(now), self._pool.stats(now)
+        state = self._summary(now, batcher, pool)
+        generation = [model.stats(now) for model in self._generators]
+        yield from _picker_families(
+            picker_load(batcher.queued, batcher.in_flight, pool.batch_slots, generation),
+            self._started,
+        )
 
         def gauge(name: str, text: str, value: float | None) -> GaugeMetricFamily:
             return GaugeMetricFamily(name, text, value=math.nan if value is None else value)
@@ -361,7 +379,7 @@ class _StateCollector(Collector):
             state["desired_replicas"],
         )
         yield from self._devices(state["devices"])
-        yield self._batch_sizes()
+        yield _batch_sizes(batcher.batch_sizes)
         fill = CounterMetricFamily(
             "batchserve_batch_fill",
             "Batches sent and requests in them, per model version: requests / batches is its"
@@ -369,19 +387,19 @@ class _StateCollector(Collector):
             " lengths). Never labelled with params.",
             labels=["model", "version", "kind"],
         )
-        for labels, count in sorted(self._batcher.batch_fill.items()):
+        for labels, count in sorted(batcher.batch_fill.items()):
             fill.add_metric(list(labels), count)
         yield fill
         faults = CounterMetricFamily(
             "batchserve_faults", "Device and batch faults, by kind.", labels=["kind"]
         )
-        for kind, count in sorted(self._pool.faults.items()):
+        for kind, count in sorted(pool.faults.items()):
             faults.add_metric([kind], count)
         yield faults
         retries = CounterMetricFamily(
             "batchserve_recoveries", "Requests retried or failed after a fault.", labels=["kind"]
         )
-        for kind, count in sorted(self._batcher.recoveries.items()):
+        for kind, count in sorted(batcher.recoveries.items()):
             retries.add_metric([kind], count)
         yield retries
 
@@ -412,24 +430,24 @@ class _StateCollector(Collector):
             state.add_metric([device["name"], device["state"]], 1.0)
         yield from (ratio, busy, healthy, state)
 
-    def _batch_sizes(self) -> Metric:
-        sizes = self._batcher.batch_sizes
-        cumulative = 0
-        buckets: list[tuple[str, float]] = []
-        for bound in BATCH_BUCKETS:
-            cumulative = sum(count for size, count in sizes.items() if size <= bound)
-            buckets.append((str(bound), cumulative))
-        buckets.append(("+Inf", sum(sizes.values())))
-        return HistogramMetricFamily(
-            "batchserve_batch_size",
-            "Requests per batch call, retries included.",
-            buckets=buckets,
-            sum_value=sum(size * count for size, count in sizes.items()),
-        )
+
+def _batch_sizes(sizes: Mapping[int, int]) -> Metric:
+    cumulative = 0
+    buckets: list[tuple[str, float]] = []
+    for bound in BATCH_BUCKETS:
+        cumulative = sum(count for size, count in sizes.items() if size <= bound)
+        buckets.append((str(bound), cumulative))
+    buckets.append(("+Inf", sum(sizes.values())))
+    return HistogramMetricFamily(
+        "batchserve_batch_size",
+        "Requests per batch call, retries included.",
+        buckets=buckets,
+        sum_value=sum(size * count for size, count in sizes.items()),
+    )
 
 
 class _GenerationCollector(Collector):
-    """Reads the generation models' schedulers at scrape time."""
+    """Reads the generation models' snapshots at scrape time."""
 
     def __init__(self, generators: Generators, clock: Clock) -> None:
         self._generators = generators
@@ -437,22 +455,8 @@ class _GenerationCollector(Collector):
 
     def summary(self, now: float) -> list[dict[str, Any]]:
         return [
-            {
-                "label": model.spec.label,
-                "model": model.spec.name,
-                "version": model.spec.version,
-                "devices": [loop.device for loop in model.loops],
-                "running": model.running,
-                "waiting": model.waiting,
-                "kv_used_tokens": sum(loop.kv_used for loop in model.loops),
-                "kv_budget_tokens": sum(loop.kv_budget for loop in model.loops),
-                "tokens_per_s": model.token_rate.at(now),
-                "steps": model.steps,
-                "preemptions": model.preemptions,
-                "step_failures": model.step_failures,
-                "hung_steps": model.hung_steps,
-            }
-            for model in self._generators
+            {**dataclasses.asdict(stats), "devices": list(stats.devices)}
+            for stats in (model.stats(now) for model in self._generators)
         ]
 
     def collect(self) -> Iterator[Metric]:
@@ -500,6 +504,71 @@ class _GenerationCollector(Collector):
             for row in rows:
                 family.add_metric([row["model"], row["version"]], row[key])
             yield family
+
+
+def _picker_families(load: PickerLoad, started: float) -> Iterator[Metric]:
+    """What the Kubernetes inference gateway's endpoint picker scrapes (its model server
+    protocol): requests waiting, requests running and a utilisation in [0, 1], one
+    unlabelled series each for the whole server, under batchserve's names and under the
+    vLLM names the picker reads by default (docs/operating.md, "Kubernetes inference
+    gateway"), so that it routes and sheds on batchserve with no flags of its own."""
+    for names, text, value in (
+        (
+            ("batchserve_requests_waiting", "vllm:num_requests_waiting"),
+            "Requests accepted and not yet in a device call: queued for a batch, or"
+            " generations waiting for a place in the steps.",
+            load.waiting,
+        ),
+        (
+            ("batchserve_requests_running", "vllm:num_requests_running"),
+            "Requests inside device calls: batch calls running now, and generations in"
+            " the steps (at most each device's max batch size).",
+            load.running,
+        ),
+        (
+            ("batchserve_utilization", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+            "0 to 1: the larger of (batch requests waiting and running) / (one full batch"
+            " on each healthy device) and, for generation models, the KV-cache budget in"
+            " use; 1 when the server holds more work than its devices take at once.",
+            load.utilization,
+        ),
+    ):
+        for name in names:
+            yield GaugeMetricFamily(name, text, value=value)
+    lora = GaugeMetricFamily(
+        "vllm:lora_requests_info",
+        "No LoRA adapters (for the inference gateway's picker, which looks for this):"
+        " the value is when the server started.",
+        labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+    )
+    lora.add_metric(["0", "", ""], started)
+    yield lora
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PickerLoad:
+    waiting: int
+    running: int
+    utilization: float
+
+
+def picker_load(
+    queued: int, in_flight: int, batch_slots: int, generation: Sequence[GenerationStats]
+) -> PickerLoad:
+    """The server's load as the endpoint picker reads it. A batch model's utilisation is
+    the work it holds over one round of full batches (`batch_slots`): below 1, a request
+    arriving now rides in the next call of some device; at 1, it waits behind whole
+    batches. A generation model's is its KV-cache budget in use, as vLLM's. The server's is
+    the busiest of these, at most 1."""
+    batch_work = queued + in_flight
+    # With no healthy device, whatever waits is stuck: full.
+    shares = [batch_work / batch_slots if batch_slots else float(batch_work > 0)]
+    shares += [g.kv_used_tokens / g.kv_budget_tokens for g in generation if g.kv_budget_tokens]
+    return PickerLoad(
+        waiting=queued + sum(g.waiting for g in generation),
+        running=in_flight + sum(g.running for g in generation),
+        utilization=min(1.0, max(shares)),
+    )
 
 
 def desired_replicas(arrival_rps: float, capacity_rps: float | None) -> int:

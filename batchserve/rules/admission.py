@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import hmac
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from ..config import Config
 from ..errors import InputTooLarge, InvalidInput, RateLimited, Unauthenticated
+from .gateway import GatewayHeaders
 from .tenants import KeyRing, Tenant
 
 
@@ -25,6 +26,11 @@ class Admission:
         )
         self._admin_key = (config.admin_key or "").encode()
         self._public_numbers = config.public_metrics
+        self._gateway = (
+            GatewayHeaders(self._keys.by_name() if self._keys else {})
+            if config.trust_gateway_headers
+            else None
+        )
 
     def authenticate(self, authorization: str | None) -> Tenant | None:
         """The caller's tenant from `Authorization: Bearer <key>`; None when the server runs
@@ -37,6 +43,15 @@ class Admission:
                 "send Authorization: Bearer <API key>; this one is missing or unknown"
             )
         return tenant
+
+    def gateway_tenant(
+        self, headers: Mapping[str, str], authenticated: Tenant | None
+    ) -> Tenant | None:
+        """The tenant the inference gateway's headers name (with --trust-gateway-headers;
+        else `authenticated`): gateway.py."""
+        if self._gateway is None:
+            return authenticated
+        return self._gateway.tenant(headers, authenticated)
 
     def authorize_operator(self, authorization: str | None) -> None:
         """Lets the caller read the server's numbers (/metrics, /api/stats): anyone on a
@@ -88,10 +103,13 @@ class Admission:
     def timeout_s(self, timeout_ms: float | None, tenant: Tenant | None) -> float:
         """The request's own timeout, capped by the server's and by its tier's deadline."""
         cap_ms = self._timeout_ms
-        if tenant is not None and self._keys is not None:
-            tier_ms = self._keys.limits[tenant.tier].timeout_ms
-            if tier_ms is not None:
-                cap_ms = min(cap_ms, tier_ms)
+        if tenant is not None:
+            if self._keys is not None:
+                tier_ms = self._keys.limits[tenant.tier].timeout_ms
+                if tier_ms is not None:
+                    cap_ms = min(cap_ms, tier_ms)
+            if tenant.timeout_cap_ms is not None:
+                cap_ms = min(cap_ms, tenant.timeout_cap_ms)
         if timeout_ms is None:
             return cap_ms / 1e3
         if isinstance(timeout_ms, bool) or not (

@@ -72,6 +72,8 @@ class Tenant:
     """Its share of the turns among the tenants of its tier."""
     operator: bool = False
     """May read the server's numbers: /metrics, /api/stats (the dashboard's)."""
+    timeout_cap_ms: float | None = None
+    """A cap on this request's deadline: the gateway's x-slo-ttft-ms (gateway.py)."""
 
 
 ANONYMOUS = "anonymous"
@@ -174,6 +176,13 @@ class KeyRing:
         if found is None or not hmac.compare_digest(found[0], secret):
             return self.anonymous
         return found[1]
+
+    def by_name(self) -> dict[str, Tenant]:
+        """Each tenant by name (the first key's, for a tenant with several keys)."""
+        named: dict[str, Tenant] = {}
+        for _, tenant in self.tenants_by_digest.values():
+            named.setdefault(tenant.name, tenant)
+        return named
 
     def take(
         self, tenant: Tenant, now: float, capacity_rps: float | None
