@@ -80,7 +80,8 @@ def length_bucket(version: ModelVersion, tokens: int) -> int:
 
 
 class Batcher:
-    """Hears from the engine of finished and failed batches and of health changes."""
+    """The lanes and the loop; the pool's listener, told of finished and failed batches
+    and of health changes."""
 
     def __init__(
         self,
@@ -95,6 +96,7 @@ class Batcher:
         on_crash: CrashHandler,
     ):
         self._pool = pool
+        pool.listen(self)
         self._clock = clock
         self.max_queue = max_queue
         """Queued requests beyond which it refuses more (503); the engine may change it."""
@@ -119,6 +121,8 @@ class Batcher:
         self._completed = 0
         self._drain_rate = DecayedRate()
         self._arrival_rate = DecayedRate()
+        self.on_batch_ran: Callable[[list[QueuedRequest], float, float], None] | None = None
+        """Told of each batch call that succeeded (the metrics' queue waits and call times)."""
         self.batch_sizes: Counter[int] = Counter()
         """How many batches of each size were sent, retries included."""
         self.batch_fill: Counter[tuple[str, str, str]] = Counter()
@@ -212,11 +216,17 @@ class Batcher:
         self._rescue.drop(version)
         self._changed()
 
-    def batch_done(self, finished: float, answered: int) -> None:
+    # The pool's listener: it tells what happened to a batch or a device.
+
+    def batch_done(self, batch: list[QueuedRequest], started: float, finished: float) -> None:
+        """`batch`'s call succeeded and its device is free; nobody is answered yet."""
+        answered = len(batch)
         self._completed += answered
         self._drain_rate.add(finished, answered)
         self._wakeup.set()
         self._changed()
+        if self.on_batch_ran is not None:
+            self.on_batch_ran(batch, started, finished)
 
     def batch_failed(self, batch: list[QueuedRequest], key: Key, failure: BatchFailure) -> None:
         """Hands a failed batch to its rescue, which plans what runs again."""

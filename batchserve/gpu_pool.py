@@ -2,8 +2,8 @@
 
 The pool loads each device's batch function on that device's thread (so weights land where
 they will be used), runs batches there, checks what comes back and resolves the waiting
-futures on the event loop. A failed batch goes back to its listener (the engine, which hands
-it to the batcher to decide what runs again). A call past its budget marks its device hung:
+futures on the event loop. A failed batch goes back to its listener (the batcher, which
+decides what runs again). A call past its budget marks its device hung:
 the device gets no work until that call has returned and a probe has answered in time. The
 pool owns every task it starts and cancels what is left of them on close. Each successful
 call's duration goes into the engine's one batch-time estimate; all timing reads its clock.
@@ -35,6 +35,9 @@ log = logging.getLogger(__name__)
 
 
 class PoolListener(Protocol):
+    """Who hears what happened to a batch or a device: the batcher (`Batcher.__init__`
+    calls `listen`), or a test's recorder."""
+
     def batch_done(self, batch: list[QueuedRequest], started: float, finished: float) -> None:
         """`batch`'s call, from `started`, succeeded at `finished` and its device is free;
         called before anyone is answered."""
@@ -138,12 +141,12 @@ class GpuPool:
         versions: list[ModelVersion],
         *,
         clock: Clock,
-        listener: PoolListener,
         on_crash: CrashHandler,
+        listener: PoolListener | None = None,
     ) -> None:
         self._versions = versions
         self._clock = clock
-        self._listener = listener
+        self._listener: PoolListener = listener or _NO_LISTENER
         names = dict.fromkeys(name for v in versions for name in v.device_names)
         self._devices = [Device(name, DeviceThread(name)) for name in names]
         self._tasks = TaskSet(on_crash)
@@ -213,9 +216,18 @@ class GpuPool:
     def states(self) -> dict[str, str]:
         return {device.name: device.state.value for device in self._devices}
 
+    def listen(self, listener: PoolListener) -> None:
+        """Makes `listener` the one that hears of batches and devices (set once, before
+        the pool starts)."""
+        if self._listener is not _NO_LISTENER:
+            raise RuntimeError("the pool has a listener already")
+        self._listener = listener
+
     async def __aenter__(self) -> GpuPool:
         """Loads every version on each of its devices (on that device's thread, so weights
         land where they run); a device where nothing loaded is dead."""
+        if self._listener is _NO_LISTENER:
+            raise RuntimeError("the pool needs a listener before it starts (see listen)")
         loop = asyncio.get_running_loop()
         for device in self._devices:
             device.thread.start(loop)
@@ -676,6 +688,22 @@ class GpuPool:
 
 
 WARM_UP_INPUT = "batchserve warm-up"
+
+
+class _NoListener:
+    """The listener of a pool not yet listened to: it never starts (see `listen`)."""
+
+    def batch_done(self, batch: list[QueuedRequest], started: float, finished: float) -> None:
+        raise RuntimeError("the pool has no listener")
+
+    def batch_failed(self, batch: list[QueuedRequest], key: Key, failure: BatchFailure) -> None:
+        raise RuntimeError("the pool has no listener")
+
+    def health_changed(self) -> None:
+        raise RuntimeError("the pool has no listener")
+
+
+_NO_LISTENER = _NoListener()
 
 
 class Malformed(Exception):

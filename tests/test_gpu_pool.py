@@ -255,3 +255,14 @@ async def test_a_device_whose_warm_up_fails_does_not_take_the_version(pool_of, g
     assert added.loaded_on == ["sim:0"]
     assert [added in device.fns for device in pool.devices] == [True, False]
     assert (pool.states(), pool.free_for(added)) == ({"sim:0": "idle", "sim:1": "idle"}, 1)
+
+
+async def test_the_pool_starts_only_with_one_listener(gated):
+    """The batcher listens to the pool directly (no relay): a pool nobody listens to would
+    drop its failed batches, so it refuses to start, and a second listener is refused."""
+    pool = GpuPool([sim_version(gated)], clock=FakeClock(), on_crash=crash)
+    with pytest.raises(RuntimeError, match="needs a listener"):
+        await pool.__aenter__()
+    pool.listen(Heard())
+    with pytest.raises(RuntimeError, match="has a listener already"):
+        pool.listen(Heard())
