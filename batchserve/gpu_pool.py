@@ -604,6 +604,8 @@ class GpuPool:
         self, batch: list[QueuedRequest], key: Key, failure: BatchFailure, then: str = ""
     ) -> None:
         self.faults[f"batch_{failure.kind.value}"] += 1
+        for request in batch:
+            request.running = False  # handed back: queued again, or answered
         ids = ",".join(r.request_id for r in batch[:LOGGED_IDS])
         if len(batch) > LOGGED_IDS:
             ids += f" and {len(batch) - LOGGED_IDS} more"

@@ -266,3 +266,29 @@ async def test_the_pool_starts_only_with_one_listener(gated):
     pool.listen(Heard())
     with pytest.raises(RuntimeError, match="has a listener already"):
         pool.listen(Heard())
+
+
+@dataclass
+class HeardRunning(Heard):
+    """Also notes, as each failed batch comes back, whether its requests read as running."""
+
+    running: list[list[bool]] = field(default_factory=list)
+
+    def batch_failed(self, batch: list[QueuedRequest], key: Key, failure: BatchFailure) -> None:
+        self.running.append([request.running for request in batch])
+        super().batch_failed(batch, key, failure)
+
+
+async def test_the_pool_alone_says_whether_a_request_is_running(gated):
+    """`running` has one writer: the pool sets it at dispatch and clears it before it hands
+    a failed batch back, so its listener gets the batch as queued again."""
+    gated.gate.set()
+    gated.malformed_calls = 1
+    clock, heard = FakeClock(), HeardRunning()
+    pool = GpuPool([sim_version(gated)], clock=clock, listener=heard, on_crash=crash)
+    async with pool:
+        batch, key = batch_of(pool, clock, "x", "y")
+        pool.dispatch(batch, 1, key)
+        assert [request.running for request in batch] == [True, True]
+        assert await heard.next() == ("failed", (2, FailureKind.MALFORMED))
+        assert heard.running == [[False, False]]

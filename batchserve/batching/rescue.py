@@ -195,11 +195,8 @@ class Rescue:
         )
         for request in batch:
             request.rescue_round += 1
-            request.running = False
         self._retries.extendleft((key, group) for group in reversed(recovery.retry))
         if fresh:
-            for request in fresh:
-                request.running = False
             self._retries.appendleft((key, fresh))
         # What the budget cannot pay for waits for spare device time, however long the
         # wait: never answered 500 for want of it (at worst 504 at its deadline), since
