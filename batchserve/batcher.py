@@ -29,8 +29,9 @@ from .batching.request import QueuedRequest
 from .batching.rescue import LaneView, Rescue, still_waiting
 from .batching.shedding import Shedding
 from .clock import Clock
+from .devices.health import HEALTHY
 from .errors import BatchserveError, NotReady, Overloaded
-from .gpu_pool import HEALTHY, GpuPool
+from .gpu_pool import GpuPool
 from .models.registry import Key, ModelVersion
 from .rules.capacity import DecayedRate
 from .rules.fair_queue import FairQueue

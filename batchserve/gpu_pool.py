@@ -12,7 +12,6 @@ call's duration goes into the engine's one batch-time estimate; all timing reads
 from __future__ import annotations
 
 import asyncio
-import enum
 import functools
 import logging
 from collections import Counter, deque
@@ -22,9 +21,19 @@ from typing import Any, Protocol
 
 import orjson
 
-from .batching.faults import MAX_PROBE_DELAY_S, PROBE_INPUT, BatchFailure, FailureKind
+from .batching.faults import PROBE_INPUT, BatchFailure, FailureKind
 from .batching.request import QueuedRequest, Result
 from .clock import Clock, Timer, sleep_until, wait_until
+from .devices.health import (
+    FIRST_RESTART_DELAY_S,
+    HEALTHY,
+    Backoff,
+    DeviceHealth,
+    DeviceState,
+    Health,
+    Verdict,
+    Who,
+)
 from .devices.thread import DeviceThread
 from .errors import BackendError, BatchserveError, StartupError
 from .models.registry import Key, ModelVersion
@@ -50,46 +59,20 @@ class PoolListener(Protocol):
         """A device went unhealthy or came back."""
 
 
-class DeviceState(enum.Enum):
-    IDLE = "idle"
-    BUSY = "busy"
-    HUNG = "hung"
-    """A call ran past its budget and has not returned; the thread cannot be killed."""
-    RECOVERING = "recovering"
-    """The hung call returned; probes run after a back-off until one answers in time."""
-    DEAD = "dead"
-    """Its batch function failed to load."""
-    SUSPECT = "suspect"
-    """It failed two first tries in a row (batches of requests that had not failed
-    before) while no other device failed one: it takes no work until a probe with a
-    known-good input says whether it, or two poison inputs, were to blame."""
-    FAILING = "failing"
-    """Its calls kept raising on different inputs: it is being restarted (its batch
-    functions loaded again on a fresh thread, then probed), backing off while that fails."""
-
-
-HEALTHY = frozenset({DeviceState.IDLE, DeviceState.BUSY, DeviceState.SUSPECT})
-"""A suspect device still counts: its probe takes one short call, and a lone device
-suspected after two poison inputs must not fail everything queued as not ready."""
 BUSY_WINDOW_S = 10.0
 LOGGED_IDS = 5
 """A failed batch's log line names this many request ids and counts the rest."""
-FAILING_BLAME = 2
-"""A device is failing once this many of its failed calls (since its last success) had
-every input succeed on another device: the device, not an input, was to blame. A poison
-input never succeeds anywhere, so poison alone never marks a device failing."""
-MAX_FAILURES_KEPT = 64
-FIRST_RESTART_DELAY_S = 1.0
-"""A device that fails to restart waits this long before the next try, then doubles."""
 
 
 @dataclass(eq=False)
-class Device:
+class Device(DeviceHealth):
+    """A device: its thread, what it holds and runs, and (inherited, so that the hot paths
+    read `device.state` directly) its health, which `Health` moves."""
+
     name: str
     thread: DeviceThread
     fns: dict[ModelVersion, BatchFn] = field(default_factory=dict)
     """The batch function of each model version loaded here."""
-    state: DeviceState = DeviceState.IDLE
     busy_since: float | None = None
     key: Key | None = None
     """The compatibility key of the batch running now."""
@@ -98,16 +81,6 @@ class Device:
     """Time spent in finished batch calls, for the busy ratio."""
     recent_calls: deque[tuple[float, float]] = field(default_factory=deque)
     """(start, end) of the calls that ended in the last BUSY_WINDOW_S."""
-    failures: list[set[Who]] = field(default_factory=list)
-    """Per failed call since its last success, the requests not yet answered elsewhere
-    (at most MAX_FAILURES_KEPT calls)."""
-    failed_first_tries: int = 0
-    """Its failed calls since its last success that held no request that had failed before
-    (a rescue, or a rider, fails again where its poison is): two make it suspect."""
-    streak_from: int = 0
-    """The pool's count of failed first tries when this device's streak of them began."""
-    blame: int = 0
-    """Its failed calls since its last success whose every input then succeeded elsewhere."""
     turns: deque[asyncio.Future[bool]] = field(default_factory=deque)
     """Calls of the pool's own (a new version's warm-up) waiting for the device to be free:
     each takes it before the batcher can, once the call inside has returned."""
@@ -150,9 +123,7 @@ class GpuPool:
         names = dict.fromkeys(name for v in versions for name in v.device_names)
         self._devices = [Device(name, DeviceThread(name)) for name in names]
         self._tasks = TaskSet(on_crash)
-        self.healthy = 0
-        self._failed_first_tries = 0
-        """First tries failed on any device: a suspect's streak must be its own."""
+        self._health = Health()
         self._sharing: dict[ModelVersion, frozenset[ModelVersion]] = {}
         """`sharing`'s answers, until a load or unload changes what the devices hold."""
         self.faults: Counter[str] = Counter()
@@ -162,6 +133,11 @@ class GpuPool:
         return (
             f"<GpuPool devices={len(self._devices)} healthy={self.healthy} free={self.free_count}>"
         )
+
+    @property
+    def healthy(self) -> int:
+        """Devices in service."""
+        return self._health.healthy
 
     @property
     def free_count(self) -> int:
@@ -236,10 +212,10 @@ class GpuPool:
             problems += await self.load(version)
         for device in self._devices:
             if not device.fns:
-                device.state = DeviceState.DEAD
+                self._health.dead(device)
                 device.thread.stop()
                 self.faults["device_dead"] += 1
-        self.healthy = sum(device.state in HEALTHY for device in self._devices)
+        self._health.count(self._devices)
         unloaded = [v.spec.label for v in self._versions if not v.loaded_on]
         if unloaded:
             for device in self._devices:
@@ -426,9 +402,7 @@ class GpuPool:
             if device.state is DeviceState.IDLE:
                 self._hand_turn(device)
             return
-        device.failures.clear()
-        device.blame = 0
-        device.failed_first_tries = 0
+        self._health.call_succeeded(device)
         if batch[0].failed_on:  # a rescue: where it failed before may have been to blame
             self._exonerate(device, batch)
         outputs = returned
@@ -478,25 +452,11 @@ class GpuPool:
                 " others; its message is in the server's log only, since it may name their"
                 " inputs"
             )
-        if not any(request.failed_on for request in batch):  # a first try
-            if not device.failed_first_tries:
-                device.streak_from = self._failed_first_tries
-            device.failed_first_tries += 1
-            self._failed_first_tries += 1
-        # Two first tries in a row failed here and none anywhere else meanwhile: more likely
-        # this device than two poison inputs. (Under a flood of poison, all devices fail.)
-        suspect = (
-            device.failed_first_tries >= 2
-            and self._failed_first_tries - device.streak_from == device.failed_first_tries
-        )
+        first_try = not any(request.failed_on for request in batch)
         for request in batch:
             request.failed_on += (device.name,)
-        device.failures.append({_who(r) for r in batch})
-        del device.failures[:-MAX_FAILURES_KEPT]
-        if suspect and device.blame < FAILING_BLAME:
-            # A broken device fails fast, so it is the free one most often: left in service
-            # it would sink a fresh batch every few milliseconds until blame accrues.
-            device.state = DeviceState.SUSPECT
+        verdict = self._health.call_failed(device, {_who(r) for r in batch}, first_try=first_try)
+        if verdict is Verdict.SUSPECT:
             self._tasks.start(self._check(device), name=f"batchserve-check-{device.name}")
             self._failed(
                 batch,
@@ -505,7 +465,7 @@ class GpuPool:
                 then=f"; {device.name} failed its last first try too, and is probed",
             )
             return
-        if device.blame < FAILING_BLAME:
+        if verdict is Verdict.INPUTS:
             self._failed(batch, key, BatchFailure(kind, error, device.name, batch_id, shared))
             return
         self._mark_failing(device)
@@ -524,13 +484,7 @@ class GpuPool:
         answered = {_who(r) for r in batch}
         names = {name for r in batch for name in r.failed_on} - {device.name}
         for other in self._devices:
-            if other.name not in names:
-                continue
-            for failed in other.failures:
-                failed -= answered
-            other.blame += sum(not failed for failed in other.failures)
-            other.failures = [failed for failed in other.failures if failed]
-            if other.blame >= FAILING_BLAME and other.state is DeviceState.IDLE:
+            if other.name in names and self._health.exonerate(other, answered):
                 self._mark_failing(other)
                 self._listener.health_changed()
 
@@ -538,44 +492,37 @@ class GpuPool:
         """Probes a suspect device: one that fails a known-good input is broken and
         restarts; one that answers had two poison inputs in a row, and takes work again."""
         if await self._probe(device):
-            device.state = DeviceState.IDLE
+            self._health.cleared(device)
             self._hand_turn(device)
-            device.failed_first_tries = 0
             self.faults["device_cleared"] += 1
             log.warning("%s answered its probe after two failed first tries; it takes work again",
                         device.name)  # fmt: skip
             self._listener.health_changed()
             return
-        device.state = DeviceState.SUSPECT  # a probe that hung left it recovering
+        self._health.suspect_failed_probe(device)
         self._mark_failing(device, "failed two first tries in a row, then its probe")
         self._listener.health_changed()
 
     def _mark_failing(self, device: Device, why: str = "") -> None:
         """Takes the device out of service and starts its restart."""
-        why = why or f"failed {device.blame} calls whose inputs then succeeded elsewhere"
+        blame = self._health.mark_failing(device)
+        why = why or f"failed {blame} calls whose inputs then succeeded elsewhere"
         log.warning("%s %s: it takes no work and restarts", device.name, why)
-        if device.state in HEALTHY:
-            self.healthy -= 1
-        device.state = DeviceState.FAILING
         self._end_turns(device)
-        device.failures.clear()
-        device.blame = 0
-        device.failed_first_tries = 0
         self.faults["device_failing"] += 1
         self._tasks.start(self._restart(device), name=f"batchserve-restart-{device.name}")
 
     def poison_found(self, request: QueuedRequest) -> None:
         """A poison input explains the failed calls it was in: they no longer count against
         their devices."""
-        for device in self._devices:
-            device.failures = [ids for ids in device.failures if _who(request) not in ids]
+        self._health.poison_found(self._devices, _who(request))
 
     async def _restart(self, device: Device) -> None:
         """Loads the device's versions again on a fresh thread and probes it; rejoins when
         the probe answers, else backs off, doubling, and tries again."""
-        delay_s = FIRST_RESTART_DELAY_S
+        backoff = Backoff(FIRST_RESTART_DELAY_S)
         while True:
-            device.state = DeviceState.FAILING
+            self._health.restarting(device)
             log.warning("restarting %s: loading its models again on a fresh thread", device.name)
             device.thread.stop()
             device.thread = DeviceThread(device.name)
@@ -586,9 +533,10 @@ class GpuPool:
             if problem is not None:
                 log.warning("%s failed to restart: %s", device.name, problem)
             self.faults["restart_failed"] += 1
-            log.warning("%s stays out; next restart in %.1f s", device.name, delay_s)
-            await sleep_until(self._clock, self._clock.time() + delay_s)
-            delay_s = min(2 * delay_s, MAX_PROBE_DELAY_S)
+            now = self._clock.time()
+            due = backoff.next_at(now)
+            log.warning("%s stays out; next restart in %.1f s", device.name, due - now)
+            await sleep_until(self._clock, due)
         self._rejoin(device, "device_restarted", "restarted and answered its probe")
 
     async def _reload(self, device: Device) -> str | None:
@@ -625,12 +573,11 @@ class GpuPool:
     ) -> None:
         key = device.key
         assert key is not None
-        device.state = DeviceState.HUNG
+        self._health.hung(device)
         self._end_turns(device)
         device.busy_since = None
         device.key = None
         device.batch = []
-        self.healthy -= 1
         error = BackendError(
             f"the batch call on {device.name} ran past its budget of {budget_s * 1e3:.0f} ms"
         )
@@ -646,20 +593,18 @@ class GpuPool:
         """After a hung call returns (its results are dropped), probes until one answers."""
         self.faults["late_result_discarded"] += 1
         log.warning("the hung call on %s returned; its results were discarded", device.name)
-        device.state = DeviceState.RECOVERING
-        delay_s = self._probe_budget_s(device)
+        self._health.hung_call_returned(device)
+        backoff = Backoff(self._probe_budget_s(device))
         while True:
-            await sleep_until(self._clock, self._clock.time() + delay_s)
+            await sleep_until(self._clock, backoff.next_at(self._clock.time()))
             if await self._probe(device):
                 break
-            delay_s = min(2 * delay_s, MAX_PROBE_DELAY_S)
         self._rejoin(device, "device_recovered", "answered its probe in time")
 
     def _rejoin(self, device: Device, fault: str, how: str) -> None:
         """A device out of service (hung, or failing) takes work again."""
-        device.state = DeviceState.IDLE
+        self._health.rejoin(device)
         self._hand_turn(device)
-        self.healthy += 1
         self.faults[fault] += 1
         log.warning("%s %s; it takes work again", device.name, how)
         self._listener.health_changed()
@@ -681,9 +626,9 @@ class GpuPool:
                 problem = f"failed: {type(exc).__name__}: {exc}"
         else:
             problem = f"ran past {budget_s * 1e3:.0f} ms"
-            device.state = DeviceState.HUNG
+            self._health.probe_hung(device)
             await asyncio.wait((call,))  # never a second call while one is inside
-            device.state = DeviceState.RECOVERING
+            self._health.probe_returned(device)
         self.faults["probe_failed"] += 1
         log.warning("the probe of %s %s", device.name, problem)
         return False
@@ -731,10 +676,6 @@ def _run_checked(fn: BatchFn, params: Mapping[str, Any] | None, inputs: list[str
             problem = f"the batch function returned an output that is not JSON: {exc}"
             raise Malformed(problem) from None
     return returned
-
-
-Who = tuple[str, str, bool]
-"""A request among those in flight: ids are per tenant, so the id alone is not enough."""
 
 
 def _who(request: QueuedRequest) -> Who:

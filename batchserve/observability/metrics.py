@@ -30,9 +30,10 @@ from prometheus_client.registry import Collector
 from ..batcher import Batcher
 from ..batching.request import QueuedRequest, Result
 from ..clock import Clock
+from ..devices.health import HEALTHY, DeviceState
 from ..generation.models import Generators
 from ..generation.request import Generation
-from ..gpu_pool import HEALTHY, DeviceState, GpuPool
+from ..gpu_pool import GpuPool
 from ..models.registry import Registry
 from .loop_metrics import LoopCount, LoopCounters, LoopHistogram, LoopHistograms
 
