@@ -14,30 +14,26 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections import Counter, deque
-from collections.abc import Awaitable, Mapping
-from dataclasses import dataclass, field
+from collections import Counter
 from typing import Any, Protocol
-
-import orjson
 
 from .batching.faults import PROBE_INPUT, BatchFailure, FailureKind
 from .batching.request import QueuedRequest, Result
 from .clock import Clock, Timer, sleep_until, wait_until
+from .devices import loading
+from .devices.device import Device, Malformed, padded, run_checked, who
 from .devices.health import (
     FIRST_RESTART_DELAY_S,
     HEALTHY,
     Backoff,
-    DeviceHealth,
     DeviceState,
     Health,
     Verdict,
-    Who,
 )
 from .devices.thread import DeviceThread
 from .errors import BackendError, BatchserveError, StartupError
 from .models.registry import Key, ModelVersion
-from .models.specs import DEFAULT_MODEL, BatchFn
+from .models.specs import DEFAULT_MODEL
 from .tasks import CrashHandler, TaskSet
 
 log = logging.getLogger(__name__)
@@ -59,51 +55,8 @@ class PoolListener(Protocol):
         """A device went unhealthy or came back."""
 
 
-BUSY_WINDOW_S = 10.0
 LOGGED_IDS = 5
 """A failed batch's log line names this many request ids and counts the rest."""
-
-
-@dataclass(eq=False)
-class Device(DeviceHealth):
-    """A device: its thread, what it holds and runs, and (inherited, so that the hot paths
-    read `device.state` directly) its health, which `Health` moves."""
-
-    name: str
-    thread: DeviceThread
-    fns: dict[ModelVersion, BatchFn] = field(default_factory=dict)
-    """The batch function of each model version loaded here."""
-    busy_since: float | None = None
-    key: Key | None = None
-    """The compatibility key of the batch running now."""
-    batch: list[QueuedRequest] = field(default_factory=list)
-    busy_total_s: float = 0.0
-    """Time spent in finished batch calls, for the busy ratio."""
-    recent_calls: deque[tuple[float, float]] = field(default_factory=deque)
-    """(start, end) of the calls that ended in the last BUSY_WINDOW_S."""
-    turns: deque[asyncio.Future[bool]] = field(default_factory=deque)
-    """Calls of the pool's own (a new version's warm-up) waiting for the device to be free:
-    each takes it before the batcher can, once the call inside has returned."""
-
-    def call_ended(self, started: float, finished: float) -> None:
-        """Counts a call in the busy ratio; the window drops what it no longer covers here
-        too, not only when the ratio is read (by a scrape that may never come)."""
-        self.busy_total_s += finished - started
-        self.recent_calls.append((started, finished))
-        self._forget_calls_before(finished - BUSY_WINDOW_S)
-
-    def busy_ratio(self, now: float) -> float:
-        """Share of the last BUSY_WINDOW_S spent inside batch calls."""
-        since = now - BUSY_WINDOW_S
-        self._forget_calls_before(since)
-        busy = sum(end - max(start, since) for start, end in self.recent_calls)
-        if self.busy_since is not None:
-            busy += now - max(self.busy_since, since)
-        return min(1.0, busy / BUSY_WINDOW_S)
-
-    def _forget_calls_before(self, since: float) -> None:
-        while self.recent_calls and self.recent_calls[0][1] <= since:
-            self.recent_calls.popleft()
 
 
 class GpuPool:
@@ -228,94 +181,24 @@ class GpuPool:
         return self
 
     async def load(self, version: ModelVersion, *, beside_serving: bool = False) -> list[str]:
-        """Calls `version`'s factory for each of its devices; returns what failed. At
-        start-up each load runs on its device's thread. `beside_serving` (a version added
-        while serving) loads on a thread of its own, so that the versions already on the
-        device keep serving meanwhile, then runs a warm-up batch of one input on the
-        device's own thread, in its turn (`_warm_up`); a device whose warm-up fails does
-        not take the version."""
+        """Loads `version` on its devices in service (see `devices/loading.py`); returns
+        what failed."""
         devices = [
             d for d in self._devices if d.name in version.device_names and d.state in HEALTHY
         ]
-        loads: list[Awaitable[BatchFn]] = [
-            self._load_beside(version, d)
-            if beside_serving
-            else d.thread.submit(version.factory, d.name)
-            for d in devices
-        ]
-        loaded = await asyncio.gather(*loads, return_exceptions=True)
-        problems: list[str] = []
-        for device, fn in zip(devices, loaded, strict=True):
-            if isinstance(fn, BaseException):
-                cause = fn if isinstance(fn, StartupError) else f"{type(fn).__name__}: {fn}"
-                what = "" if version.name == DEFAULT_MODEL else f" {version.spec.label}"
-                problems.append(f"device {device.name} failed to load{what}: {cause}")
-                continue
-            if not version.loaded_on:
-                version.learn(fn)
-            device.fns[version] = fn
-            self._sharing.clear()
-            version.loaded_on.append(device.name)
+        problems = await loading.load(
+            devices, version, beside_serving=beside_serving, freed=self._freed
+        )
+        self._sharing.clear()
         return problems
 
-    async def _load_beside(self, version: ModelVersion, device: Device) -> BatchFn:
-        fn = await asyncio.to_thread(version.factory, device.name)
-        await self._warm_up(device, fn)
-        return fn
-
-    async def _warm_up(self, device: Device, fn: BatchFn) -> None:
-        """One input through `fn` on the device's own thread, once the device is free and
-        taken for it: never beside a batch (the backend contract is one call at a time),
-        and never queued on the thread ahead of a batch whose budget would then run out.
-        Raises StartupError if the call fails or the device leaves service first."""
-        if not await self._take_turn(device):
-            raise StartupError("the device left service before its warm-up batch")
-        try:
-            run = functools.partial(_run_checked, fn, None)
-            await device.thread.submit(run, [WARM_UP_INPUT])
-        except Exception as exc:
-            raise StartupError(f"its warm-up batch failed: {type(exc).__name__}: {exc}") from None
-        finally:
-            if not self._hand_turn(device):
-                device.state = DeviceState.IDLE
-                self._listener.health_changed()  # wakes the batcher for the free device
-
-    async def _take_turn(self, device: Device) -> bool:
-        """Takes the device (busy, holding no batch) for a call of the pool's own as soon
-        as it is free; False if it leaves service first (hung, failing)."""
-        if device.state not in HEALTHY:
-            return False
-        if device.state is DeviceState.IDLE and all(turn.done() for turn in device.turns):
-            device.state = DeviceState.BUSY
-            return True
-        turn: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-        device.turns.append(turn)
-        return await turn
-
-    def _hand_turn(self, device: Device) -> bool:
-        """A device just freed goes to the first call of the pool's own that waits for it,
-        not to the batcher; True if one took it."""
-        while device.turns:
-            turn = device.turns.popleft()
-            if not turn.done():  # its waiter may have been cancelled
-                device.state = DeviceState.BUSY
-                turn.set_result(True)
-                return True
-        return False
-
-    def _end_turns(self, device: Device) -> None:
-        """The device left service: what waited for its turn does without it."""
-        while device.turns:
-            turn = device.turns.popleft()
-            if not turn.done():
-                turn.set_result(False)
+    def _freed(self) -> None:
+        self._listener.health_changed()  # wakes the batcher for the free device
 
     def unload(self, version: ModelVersion) -> None:
         """Drops `version`'s batch functions, so that its weights can be freed; the caller
         has made sure none of its batches runs."""
-        for device in self._devices:
-            device.fns.pop(version, None)
-        version.loaded_on.clear()
+        loading.unload(self._devices, version)
         self._sharing.clear()
 
     def running(self, version: ModelVersion) -> bool:
@@ -351,11 +234,11 @@ class GpuPool:
             request.running = True
         # Submitted here, not in the task's first step: that step would queue behind every
         # handler that the last finished batch just woke, leaving the device idle meanwhile.
-        run = functools.partial(_run_checked, device.fns[version], key.params)
+        run = functools.partial(run_checked, device.fns[version], key.params)
         call = device.thread.submit(run, [r.input for r in batch])
         # A plain timer, not asyncio.wait: that would add a loop pass between the call's end
         # and this device's next batch, and under load each pass waits behind every handler.
-        budget_s = version.call_budget_s(_padded(batch))
+        budget_s = version.call_budget_s(padded(batch))
         watchdog = self._clock.call_at(
             started + budget_s, self._hung, device, batch, batch_id, budget_s
         )
@@ -400,15 +283,15 @@ class GpuPool:
         if isinstance(returned, Exception):
             self._call_failed(device, batch, key, batch_id, returned)
             if device.state is DeviceState.IDLE:
-                self._hand_turn(device)
+                device.hand_turn()
             return
         self._health.call_succeeded(device)
         if batch[0].failed_on:  # a rescue: where it failed before may have been to blame
             self._exonerate(device, batch)
         outputs = returned
         version = key.version
-        version.estimate.observe(finished - started, _padded(batch))
-        self._hand_turn(device)
+        version.estimate.observe(finished - started, padded(batch))
+        device.hand_turn()
         # Wake the batcher before the waiting handlers: its wake-up is then queued ahead of
         # theirs, so the device gets its next batch before a hundred responses are written.
         self._listener.batch_done(batch, started, finished)
@@ -455,7 +338,7 @@ class GpuPool:
         first_try = not any(request.failed_on for request in batch)
         for request in batch:
             request.failed_on += (device.name,)
-        verdict = self._health.call_failed(device, {_who(r) for r in batch}, first_try=first_try)
+        verdict = self._health.call_failed(device, {who(r) for r in batch}, first_try=first_try)
         if verdict is Verdict.SUSPECT:
             self._tasks.start(self._check(device), name=f"batchserve-check-{device.name}")
             self._failed(
@@ -481,7 +364,7 @@ class GpuPool:
         """A rescued batch succeeded on `device`: where its requests failed before, on other
         devices, a failed call none of whose inputs is left unanswered was the device's
         fault."""
-        answered = {_who(r) for r in batch}
+        answered = {who(r) for r in batch}
         names = {name for r in batch for name in r.failed_on} - {device.name}
         for other in self._devices:
             if other.name in names and self._health.exonerate(other, answered):
@@ -493,7 +376,7 @@ class GpuPool:
         restarts; one that answers had two poison inputs in a row, and takes work again."""
         if await self._probe(device):
             self._health.cleared(device)
-            self._hand_turn(device)
+            device.hand_turn()
             self.faults["device_cleared"] += 1
             log.warning("%s answered its probe after two failed first tries; it takes work again",
                         device.name)  # fmt: skip
@@ -508,14 +391,14 @@ class GpuPool:
         blame = self._health.mark_failing(device)
         why = why or f"failed {blame} calls whose inputs then succeeded elsewhere"
         log.warning("%s %s: it takes no work and restarts", device.name, why)
-        self._end_turns(device)
+        device.end_turns()
         self.faults["device_failing"] += 1
         self._tasks.start(self._restart(device), name=f"batchserve-restart-{device.name}")
 
     def poison_found(self, request: QueuedRequest) -> None:
         """A poison input explains the failed calls it was in: they no longer count against
         their devices."""
-        self._health.poison_found(self._devices, _who(request))
+        self._health.poison_found(self._devices, who(request))
 
     async def _restart(self, device: Device) -> None:
         """Loads the device's versions again on a fresh thread and probes it; rejoins when
@@ -527,7 +410,7 @@ class GpuPool:
             device.thread.stop()
             device.thread = DeviceThread(device.name)
             device.thread.start(asyncio.get_running_loop())
-            problem = await self._reload(device)
+            problem = await loading.reload(device)
             if problem is None and await self._probe(device):
                 break
             if problem is not None:
@@ -538,15 +421,6 @@ class GpuPool:
             log.warning("%s stays out; next restart in %.1f s", device.name, due - now)
             await sleep_until(self._clock, due)
         self._rejoin(device, "device_restarted", "restarted and answered its probe")
-
-    async def _reload(self, device: Device) -> str | None:
-        """Calls each loaded version's factory again on the device's thread; what failed."""
-        for version in list(device.fns):
-            try:
-                device.fns[version] = await device.thread.submit(version.factory, device.name)
-            except Exception as exc:
-                return f"{version.spec.label}: {type(exc).__name__}: {exc}"
-        return None
 
     def _failed(
         self, batch: list[QueuedRequest], key: Key, failure: BatchFailure, then: str = ""
@@ -574,7 +448,7 @@ class GpuPool:
         key = device.key
         assert key is not None
         self._health.hung(device)
-        self._end_turns(device)
+        device.end_turns()
         device.busy_since = None
         device.key = None
         device.batch = []
@@ -604,7 +478,7 @@ class GpuPool:
     def _rejoin(self, device: Device, fault: str, how: str) -> None:
         """A device out of service (hung, or failing) takes work again."""
         self._health.rejoin(device)
-        self._hand_turn(device)
+        device.hand_turn()
         self.faults[fault] += 1
         log.warning("%s %s; it takes work again", device.name, how)
         self._listener.health_changed()
@@ -616,7 +490,7 @@ class GpuPool:
     async def _probe(self, device: Device) -> bool:
         """One input through the first version loaded on the device."""
         budget_s = self._probe_budget_s(device)
-        run = functools.partial(_run_checked, next(iter(device.fns.values())), None)
+        run = functools.partial(run_checked, next(iter(device.fns.values())), None)
         call = device.thread.submit(run, [PROBE_INPUT])
         if await wait_until(self._clock, call, self._clock.time() + budget_s):
             try:
@@ -634,9 +508,6 @@ class GpuPool:
         return False
 
 
-WARM_UP_INPUT = "batchserve warm-up"
-
-
 class _NoListener:
     """The listener of a pool not yet listened to: it never starts (see `listen`)."""
 
@@ -651,37 +522,3 @@ class _NoListener:
 
 
 _NO_LISTENER = _NoListener()
-
-
-class Malformed(Exception):
-    """The batch function answered, but not with one JSON value per input."""
-
-
-def _run_checked(fn: BatchFn, params: Mapping[str, Any] | None, inputs: list[str]) -> list[Any]:
-    """On the device's thread: one batch call, and the check of what it returned, so that
-    checking large outputs (vectors) costs the event loop nothing."""
-    returned = fn(inputs, **params) if params else fn(inputs)
-    if not isinstance(returned, list):
-        raise Malformed(
-            f"the batch function returned {type(returned).__name__}, not a list of outputs"
-        )
-    if len(returned) != len(inputs):
-        raise Malformed(
-            f"the batch function returned {len(returned)} outputs for {len(inputs)} inputs"
-        )
-    if not all(type(item) is str for item in returned):
-        try:
-            orjson.dumps(returned, option=orjson.OPT_SERIALIZE_NUMPY)
-        except TypeError as exc:
-            problem = f"the batch function returned an output that is not JSON: {exc}"
-            raise Malformed(problem) from None
-    return returned
-
-
-def _who(request: QueuedRequest) -> Who:
-    return (request.tenant, request.request_id, request.part)
-
-
-def _padded(batch: list[QueuedRequest]) -> int:
-    """What a padded batch computes over: its size times its longest input."""
-    return len(batch) * max(request.tokens for request in batch)

@@ -12,8 +12,9 @@ import pytest
 from batchserve.batching.faults import PROBE_INPUT, BatchFailure, FailureKind
 from batchserve.batching.request import QueuedRequest, Result
 from batchserve.clock import FakeClock
+from batchserve.devices.loading import WARM_UP_INPUT
 from batchserve.errors import StartupError
-from batchserve.gpu_pool import WARM_UP_INPUT, GpuPool
+from batchserve.gpu_pool import GpuPool
 from batchserve.models.backends import POISON_MARKER
 from batchserve.models.registry import Key
 from batchserve.models.specs import BatchFn
