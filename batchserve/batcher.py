@@ -13,6 +13,9 @@ or a policy's own wake-up time comes.
 The batcher is the pool's listener (the pool calls it when a batch ends or a device's health
 changes). What runs again after a failed batch is `batching/rescue.py`'s, and the refusal of
 requests predicted to be late is `batching/shedding.py`'s: the batcher owns one of each.
+
+Batcher has about 26 methods: its public face (submit, discard, fail_queued, the pool's
+three callbacks, stats and capacity queries for the engine and metrics) plus the loop's.
 """
 
 from __future__ import annotations

@@ -3,10 +3,15 @@
 The pool loads each device's batch function on that device's thread (so weights land where
 they will be used), runs batches there, checks what comes back and resolves the waiting
 futures on the event loop. A failed batch goes back to its listener (the batcher, which
-decides what runs again). A call past its budget marks its device hung:
-the device gets no work until that call has returned and a probe has answered in time. The
-pool owns every task it starts and cancels what is left of them on close. Each successful
-call's duration goes into the engine's one batch-time estimate; all timing reads its clock.
+decides what runs again). A call past its budget marks its device hung: the device gets no
+work until that call has returned and a probe has answered in time. The pool owns every
+task it starts and cancels what is left of them on close. Each successful call's duration
+goes into the engine's one batch-time estimate; all timing reads its clock. Its wings are
+in devices/: the Device record, version loading, the pure health state machine, and the
+care (probes, restarts) of devices out of service.
+
+GpuPool has about 29 methods: 11 are one-line queries the batcher asks of the devices at
+each decision (free_for, healthy_avoiding, ...), which belong with the devices they count.
 """
 
 from __future__ import annotations
@@ -17,15 +22,14 @@ import logging
 from collections import Counter
 from typing import Any, Protocol
 
-from .batching.faults import PROBE_INPUT, BatchFailure, FailureKind
+from .batching.faults import BatchFailure, FailureKind
 from .batching.request import QueuedRequest, Result
-from .clock import Clock, Timer, sleep_until, wait_until
+from .clock import Clock, Timer
 from .devices import loading
+from .devices.care import Care
 from .devices.device import Device, Malformed, padded, run_checked, who
 from .devices.health import (
-    FIRST_RESTART_DELAY_S,
     HEALTHY,
-    Backoff,
     DeviceState,
     Health,
     Verdict,
@@ -81,6 +85,13 @@ class GpuPool:
         """`sharing`'s answers, until a load or unload changes what the devices hold."""
         self.faults: Counter[str] = Counter()
         """Faults by kind, counted in the logs and on /metrics."""
+        self._care = Care(
+            self._health,
+            clock=clock,
+            faults=self.faults,
+            tasks=self._tasks,
+            changed=self._health_changed,
+        )
 
     def __repr__(self) -> str:
         return (
@@ -195,6 +206,9 @@ class GpuPool:
     def _freed(self) -> None:
         self._listener.health_changed()  # wakes the batcher for the free device
 
+    def _health_changed(self) -> None:
+        self._listener.health_changed()  # a listener set by `listen` after construction
+
     def unload(self, version: ModelVersion) -> None:
         """Drops `version`'s batch functions, so that its weights can be freed; the caller
         has made sure none of its batches runs."""
@@ -269,7 +283,7 @@ class GpuPool:
             returned = exc
         watchdog.cancel()
         if device.state is DeviceState.HUNG:  # the watchdog already handed the batch back
-            await self._recover(device)
+            await self._care.recover(device)
             return
         key = device.key
         assert key is not None
@@ -340,7 +354,7 @@ class GpuPool:
             request.failed_on += (device.name,)
         verdict = self._health.call_failed(device, {who(r) for r in batch}, first_try=first_try)
         if verdict is Verdict.SUSPECT:
-            self._tasks.start(self._check(device), name=f"batchserve-check-{device.name}")
+            self._tasks.start(self._care.check(device), name=f"batchserve-check-{device.name}")
             self._failed(
                 batch,
                 key,
@@ -351,7 +365,7 @@ class GpuPool:
         if verdict is Verdict.INPUTS:
             self._failed(batch, key, BatchFailure(kind, error, device.name, batch_id, shared))
             return
-        self._mark_failing(device)
+        self._care.mark_failing(device)
         self._failed(
             batch,
             key,
@@ -368,59 +382,13 @@ class GpuPool:
         names = {name for r in batch for name in r.failed_on} - {device.name}
         for other in self._devices:
             if other.name in names and self._health.exonerate(other, answered):
-                self._mark_failing(other)
+                self._care.mark_failing(other)
                 self._listener.health_changed()
-
-    async def _check(self, device: Device) -> None:
-        """Probes a suspect device: one that fails a known-good input is broken and
-        restarts; one that answers had two poison inputs in a row, and takes work again."""
-        if await self._probe(device):
-            self._health.cleared(device)
-            device.hand_turn()
-            self.faults["device_cleared"] += 1
-            log.warning("%s answered its probe after two failed first tries; it takes work again",
-                        device.name)  # fmt: skip
-            self._listener.health_changed()
-            return
-        self._health.suspect_failed_probe(device)
-        self._mark_failing(device, "failed two first tries in a row, then its probe")
-        self._listener.health_changed()
-
-    def _mark_failing(self, device: Device, why: str = "") -> None:
-        """Takes the device out of service and starts its restart."""
-        blame = self._health.mark_failing(device)
-        why = why or f"failed {blame} calls whose inputs then succeeded elsewhere"
-        log.warning("%s %s: it takes no work and restarts", device.name, why)
-        device.end_turns()
-        self.faults["device_failing"] += 1
-        self._tasks.start(self._restart(device), name=f"batchserve-restart-{device.name}")
 
     def poison_found(self, request: QueuedRequest) -> None:
         """A poison input explains the failed calls it was in: they no longer count against
         their devices."""
         self._health.poison_found(self._devices, who(request))
-
-    async def _restart(self, device: Device) -> None:
-        """Loads the device's versions again on a fresh thread and probes it; rejoins when
-        the probe answers, else backs off, doubling, and tries again."""
-        backoff = Backoff(FIRST_RESTART_DELAY_S)
-        while True:
-            self._health.restarting(device)
-            log.warning("restarting %s: loading its models again on a fresh thread", device.name)
-            device.thread.stop()
-            device.thread = DeviceThread(device.name)
-            device.thread.start(asyncio.get_running_loop())
-            problem = await loading.reload(device)
-            if problem is None and await self._probe(device):
-                break
-            if problem is not None:
-                log.warning("%s failed to restart: %s", device.name, problem)
-            self.faults["restart_failed"] += 1
-            now = self._clock.time()
-            due = backoff.next_at(now)
-            log.warning("%s stays out; next restart in %.1f s", device.name, due - now)
-            await sleep_until(self._clock, due)
-        self._rejoin(device, "device_restarted", "restarted and answered its probe")
 
     def _failed(
         self, batch: list[QueuedRequest], key: Key, failure: BatchFailure, then: str = ""
@@ -462,50 +430,6 @@ class GpuPool:
             then="; the device gets no work until a probe answers in time",
         )
         self._listener.health_changed()
-
-    async def _recover(self, device: Device) -> None:
-        """After a hung call returns (its results are dropped), probes until one answers."""
-        self.faults["late_result_discarded"] += 1
-        log.warning("the hung call on %s returned; its results were discarded", device.name)
-        self._health.hung_call_returned(device)
-        backoff = Backoff(self._probe_budget_s(device))
-        while True:
-            await sleep_until(self._clock, backoff.next_at(self._clock.time()))
-            if await self._probe(device):
-                break
-        self._rejoin(device, "device_recovered", "answered its probe in time")
-
-    def _rejoin(self, device: Device, fault: str, how: str) -> None:
-        """A device out of service (hung, or failing) takes work again."""
-        self._health.rejoin(device)
-        device.hand_turn()
-        self.faults[fault] += 1
-        log.warning("%s %s; it takes work again", device.name, how)
-        self._listener.health_changed()
-
-    def _probe_budget_s(self, device: Device) -> float:
-        version = next(iter(device.fns))
-        return version.call_budget_s(1)
-
-    async def _probe(self, device: Device) -> bool:
-        """One input through the first version loaded on the device."""
-        budget_s = self._probe_budget_s(device)
-        run = functools.partial(run_checked, next(iter(device.fns.values())), None)
-        call = device.thread.submit(run, [PROBE_INPUT])
-        if await wait_until(self._clock, call, self._clock.time() + budget_s):
-            try:
-                call.result()
-                return True
-            except Exception as exc:
-                problem = f"failed: {type(exc).__name__}: {exc}"
-        else:
-            problem = f"ran past {budget_s * 1e3:.0f} ms"
-            self._health.probe_hung(device)
-            await asyncio.wait((call,))  # never a second call while one is inside
-            self._health.probe_returned(device)
-        self.faults["probe_failed"] += 1
-        log.warning("the probe of %s %s", device.name, problem)
-        return False
 
 
 class _NoListener:
