@@ -7,7 +7,6 @@ import sys
 import pytest
 
 from batchserve.config import Config
-from batchserve.devices.names import parse_devices
 from batchserve.errors import StartupError
 from batchserve.models.backends import (
     SimulatedDevice,
@@ -15,6 +14,7 @@ from batchserve.models.backends import (
     device_factory,
     simulate,
 )
+from batchserve.models.device_names import parse_devices
 from batchserve.models.specs import BatchFn, DeviceFactory, default_spec
 
 from . import sample_models

@@ -9,7 +9,7 @@ import aiohttp
 import pytest
 import torch
 
-from batchserve.devices.names import parse_devices
+from batchserve.models.device_names import parse_devices
 
 from . import sample_models
 from .conftest import real_server

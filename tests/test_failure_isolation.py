@@ -19,9 +19,9 @@ from batchserve.batching.faults import PROBE_INPUT
 from batchserve.batching.request import Result
 from batchserve.clock import FakeClock
 from batchserve.config import Config
+from batchserve.devices.loading import WARM_UP_INPUT
 from batchserve.engine.core import Engine
 from batchserve.errors import BackendError
-from batchserve.gpu_pool import WARM_UP_INPUT
 from batchserve.models.backends import POISON_MARKER, simulate
 from batchserve.rules.tenants import Tenant
 

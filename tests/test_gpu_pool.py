@@ -12,8 +12,9 @@ import pytest
 from batchserve.batching.faults import PROBE_INPUT, BatchFailure, FailureKind
 from batchserve.batching.request import QueuedRequest, Result
 from batchserve.clock import FakeClock
+from batchserve.devices.loading import WARM_UP_INPUT
 from batchserve.errors import StartupError
-from batchserve.gpu_pool import WARM_UP_INPUT, GpuPool
+from batchserve.gpu_pool import GpuPool
 from batchserve.models.backends import POISON_MARKER
 from batchserve.models.registry import Key
 from batchserve.models.specs import BatchFn
@@ -255,3 +256,40 @@ async def test_a_device_whose_warm_up_fails_does_not_take_the_version(pool_of, g
     assert added.loaded_on == ["sim:0"]
     assert [added in device.fns for device in pool.devices] == [True, False]
     assert (pool.states(), pool.free_for(added)) == ({"sim:0": "idle", "sim:1": "idle"}, 1)
+
+
+async def test_the_pool_starts_only_with_one_listener(gated):
+    """The batcher listens to the pool directly (no relay): a pool nobody listens to would
+    drop its failed batches, so it refuses to start, and a second listener is refused."""
+    pool = GpuPool([sim_version(gated)], clock=FakeClock(), on_crash=crash)
+    with pytest.raises(RuntimeError, match="needs a listener"):
+        await pool.__aenter__()
+    pool.listen(Heard())
+    with pytest.raises(RuntimeError, match="has a listener already"):
+        pool.listen(Heard())
+
+
+@dataclass
+class HeardRunning(Heard):
+    """Also notes, as each failed batch comes back, whether its requests read as running."""
+
+    running: list[list[bool]] = field(default_factory=list)
+
+    def batch_failed(self, batch: list[QueuedRequest], key: Key, failure: BatchFailure) -> None:
+        self.running.append([request.running for request in batch])
+        super().batch_failed(batch, key, failure)
+
+
+async def test_the_pool_alone_says_whether_a_request_is_running(gated):
+    """`running` has one writer: the pool sets it at dispatch and clears it before it hands
+    a failed batch back, so its listener gets the batch as queued again."""
+    gated.gate.set()
+    gated.malformed_calls = 1
+    clock, heard = FakeClock(), HeardRunning()
+    pool = GpuPool([sim_version(gated)], clock=clock, listener=heard, on_crash=crash)
+    async with pool:
+        batch, key = batch_of(pool, clock, "x", "y")
+        pool.dispatch(batch, 1, key)
+        assert [request.running for request in batch] == [True, True]
+        assert await heard.next() == ("failed", (2, FailureKind.MALFORMED))
+        assert heard.running == [[False, False]]

@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from batchserve.batching.request import Result
 from batchserve.clock import FakeClock
-from batchserve.gpu_pool import BUSY_WINDOW_S, Device
+from batchserve.devices.device import BUSY_WINDOW_S, Device
 from batchserve.models.backends import POISON_MARKER, simulated_factory
 from batchserve.observability.metrics import (
     WINDOW_S,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from batchserve.gpu_pool import WARM_UP_INPUT
+from batchserve.devices.loading import WARM_UP_INPUT
 from batchserve.models.backends import simulate
 
 from .conftest import TWO_TENANT_KEYS, GatedBackend, reach

@@ -183,6 +183,3 @@ def split(batch: list[QueuedRequest], parts: int) -> list[list[QueuedRequest]]:
 
 PROBE_INPUT = "batchserve-probe"
 """The one input of the batch that tests whether a device that hung answers again."""
-
-MAX_PROBE_DELAY_S = 30.0
-"""Probes start one budget after the hung call returns and back off, doubling, to this."""

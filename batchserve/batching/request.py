@@ -93,7 +93,8 @@ class QueuedRequest:
     rescue_round: int = 0
     """How many failed calls it has been in: isolation's rounds, for the chaos numbers."""
     running: bool = False
-    """Set when a batch carrying it starts on a device (for the status API)."""
+    """Whether a batch carrying it is on a device now (for the status API). The pool alone
+    writes it: set at dispatch, cleared when it hands a failed batch back."""
     part: bool = False
     """One input of a request of several (an embeddings call): its id is apart from the
     ids clients send."""

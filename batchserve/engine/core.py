@@ -31,7 +31,7 @@ from typing import Any
 
 from ..batcher import Batcher, BatcherStats, length_bucket
 from ..batching.deadlines import Deadlines
-from ..batching.faults import BatchFailure, RetryBudget
+from ..batching.faults import RetryBudget
 from ..batching.request import Ask, QueuedRequest, Result, Ticket, new_request_id
 from ..clock import Clock, LoopClock, Timer, wait_until
 from ..config import Config
@@ -138,7 +138,7 @@ class Engine:
         self._generating: dict[InFlightKey, Generation] = {}
         self._no_generations = asyncio.Event()
         self._no_generations.set()
-        self._pool = GpuPool(versions, clock=self.clock, listener=self, on_crash=self._crashed)
+        self._pool = GpuPool(versions, clock=self.clock, on_crash=self._crashed)
         self.device_names = [device.name for device in self._pool.devices]
         self._batcher = Batcher(
             self._pool,
@@ -164,6 +164,8 @@ class Engine:
             if config.metrics
             else None
         )
+        if self.metrics is not None:
+            self._batcher.on_batch_ran = self.metrics.batch_ran
         self._recorder = Recorder(self.metrics, config.access_log)
         self._admission = Admission(config)
         self._stack = contextlib.AsyncExitStack()
@@ -560,19 +562,6 @@ class Engine:
         self, request: QueuedRequest, expiry: Timer | None, tenant: Tenant | None, ticket: Ticket
     ) -> None:
         self.settle("requests", request, expiry, tenant, ticket.outcome())
-
-    # The pool's listener: it tells what happened to a batch or a device.
-
-    def batch_done(self, batch: list[QueuedRequest], started: float, finished: float) -> None:
-        self._batcher.batch_done(finished, len(batch))
-        if self.metrics is not None:
-            self.metrics.batch_ran(batch, started, finished)
-
-    def batch_failed(self, batch: list[QueuedRequest], key: Key, failure: BatchFailure) -> None:
-        self._batcher.batch_failed(batch, key, failure)
-
-    def health_changed(self) -> None:
-        self._batcher.health_changed()
 
     # Versions added, reweighted and removed while serving (the admin API)
 

@@ -16,7 +16,6 @@ from typing import Any
 
 from ..clock import Clock
 from ..config import Config, GenerateMode
-from ..devices.names import parse_devices
 from ..errors import (
     BackendError,
     BatchserveError,
@@ -24,6 +23,7 @@ from ..errors import (
     ModelNotFound,
     StartupError,
 )
+from ..models.device_names import parse_devices
 from ..models.generators import (
     SIM,
     GeneratorFactory,

@@ -22,11 +22,11 @@ from typing import Any, TypeVar
 import orjson
 
 from ..config import Config
-from ..devices.names import parse_devices
 from ..errors import InvalidInput, ModelNotFound, NotReady, StartupError
 from ..rules.capacity import BatchBudget, CallTime, DecayedRate, LengthCost
 from ..rules.policy import Policy, make_policy
 from .backends import device_factory
+from .device_names import parse_devices
 from .specs import DEFAULT_MODEL, MAX_NAME, BatchFn, DeviceFactory, ModelSpec
 
 LOADING_RETRY_AFTER_S = 1.0

@@ -31,9 +31,10 @@ from prometheus_client.registry import Collector
 from ..batcher import Batcher, BatcherSnapshot
 from ..batching.request import QueuedRequest, Result
 from ..clock import Clock
+from ..devices.health import HEALTHY, DeviceState
 from ..generation.models import GenerationStats, Generators
 from ..generation.request import Generation
-from ..gpu_pool import HEALTHY, DeviceState, GpuPool, PoolStats
+from ..gpu_pool import GpuPool, PoolStats
 from ..models.registry import Registry
 from .loop_metrics import LoopCount, LoopCounters, LoopHistogram, LoopHistograms
 

@@ -1,0 +1,55 @@
+"""Shedding: refusing at once (503) a request predicted to miss its deadline.
+
+On only where tenants are configured (their tiers order who is shed first). The batcher
+owns one `Shedding` and asks it at each arrival, with what the request would wait behind
+and the capacity its version can count on; this module owns the arrival rates by tier.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ..errors import Overloaded
+from ..rules.capacity import DecayedRate
+from ..rules.fair_queue import TIER_RANKS, predicted_wait_s
+from .request import QueuedRequest
+
+ADMISSION_UTILIZATION = 0.9
+"""The share of the measured capacity that shedding counts on: headroom for the policy's
+holds, partly filled batches and error in the estimate."""
+
+
+class Shedding:
+    """Arrivals a second by tier rank, and the refusal of requests that would be late."""
+
+    def __init__(self) -> None:
+        self._tier_rates = [DecayedRate() for _ in TIER_RANKS]
+        """Arrivals a second by tier rank: what higher tiers will claim of the capacity."""
+
+    def __repr__(self) -> str:
+        return f"<Shedding tiers={len(self._tier_rates)}>"
+
+    def refuse_if_late(
+        self,
+        request: QueuedRequest,
+        ahead: int,
+        capacity_rps: float | None,
+        drain_time_s: Callable[[], float],
+    ) -> None:
+        """Sheds a request predicted to miss its deadline behind the `ahead` requests that
+        go before it: the lowest tiers first, since every higher tier's queued requests are
+        ahead of theirs, and the higher tiers' new arrivals will take their share of the
+        capacity meanwhile. Raises Overloaded; else counts the arrival."""
+        call_s = request.key.version.estimate.seconds
+        if capacity_rps and call_s:  # else nothing measured yet: no grounds to refuse
+            claimed = sum(
+                rate.at(request.arrival) for rate in self._tier_rates[: request.tier_rank]
+            )
+            left = capacity_rps * ADMISSION_UTILIZATION - claimed
+            wait_s = predicted_wait_s(ahead, left, call_s)
+            if wait_s > request.deadline - request.arrival:
+                raise Overloaded(
+                    f"predicted to wait {wait_s:.2f} s behind {ahead} requests, past its deadline",
+                    retry_after_s=ahead / left if left > 0 else drain_time_s(),
+                )
+        self._tier_rates[request.tier_rank].add(request.arrival, 1)
