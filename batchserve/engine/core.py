@@ -21,9 +21,7 @@ import contextlib
 import dataclasses
 import enum
 import functools
-import gc
 import logging
-import sys
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -37,30 +35,28 @@ from ..clock import Clock, LoopClock, Timer, wait_until
 from ..config import Config
 from ..errors import (
     BatchserveError,
-    Conflict,
     DuplicateRequestId,
     InputTooLarge,
     InvalidInput,
     ModelNotFound,
     NotReady,
     Overloaded,
-    StartupError,
 )
 from ..generation.models import GenerationModel, Generators, build_generation_model
 from ..generation.request import Generation
 from ..gpu_pool import GpuPool
-from ..live_config import LiveChanges, live_changes, model_changes
+from ..live_config import LiveChanges, live_changes
 from ..models.generators import Seq
-from ..models.registry import Key, ModelVersion, Registry, VersionState, build_version
+from ..models.registry import Key, Registry, build_version
 from ..models.specs import BatchFn, DeviceFactory, ModelSpec, default_spec, load_models_file
 from ..observability.metrics import Metrics
 from ..rules.admission import Admission
 from ..rules.fair_queue import TIER_RANKS
-from ..rules.policy import Policy, make_policy
+from ..rules.policy import Policy
 from ..rules.sampling_params import checked_params
 from ..rules.tenants import Tenant
-from ..tasks import TaskSet
 from .recorder import Recorder
+from .versions import Versions
 
 log = logging.getLogger(__name__)
 
@@ -167,8 +163,14 @@ class Engine:
         self._recorder = Recorder(self.metrics, config.access_log)
         self._admission = Admission(config)
         self._stack = contextlib.AsyncExitStack()
-        self._changes = TaskSet(self._crashed)
-        """Loads and unloads of model versions asked for while serving."""
+        self._versions = Versions(
+            self._registry,
+            self._pool,
+            self._batcher,
+            self.metrics,
+            require_ready=self._require_ready,
+            on_crash=self._crashed,
+        )
         self._drained: asyncio.Task[None] | None = None
         self._drain_takes_stragglers = False
         """See drain(refuse_new=False)."""
@@ -185,8 +187,7 @@ class Engine:
             await stack.enter_async_context(self._batcher)
             await stack.enter_async_context(self._generators)
             self._stack = stack.pop_all()
-        for version in self._registry:
-            version.state = VersionState.READY
+        self._versions.all_ready()
         self.phase = Phase.READY
         self.started.set()
         return self
@@ -198,7 +199,7 @@ class Engine:
             await self.drain()
         finally:
             self._deadlines.close()
-        await self._changes.aclose()
+        await self._versions.aclose()
         await self._stack.aclose()
 
     # Requests
@@ -567,78 +568,24 @@ class Engine:
     def health_changed(self) -> None:
         self._batcher.health_changed()
 
-    # Versions added, reweighted and removed while serving (the admin API)
+    # Versions added, reweighted and removed while serving (the admin API): see versions.py
 
     def add_version(self, spec: ModelSpec) -> dict[str, Any]:
         """Loads a new version in the background (beside what serves); it takes traffic
         once every device has loaded it and answered a warm-up batch."""
-        if self.phase is not Phase.READY:
-            raise NotReady(f"the server is {self.phase.value}")
-        if spec.generator is not None:
-            # Only batch models load while serving; built as one, it would ignore the field.
-            raise InvalidInput(
-                "field 'generator': a generation model cannot be added while serving; list it"
-                " in --models and restart"
-            )
-        if self._registry.get(spec.name, spec.version) is not None:
-            raise Conflict(f"{spec.label} exists; DELETE it first, or PATCH its weight")
-        try:
-            version = build_version(self.config, spec)
-        except StartupError as exc:
-            raise InvalidInput(str(exc)) from None
-        foreign = sorted(set(version.device_names) - set(self.device_names))
-        if foreign:
-            raise InvalidInput(
-                f"field 'devices': {', '.join(foreign)} is not a device of this server"
-                f" ({', '.join(self.device_names)})"
-            )
-        self._registry.add(version)
-        log.info("loading %s on %s", spec.label, ",".join(version.device_names))
-        self._changes.start(self._load(version), name=f"batchserve-load-{spec.label}")
-        return version.describe()
-
-    async def _load(self, version: ModelVersion) -> None:
-        problems = await self._pool.load(version, beside_serving=True)
-        for problem in problems:
-            log.error("%s", problem)
-        if not version.loaded_on:
-            self._registry.remove(version)
-            log.error("%s loaded on no device and is not added", version.spec.label)
-            return
-        version.state = VersionState.READY
-        log.info("%s is ready on %s and takes traffic", version.spec.label, version.loaded_on)
+        return self._versions.add(spec, self.config)
 
     def set_weight(self, name: str, version_name: str, weight: float) -> dict[str, Any]:
-        version = self._existing(name, version_name)
-        old = version.spec.weight
-        version.spec = dataclasses.replace(version.spec, weight=weight)
-        log.info("%s weight %s -> %s", version.spec.label, old, weight)
-        return version.describe()
+        return self._versions.set_weight(name, version_name, weight)
 
     def remove_version(self, name: str, version_name: str) -> dict[str, Any]:
         """Stops new traffic to a version at once; what it holds finishes, then it unloads
         and its devices' memory is freed."""
-        version = self._existing(name, version_name)
-        if version.state is VersionState.LOADING:
-            raise Conflict(f"{version.spec.label} is still loading; delete it once ready")
-        if version.state is VersionState.READY:
-            version.state = VersionState.DRAINING
-            log.info("draining %s: no new requests; those it holds finish", version.spec.label)
-            self._changes.start(self._unload(version), name=f"batchserve-unload-{name}")
-        return version.describe()
+        return self._versions.remove(name, version_name)
 
-    async def _unload(self, version: ModelVersion) -> None:
-        await self._batcher.wait_until(
-            lambda _: not self._batcher.queued_for(version) and not self._pool.running(version)
-        )
-        self._pool.unload(version)
-        self._registry.remove(version)
-        # Its metric series go with it: add/delete cycles must not grow the scrape.
-        self._batcher.forget(version.name, version.version)
-        if self.metrics is not None:
-            self.metrics.forget(version.name, version.version)
-        await asyncio.to_thread(_free_device_memory)
-        log.info("%s is unloaded", version.spec.label)
+    async def settled(self) -> None:
+        """Returns once the loads and unloads under way have finished."""
+        await self._versions.settled()
 
     def reconfigure(self, wanted: Config) -> LiveChanges:
         """Applies what a running server can change of `wanted` (see live_config.py), or
@@ -651,56 +598,13 @@ class Engine:
         changes = live_changes(self.config, wanted)
         config = changes.config
         admission = Admission(config)
-        if config.models is not None:
-            specs = [s for s in load_models_file(config.models, config) if s.generator is None]
-        else:
-            specs = [
-                dataclasses.replace(
-                    version.spec,
-                    max_batch_size=config.max_batch_size,
-                    max_linger_ms=config.max_linger_ms,
-                )
-                for version in self._registry
-            ]
-        models = model_changes([version.spec for version in self._registry], specs)
+        models = self._versions.plan(config)
         self.config = config
         self._admission = admission
         self._batcher.max_queue = config.max_queue
         self._recorder = Recorder(self.metrics, config.access_log)
-        for spec in models.retune:
-            version = self._existing(spec.name, spec.version)
-            version.spec = dataclasses.replace(
-                version.spec, max_batch_size=spec.max_batch_size, max_linger_ms=spec.max_linger_ms
-            )
-            version.policy = make_policy(
-                config.policy, version.spec, config.max_linger_ms, version.estimate
-            )
-        for spec in models.reweigh:
-            version = self._existing(spec.name, spec.version)
-            version.spec = dataclasses.replace(version.spec, weight=spec.weight)
-        for name, version_name in models.remove:
-            self._change(self.remove_version, name, version_name)
-        for spec in models.add:
-            self._change(self.add_version, spec)
+        self._versions.apply(models, config)
         return LiveChanges(config, changes.changed, [*changes.kept, *models.kept])
-
-    def _change(self, change: Callable[..., object], *args: Any) -> None:
-        """One version added or removed by a reload; one that cannot be (still loading, a
-        device this server lacks) is logged and the rest go on."""
-        try:
-            change(*args)
-        except BatchserveError as error:
-            log.error("the reload could not apply %s: %s", args[0], error)
-
-    def _existing(self, name: str, version_name: str) -> ModelVersion:
-        version = self._registry.get(name, version_name)
-        if version is None:
-            raise ModelNotFound(f"no version {version_name[:64]!r} of model {name[:64]!r}")
-        return version
-
-    async def settled(self) -> None:
-        """Returns once the loads and unloads under way have finished."""
-        await self._changes.join()
 
     # Lifecycle
 
@@ -721,6 +625,10 @@ class Engine:
             deadline = self.clock.time() + self.config.drain_timeout_s
             self._drained = asyncio.create_task(self._drain(deadline), name="batchserve-drain")
         await asyncio.shield(self._drained)
+
+    def _require_ready(self) -> None:
+        if self.phase is not Phase.READY:
+            raise NotReady(f"the server is {self.phase.value}")
 
     def _takes_stragglers(self) -> bool:
         """Draining for a server whose doors are closed: see drain(refuse_new=False)."""
@@ -844,15 +752,6 @@ def _stop_strings(stop: object) -> tuple[str, ...]:
             f" {MAX_STOP_CHARS} characters"
         )
     return tuple(stops)
-
-
-def _free_device_memory() -> None:
-    """After a version unloads: collect its weights, and give CUDA's cached blocks back
-    where torch is loaded (other processes and the next version can then use them)."""
-    gc.collect()
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.empty_cache()
 
 
 InFlightKey = tuple[str, str, bool]
