@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import enum
 import functools
 import logging
 from collections import Counter
@@ -35,12 +34,9 @@ from ..clock import Clock, LoopClock, Timer, wait_until
 from ..config import Config
 from ..errors import (
     BatchserveError,
-    DuplicateRequestId,
-    InputTooLarge,
     InvalidInput,
     ModelNotFound,
     NotReady,
-    Overloaded,
 )
 from ..generation.models import GenerationModel, Generators, build_generation_model
 from ..generation.request import Generation
@@ -50,11 +46,12 @@ from ..models.generators import Seq
 from ..models.registry import Key, Registry, build_version
 from ..models.specs import BatchFn, DeviceFactory, ModelSpec, default_spec, load_models_file
 from ..observability.metrics import Metrics
-from ..rules.admission import Admission
+from ..rules.admission import Admission, stop_strings
 from ..rules.fair_queue import TIER_RANKS
 from ..rules.policy import Policy
 from ..rules.sampling_params import checked_params
 from ..rules.tenants import Tenant
+from .intake import InFlightKey, Intake, Phase
 from .recorder import Recorder
 from .versions import Versions
 
@@ -63,14 +60,6 @@ log = logging.getLogger(__name__)
 MAX_INPUTS_PER_CALL = 2048
 """The most inputs a door takes in one request for `infer_all` (an embeddings list, an Open
 Inference Protocol tensor): OpenAI's own limit on inputs per embeddings request."""
-
-
-class Phase(enum.Enum):
-    STARTING = "starting"
-    READY = "ready"
-    DRAINING = "draining"
-    FAILED = "failed"
-    """One of the engine's tasks crashed: nothing more is served."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,18 +109,12 @@ class Engine:
                 if spec.generator is not None
             ]
         )
-        self.phase = Phase.STARTING
         self.started = asyncio.Event()
         """Set once every device has loaded and the engine takes requests."""
         self.failed = asyncio.Event()
         """Set when one of the engine's tasks crashed; `failure` says which and why."""
         self.failure: str | None = None
-        self._pending: dict[InFlightKey, QueuedRequest] = {}
-        """Requests in flight by their namespace: a tenant's ids are its own, so another
-        tenant's id looks unknown (never 409), and an embedding's parts are apart from
-        every id a client can send."""
         self._deadlines = Deadlines(self.clock)
-        self._generating: dict[InFlightKey, Generation] = {}
         self._no_generations = asyncio.Event()
         self._no_generations.set()
         self._pool = GpuPool(versions, clock=self.clock, listener=self, on_crash=self._crashed)
@@ -161,22 +144,25 @@ class Engine:
             else None
         )
         self._recorder = Recorder(self.metrics, config.access_log)
-        self._admission = Admission(config)
+        self._intake = Intake(
+            config, self._registry, self._generators, self._pool, self._batcher.capacity_rps
+        )
+        # Each scheduler's routing, bound once: `admit` runs for every request.
+        self._batch_route = self._intake.batch_version
+        self._generation_route = self._intake.generation_model
         self._stack = contextlib.AsyncExitStack()
         self._versions = Versions(
             self._registry,
             self._pool,
             self._batcher,
             self.metrics,
-            require_ready=self._require_ready,
+            require_ready=self._intake.require_ready,
             on_crash=self._crashed,
         )
         self._drained: asyncio.Task[None] | None = None
-        self._drain_takes_stragglers = False
-        """See drain(refuse_new=False)."""
 
     def __repr__(self) -> str:
-        return f"<Engine {self.phase.value} pending={len(self._pending)} {self._pool!r}>"
+        return f"<Engine {self._intake!r} {self._pool!r}>"
 
     async def __aenter__(self) -> Engine:
         """Loads every device, then starts the batcher; ready once both are up."""
@@ -188,7 +174,7 @@ class Engine:
             await stack.enter_async_context(self._generators)
             self._stack = stack.pop_all()
         self._versions.all_ready()
-        self.phase = Phase.READY
+        self._intake.phase = Phase.READY
         self.started.set()
         return self
 
@@ -335,7 +321,7 @@ class Engine:
         arrival = self.clock.time() if arrival is None else arrival
         request_id = request_id or new_request_id()
         try:
-            generation_model, gen = self._generation(
+            generation_model, gen, in_flight = self._generation(
                 prompt, model, version, max_tokens, stop, params, timeout_ms,
                 request_id, tenant, arrival,
             )  # fmt: skip
@@ -343,8 +329,7 @@ class Engine:
             self.record(route, request_id, arrival, error, tenant)
             raise
         self._no_generations.clear()
-        in_flight = _in_flight(tenant, request_id)
-        self._generating[in_flight] = gen
+        self._intake.generating[in_flight] = gen
         generation_model.submit(gen)
         expiry = self.clock.call_at(gen.deadline, self._expire, generation_model, gen)
         try:
@@ -354,8 +339,8 @@ class Engine:
             if not gen.done:
                 gen.cancel()
                 generation_model.discard(gen)
-            del self._generating[in_flight]
-            if not self._generating:
+            del self._intake.generating[in_flight]
+            if not self._intake.generating:
                 self._no_generations.set()
             now = self.clock.time()
             self._recorder.record_generation(route, tenant, gen, now)
@@ -372,54 +357,23 @@ class Engine:
         request_id: str,
         tenant: Tenant | None,
         arrival: float,
-    ) -> tuple[GenerationModel, Generation]:
-        """Checks a generation request as `_queue` checks a batch one, and its tokens: a
-        prompt that can never fit a device's budget is refused at once (413)."""
-        self._admission.take_token(tenant, arrival, self._batcher.capacity_rps)
-        if self.phase is not Phase.READY and not self._takes_stragglers():
-            raise NotReady(f"the server is {self.phase.value}")
-        try:
-            generation_model = self._generators.route(model, version, request_id)
-        except ModelNotFound:
-            if model is not None and model in self._registry:
-                raise InvalidInput(
-                    f"model {model[:64]} runs batches, not generation: POST /api/inference"
-                ) from None
-            raise
-        self._admission.check_input(prompt)
-        in_flight = _in_flight(tenant, request_id)
-        if in_flight in self._generating or in_flight in self._pending:
-            raise DuplicateRequestId(f"request id {request_id} is already in flight")
-        if generation_model.waiting >= self.config.max_queue:
-            raise Overloaded(
-                f"{generation_model.waiting} generations are waiting, the limit",
-                retry_after_s=1.0,
-            )
+    ) -> tuple[GenerationModel, Generation, InFlightKey]:
+        """Admits a generation as `_queue` admits a batch request (intake.py), then checks
+        its tokens: a prompt that can never fit a device's budget is refused at once (413)."""
+        generation_model, deadline, in_flight = self._intake.admit(
+            self._generation_route, model, version, prompt, timeout_ms, request_id, tenant, arrival
+        )
         prompt_tokens = generation_model.count_tokens(prompt)
-        budget = generation_model.kv_budget
-        limit = _max_tokens(max_tokens, self.config.max_tokens_cap)
-        if prompt_tokens >= budget:
-            raise InputTooLarge(
-                f"the prompt is {prompt_tokens} tokens; a device holds {budget} in all,"
-                " the prompt and at least one new token: shorten the prompt"
-            )
-        if limit is None:
-            limit = min(self.config.max_tokens, self.config.max_tokens_cap, budget - prompt_tokens)
-        if prompt_tokens + limit > budget:
-            raise InputTooLarge(
-                f"the prompt's {prompt_tokens} tokens and max_tokens {limit} do not fit a"
-                f" device's budget of {budget} tokens: ask for at most"
-                f" {budget - prompt_tokens} new tokens"
-            )
+        rules = self._intake.rules
+        limit = rules.new_tokens(prompt_tokens, max_tokens, generation_model.kv_budget)
         sampling = checked_params(params, limit)
-        deadline = arrival + self._admission.timeout_s(timeout_ms, tenant)
         gen = Generation(
             # The sequence's id is the generator's handle, unique across tenants.
             Seq(_seq_id(tenant, request_id), prompt, params=sampling),
             request_id=request_id,
             prompt_tokens=prompt_tokens,
             max_tokens=limit,
-            stops=_stop_strings(stop),
+            stops=stop_strings(stop),
             arrival=arrival,
             deadline=deadline,
             model=generation_model.spec.name,
@@ -428,7 +382,7 @@ class Engine:
         if tenant is not None:
             gen.tenant, gen.tier_rank = tenant.name, TIER_RANKS[tenant.tier]
             gen.tenant_weight = tenant.weight
-        return generation_model, gen
+        return generation_model, gen, in_flight
 
     def chat_prompt(self, model: str | None, messages: list[dict[str, str]]) -> str:
         """A chat's messages as one prompt, in the template of `model`'s generator."""
@@ -442,11 +396,11 @@ class Engine:
     def authenticate(self, authorization: str | None) -> Tenant | None:
         """The caller's tenant from `Authorization: Bearer <key>`; None when the engine runs
         open (no keys file)."""
-        return self._admission.authenticate(authorization)
+        return self._intake.rules.authenticate(authorization)
 
     def authorize_operator(self, authorization: str | None) -> None:
         """Raises Unauthenticated unless the caller may read the server's numbers."""
-        self._admission.authorize_operator(authorization)
+        self._intake.rules.authorize_operator(authorization)
 
     def record(
         self,
@@ -487,31 +441,12 @@ class Engine:
     def _queue(
         self, ask: Ask, request_id: str, tenant: Tenant | None, arrival: float, part: bool
     ) -> tuple[QueuedRequest, Timer | None]:
-        """Checks who calls, their rate, that the engine can take the request, which model
-        version runs it and that the input and params are acceptable; then queues it and
-        arms its deadline."""
-        if tenant is not None:
-            self._admission.take_token(tenant, arrival, self._batcher.capacity_rps)
-        if self.phase is not Phase.READY and not self._takes_stragglers():
-            raise NotReady(f"the server is {self.phase.value}")
-        try:
-            version = self._registry.route(ask.model, ask.version, request_id)
-        except ModelNotFound:
-            if ask.model in self._generators:  # looked for only once routing has failed
-                raise InvalidInput(
-                    f"model {ask.model} generates text: POST /api/generate or /v1/completions"
-                ) from None
-            raise
-        if not self._pool.healthy or (
-            len(version.loaded_on) < len(self.device_names) and not self._pool.healthy_for(version)
-        ):
-            raise NotReady(f"no device of {version.spec.label} is healthy; see /readyz")
+        """Admits the request (intake.py), then queues it and arms its deadline."""
         text = ask.text
-        self._admission.check_input(text)
-        deadline = arrival + self._admission.timeout_s(ask.timeout_ms, tenant)
-        in_flight = _in_flight(tenant, request_id, part)
-        if in_flight in self._pending:
-            raise DuplicateRequestId(f"request id {request_id} is already in flight")
+        version, deadline, in_flight = self._intake.admit(
+            self._batch_route, ask.model, ask.version, text, ask.timeout_ms,
+            request_id, tenant, arrival, part,
+        )  # fmt: skip
         params_key = version.params_key(ask.params) if ask.params is not None else b""
         if version.spec.cost == "length":
             tokens = max(1, version.tokens(text))
@@ -526,7 +461,7 @@ class Engine:
             request.tenant_weight = tenant.weight
         self._batcher.submit(request)
         request.part = part
-        self._pending[in_flight] = request
+        self._intake.pending[in_flight] = request
         # Its deadline fails the future, rather than asyncio.timeout_at: the hot path then
         # needs no Timeout object and no task-cancel round trip.
         return request, self._deadlines.add(request)
@@ -545,7 +480,7 @@ class Engine:
         before any batch is formed."""
         if expiry is not None:
             expiry.cancel()
-        del self._pending[request.tenant, request.request_id, request.part]
+        del self._intake.pending[request.tenant, request.request_id, request.part]
         self._batcher.discard(request)
         if outcome is not None:
             self.record(route, request.request_id, request.arrival, outcome, tenant)
@@ -600,7 +535,7 @@ class Engine:
         admission = Admission(config)
         models = self._versions.plan(config)
         self.config = config
-        self._admission = admission
+        self._intake.configure(admission, config)
         self._batcher.max_queue = config.max_queue
         self._recorder = Recorder(self.metrics, config.access_log)
         self._versions.apply(models, config)
@@ -619,20 +554,12 @@ class Engine:
         rather than answered 503 (nginx does not retry a 503)."""
         if self._drained is None:
             # Readiness turns off now, not when the task first runs.
-            if self.phase is not Phase.FAILED:
-                self.phase = Phase.DRAINING
-            self._drain_takes_stragglers = not refuse_new
+            if self._intake.phase is not Phase.FAILED:
+                self._intake.phase = Phase.DRAINING
+            self._intake.takes_stragglers = not refuse_new
             deadline = self.clock.time() + self.config.drain_timeout_s
             self._drained = asyncio.create_task(self._drain(deadline), name="batchserve-drain")
         await asyncio.shield(self._drained)
-
-    def _require_ready(self) -> None:
-        if self.phase is not Phase.READY:
-            raise NotReady(f"the server is {self.phase.value}")
-
-    def _takes_stragglers(self) -> bool:
-        """Draining for a server whose doors are closed: see drain(refuse_new=False)."""
-        return self.phase is Phase.DRAINING and self._drain_takes_stragglers
 
     async def _drain(self, deadline: float) -> None:
         idle = asyncio.gather(
@@ -641,7 +568,7 @@ class Engine:
         )
         if not await wait_until(self.clock, idle, deadline):
             idle.cancel()
-            log.warning("drain timed out: answering %d requests 503", len(self._pending))
+            log.warning("drain timed out: answering %d requests 503", len(self._intake.pending))
             self._fail_everything(NotReady("the server shut down before this request could run"))
         await asyncio.gather(idle, return_exceptions=True)
 
@@ -654,7 +581,7 @@ class Engine:
             error,
             exc_info=error,
         )
-        self.phase = Phase.FAILED
+        self._intake.phase = Phase.FAILED
         self.failure = f"{task_name} crashed: {type(error).__name__}: {error}"
         self._fail_everything(NotReady(f"the server failed ({self.failure})"))
         self.failed.set()
@@ -668,9 +595,10 @@ class Engine:
 
     def readiness(self) -> tuple[bool, str]:
         """Ready while serving with at least one healthy device; else why not."""
-        if self.phase is Phase.READY and self._pool.devices and not self._pool.healthy:
+        phase = self._intake.phase
+        if phase is Phase.READY and self._pool.devices and not self._pool.healthy:
             return False, "no healthy device"
-        return self.phase is Phase.READY, self.phase.value
+        return phase is Phase.READY, phase.value
 
     def device_states(self) -> dict[str, str]:
         """Each batch device's state, and each generation device's (busy while it steps)."""
@@ -684,7 +612,7 @@ class Engine:
         await self._batcher.wait_until(lambda stats: predicate(self._with_pending(stats)))
 
     def _with_pending(self, stats: BatcherStats) -> EngineStats:
-        return EngineStats(**asdict(stats), pending=len(self._pending))
+        return EngineStats(**asdict(stats), pending=len(self._intake.pending))
 
     @property
     def call_time_s(self) -> float | None:
@@ -725,41 +653,6 @@ class Engine:
     def recoveries(self) -> Counter[str]:
         """Requests retried or failed after a fault, by kind (read-only)."""
         return Counter(self._batcher.recoveries)
-
-
-MAX_STOPS = 16
-MAX_STOP_CHARS = 256
-
-
-def _max_tokens(given: object, cap: int) -> int | None:
-    if given is None:
-        return None
-    if isinstance(given, bool) or not isinstance(given, int) or not 1 <= given <= cap:
-        raise InvalidInput(f"max_tokens must be a whole number from 1 to {cap}")
-    return given
-
-
-def _stop_strings(stop: object) -> tuple[str, ...]:
-    """`stop` as given (a string or a list of them), checked: non-empty, few and short."""
-    stops = [] if stop is None else [stop] if isinstance(stop, str) else stop
-    if (
-        not isinstance(stops, list)
-        or len(stops) > MAX_STOPS
-        or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stops)
-    ):
-        raise InvalidInput(
-            f'"stop" must be a string or a list of at most {MAX_STOPS} strings, each 1 to'
-            f" {MAX_STOP_CHARS} characters"
-        )
-    return tuple(stops)
-
-
-InFlightKey = tuple[str, str, bool]
-"""(tenant, request id, whether it is one part of a request of several)."""
-
-
-def _in_flight(tenant: Tenant | None, request_id: str, part: bool = False) -> InFlightKey:
-    return ("" if tenant is None else tenant.name, request_id, part)
 
 
 def _seq_id(tenant: Tenant | None, request_id: str) -> str:
