@@ -47,7 +47,6 @@ from ..models.registry import Key, Registry, build_version
 from ..models.specs import BatchFn, DeviceFactory, ModelSpec, default_spec, load_models_file
 from ..observability.metrics import Metrics
 from ..rules.admission import Admission, stop_strings
-from ..rules.fair_queue import TIER_RANKS
 from ..rules.policy import Policy
 from ..rules.sampling_params import checked_params
 from ..rules.tenants import Tenant
@@ -380,7 +379,7 @@ class Engine:
             version=generation_model.spec.version,
         )
         if tenant is not None:
-            gen.tenant, gen.tier_rank = tenant.name, TIER_RANKS[tenant.tier]
+            gen.tenant, gen.tier_rank = tenant.name, tenant.rank
             gen.tenant_weight = tenant.weight
         return generation_model, gen, in_flight
 
@@ -457,7 +456,7 @@ class Engine:
         future: asyncio.Future[Result] = asyncio.get_running_loop().create_future()
         request = QueuedRequest(request_id, text, arrival, deadline, future, key, tokens)
         if tenant is not None:
-            request.tenant, request.tier_rank = tenant.name, TIER_RANKS[tenant.tier]
+            request.tenant, request.tier_rank = tenant.name, tenant.rank
             request.tenant_weight = tenant.weight
         self._batcher.submit(request)
         request.part = part
