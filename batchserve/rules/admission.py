@@ -97,11 +97,7 @@ class Admission:
                 cap_ms = min(cap_ms, tier_ms)
         if timeout_ms is None:
             return cap_ms / 1e3
-        if isinstance(timeout_ms, bool) or not (
-            isinstance(timeout_ms, int | float) and math.isfinite(timeout_ms) and timeout_ms > 0
-        ):
-            raise InvalidInput("timeout_ms must be a number above 0")
-        return min(timeout_ms, cap_ms) / 1e3
+        return min(checked_timeout_ms(timeout_ms), cap_ms) / 1e3
 
     def new_tokens(self, prompt_tokens: int, max_tokens: object, budget: int) -> int:
         """The most tokens a generation may make: its `max_tokens`, else the server's
@@ -122,6 +118,17 @@ class Admission:
                 f" {budget - prompt_tokens} new tokens"
             )
         return limit
+
+
+def checked_timeout_ms(timeout_ms: object) -> float:
+    """A request's own timeout as given (a body's field, a header, a library caller's
+    argument): a finite number of milliseconds above 0. The one rule for it: the doors
+    check what they parse with it, and the engine what it is handed."""
+    if isinstance(timeout_ms, bool) or not (
+        isinstance(timeout_ms, int | float) and math.isfinite(timeout_ms) and timeout_ms > 0
+    ):
+        raise InvalidInput("timeout_ms must be a number above 0")
+    return float(timeout_ms)
 
 
 def _max_tokens(given: object, cap: int) -> int | None:
