@@ -5,13 +5,21 @@
         ticket = engine.submit("later")       # poll ticket.status, or await ticket
 
 The HTTP server, the status API and the dashboard are doors onto one engine; a Python
-program embeds it the same way. The engine owns, each in one place: admission (keys and
-rate limits in `rules/admission.py`; phase, queue bound and shedding here and in the batcher), the
-pending requests and their deadlines, the device pool and the batcher (the pool starts
-first and stops last), the one batch-time estimate, the metrics, and drain. Everything reads
-time from one injected clock. Its tasks are supervised: if one crashes, the engine fails
-what it holds, turns not-ready and sets `failed`, which makes the server exit non-zero
-rather than serve into a dead batcher.
+program embeds it the same way. The engine owns, each in one place: admission (`intake.py`,
+one order for batch requests and generations, over the pure rules of `rules/admission.py`),
+the pending requests and their deadlines, the versions changed while serving (`versions.py`),
+the device pool and the batcher (the pool starts first and stops last), the one batch-time
+estimate, the metrics, and drain. Everything reads time from one injected clock. Its tasks
+are supervised: if one crashes, the engine fails what it holds, turns not-ready and sets
+`failed`, which makes the server exit non-zero rather than serve into a dead batcher.
+
+Why `Engine` is over the house's ~25 methods and this module over ~400 lines: it is the
+one facade that every door, test and library caller holds, so its public surface (infer,
+submit, generate, admit/settle, the admin and reload calls, the read-only views) is about
+30 methods, most a few lines handing over to `intake.py`, `versions.py`, the batcher, the
+pool or the generation models. The batch request path (`admit`, `_queue`, `settle`) stays
+inline here because each further call is paid by every request (benchmarks/README.md,
+section 4). The pool's listener methods go once the batcher takes the pool's callbacks.
 """
 
 from __future__ import annotations
