@@ -17,17 +17,32 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from aiohttp import hdrs, web
 
+from . import __version__
 from .batching.request import Result
+from .config import Config
+from .doors.admin_api import ADMIN_DELETE, ADMIN_PATCH, ADMIN_PUT, AdminApi, authorize
 from .doors.admin_api import ROUTE as ADMIN_ROUTE
-from .doors.admin_api import AdminApi, authorize
 from .doors.connections import Connection, ConnectionServer
-from .doors.dashboard import Dashboard
-from .doors.generate_api import GenerateApi
+from .doors.dashboard import PAGE, SCRAPE, STATS, Dashboard, vendor_file_operation
+from .doors.generate_api import GenerateApi, generate_operation
 from .doors.oip import OipApi
-from .doors.openai_api import OpenAIApi
-from .doors.openai_completions import OpenAICompletionsApi
-from .doors.status_api import StatusApi
+from .doors.openai_api import EMBEDDINGS, OPENAI_MODEL, OPENAI_MODELS, OpenAIApi
+from .doors.openai_completions import OpenAICompletionsApi, completion_operation
+from .doors.openapi import (
+    REQUEST_ID,
+    TIMEOUT,
+    Kind,
+    LiveModels,
+    Operation,
+    Routes,
+    Security,
+    errors,
+    json_answer,
+)
+from .doors.status_api import POLL, SUBMIT, StatusApi
 from .doors.wire import (
+    INFERENCE_ANSWER,
+    INFERENCE_BODY,
     answer_response,
     error_response,
     json_response,
@@ -49,6 +64,8 @@ from .errors import (
 ENGINE_KEY: web.AppKey[Engine] = web.AppKey("batchserve_engine")
 INFERENCE_KEY: web.AppKey[InferenceApi] = web.AppKey("batchserve_inference")
 """The app's inference door, which `AppRunner`'s server calls without routing."""
+ROUTES_KEY: web.AppKey[Routes] = web.AppKey("batchserve_routes")
+"""The app's routes and their operations, which /openapi.json describes."""
 INFERENCE_PATH = "/api/inference"
 ADMIN_PREFIX = ADMIN_ROUTE.split("{", 1)[0]
 MAX_PATH_SHOWN = 200
@@ -116,6 +133,98 @@ class InferenceApi:
         return json_response(200 if ready else 503, body)
 
 
+INFERENCE = Operation(
+    summary="Run one input through a model, answered on the same connection",
+    tag="inference",
+    parameters=(REQUEST_ID, TIMEOUT),
+    body=INFERENCE_BODY,
+    answers={
+        200: json_answer("the model's output and timings", INFERENCE_ANSWER, "Server-Timing"),
+        **errors(400, 401, 404, 409, 413, 429, 500, 503, 504),
+    },
+    auth="key",
+)
+MODEL_LIST = {
+    "title": "ModelList",
+    "type": "object",
+    "required": ["models"],
+    "properties": {"models": {"type": "array", "items": {
+        "type": "object",
+        "required": ["name", "versions"],
+        "properties": {"name": {"type": "string"}, "versions": {"type": "array", "items": {
+            "type": "object",
+            "required": ["version", "state", "kind"],
+            "properties": {"version": {"type": "string"}, "state": {"type": "string"},
+                           "kind": {"enum": ["batch", "generation"]}},
+        }}},
+    }}},
+}  # fmt: skip
+MODELS = Operation(
+    summary="Each model, its versions, devices, weights and state",
+    tag="models",
+    answers={200: json_answer("the models", MODEL_LIST), **errors(401)},
+    auth="key",
+)
+HEALTHZ = Operation(
+    summary="Liveness: the process answers",
+    tag="health",
+    answers={200: json_answer("alive", {"type": "object", "properties": {
+        "status": {"const": "alive"}}, "required": ["status"]})},
+)  # fmt: skip
+_READINESS = {
+    "title": "Readiness",
+    "type": "object",
+    "required": ["status", "devices"],
+    "properties": {
+        "status": {"type": "string"},
+        "devices": {"type": "object", "additionalProperties": {"type": "string"},
+                    "description": "each device's state"},
+        "result_store": {"type": "string", "description": "why the result store fails"},
+    },
+}  # fmt: skip
+READYZ = Operation(
+    summary="Readiness: serving, with a healthy device and a result store that answers",
+    tag="health",
+    answers={200: json_answer("ready", _READINESS), 503: json_answer("not ready", _READINESS)},
+)
+OPENAPI = Operation(
+    summary="This document: every route this server mounted, its body and answers",
+    tag="health",
+    answers={200: json_answer("the OpenAPI 3.1 document", {"type": "object"})},
+)
+
+
+def _security(config: Config) -> Security:
+    keys = config.keys_file is not None
+    return Security(
+        key=keys,
+        anonymous=keys and config.anonymous_tier is not None,
+        admin=bool(config.admin_key),
+        operator=keys and not config.public_metrics,
+    )
+
+
+def _live_models(engine: Engine) -> LiveModels:
+    def names(kind: Kind) -> list[str]:
+        batch = kind if kind != "embedding" else "batch"
+        named = [
+            model["name"]
+            for model in engine.models()
+            if any(version["kind"] == batch for version in model["versions"])
+        ]
+        return named if kind != "embedding" else [n for n in named if _embeds(engine, n)]
+
+    return names
+
+
+def _embeds(engine: Engine, model: str) -> bool:
+    try:
+        engine.embedding_dim(model)
+    except BatchserveError:
+        return False
+    return True
+
+
 def create_app(engine: Engine) -> web.Application:
     app = web.Application(client_max_size=engine.config.max_body_bytes)
     app[ENGINE_KEY] = engine
@@ -134,34 +243,46 @@ def create_app(engine: Engine) -> web.Application:
     app.on_shutdown.append(drain_on_shutdown)
     status_api = StatusApi(engine)
     app[INFERENCE_KEY] = inference = InferenceApi(engine, status_api.store_problem)
-    app.router.add_post(INFERENCE_PATH, inference.inference)
-    app.router.add_get("/api/models", inference.models)
-    app.router.add_get("/healthz", inference.healthz)
-    app.router.add_get("/readyz", inference.readyz)
+    app[ROUTES_KEY] = routes = Routes(
+        app, _security(engine.config), "batchserve", __version__, _live_models(engine)
+    )
+    routes.add("POST", INFERENCE_PATH, inference.inference, INFERENCE)
+    routes.add("GET", "/api/models", inference.models, MODELS)
+    routes.add("GET", "/healthz", inference.healthz, HEALTHZ)
+    routes.add("GET", "/readyz", inference.readyz, READYZ)
+    routes.add("GET", "/openapi.json", routes.serve, OPENAPI)
     openai = OpenAIApi(engine)
-    app.router.add_post("/v1/embeddings", openai.embeddings)
-    app.router.add_get("/v1/models", openai.models)
-    app.router.add_get("/v1/models/{model:.+}", openai.model)
-    OipApi(engine).mount(app.router)
+    routes.add("POST", "/v1/embeddings", openai.embeddings, EMBEDDINGS)
+    routes.add("GET", "/v1/models", openai.models, OPENAI_MODELS)
+    routes.add("GET", "/v1/models/{model:.+}", openai.model, OPENAI_MODEL)
+    OipApi(engine).mount(routes)
     completions = OpenAICompletionsApi(engine)
-    app.router.add_post("/v1/completions", completions.completions)
-    app.router.add_post("/v1/chat/completions", completions.chat_completions)
-    app.router.add_post("/api/generate", GenerateApi(engine).generate)
+    chat = completion_operation(engine.config, chat=True)
+    routes.add(
+        "POST",
+        "/v1/completions",
+        completions.completions,
+        completion_operation(engine.config, chat=False),
+    )
+    routes.add("POST", "/v1/chat/completions", completions.chat_completions, chat)
+    generate = GenerateApi(engine).generate
+    routes.add("POST", "/api/generate", generate, generate_operation(engine.config))
     if engine.config.admin_key:
         admin = AdminApi(engine, engine.config.admin_key)
-        app.router.add_put(ADMIN_ROUTE, admin.put)
-        app.router.add_patch(ADMIN_ROUTE, admin.patch)
-        app.router.add_delete(ADMIN_ROUTE, admin.delete)
+        routes.add("PUT", ADMIN_ROUTE, admin.put, ADMIN_PUT)
+        routes.add("PATCH", ADMIN_ROUTE, admin.patch, ADMIN_PATCH)
+        routes.add("DELETE", ADMIN_ROUTE, admin.delete, ADMIN_DELETE)
     app.cleanup_ctx.append(status_api.lifespan)  # after the engine's: it submits at start
-    app.router.add_post("/api/requests", status_api.submit)
-    app.router.add_get("/api/requests/{request_id}", status_api.poll)
+    routes.add("POST", "/api/requests", status_api.submit, SUBMIT)
+    routes.add("GET", "/api/requests/{request_id}", status_api.poll, POLL)
     if engine.metrics is not None:
         dashboard = Dashboard(engine.metrics, engine.authorize_operator)
-        app.router.add_get("/", dashboard.page)
-        app.router.add_get("/api/stats", dashboard.stats)
-        app.router.add_get("/metrics", dashboard.scrape)
-        for name in dashboard.vendor_files:
-            app.router.add_get(f"/static/vendor/{name}", dashboard.vendor_file)
+        routes.add("GET", "/", dashboard.page, PAGE)
+        routes.add("GET", "/api/stats", dashboard.stats, STATS)
+        routes.add("GET", "/metrics", dashboard.scrape, SCRAPE)
+        for name, kind in dashboard.vendor_files.items():
+            file = vendor_file_operation(name, kind)
+            routes.add("GET", f"/static/vendor/{name}", dashboard.vendor_file, file)
     # Last, so that it only gets what no route above serves (aiohttp's own 404 and 405 are
     # plain text); a route on the hot path pays nothing for it, unlike a middleware.
     app.router.add_route("*", "/{path:.*}", _no_route)

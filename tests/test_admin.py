@@ -76,6 +76,18 @@ async def test_a_bad_put_is_400_naming_the_field_and_changes_nothing(served, bod
     assert list(await versions(client)) == ["1"]
 
 
+async def test_a_put_without_devices_loads_on_the_servers_devices(served):
+    """The server runs from --models on sim:2, --devices left at its sim:4: a body that
+    names no devices takes the server's own, not the flag's (Schemathesis' PUT {})."""
+    client, engine = served
+    added = await client.put(ROUTE, json={"fn": A2["fn"]}, headers=AUTH)
+    assert added.status == 202, await added.text()
+    assert (await added.json())["devices"] == ["sim:0", "sim:1"]
+    await engine.settled()
+    empty = await client.put("/admin/models/a/versions/3", json={}, headers=AUTH)
+    assert empty.status == 202, await empty.text()
+
+
 async def test_a_version_loads_in_the_background_then_takes_its_share(served):
     client, engine = served
     sample_models.LOAD_GATE.clear()

@@ -191,6 +191,8 @@ async def test_a_prompt_that_can_never_fit_is_refused_at_once():
         for bad in (0, -1, 1.5, True, 10_000):
             with pytest.raises(InvalidInput, match="max_tokens"):
                 await generate(engine, "a", max_tokens=bad)
+        # A whole float is the integer (JSON Schema's reading, as /openapi.json declares).
+        assert (await generate(engine, "abcdefgh", max_tokens=3.0))[1]["tokens"] == 3
         for bad_stop in ("", ["a"] * 17, [1]):
             with pytest.raises(InvalidInput, match="stop"):
                 await generate(engine, "a", stop=bad_stop)

@@ -133,6 +133,13 @@ async def test_bad_timeout_header_and_overlong_request_id_get_400(start_server):
         "/api/inference", json={"input": "x"}, headers={"X-Request-Timeout-Ms": "abc"}
     )
     assert response.status == 400
+    # Refused even where the body's timeout_ms wins (Schemathesis found it ignored).
+    response = await client.post(
+        "/api/inference",
+        json={"input": "x", "timeout_ms": 5000},
+        headers={"X-Request-Timeout-Ms": ""},
+    )
+    assert response.status == 400
     response = await client.post(
         "/api/inference", json={"input": "x"}, headers={"X-Request-Id": "i" * 500}
     )

@@ -20,6 +20,7 @@ from aiohttp import web
 from ..engine.core import Engine
 from ..errors import BatchserveError, InvalidInput, Unauthenticated
 from ..models.specs import SpecError, spec_from_fields
+from .openapi import Operation, errors, json_answer
 from .wire import error_response, json_response, read_json, request_id_of
 
 ROUTE = "/admin/models/{name}/versions/{version}"
@@ -55,6 +56,10 @@ class AdminApi:
         for field, value in (("name", name), ("version", version)):
             if fields.setdefault(field, value) != value:
                 raise InvalidInput(f"field {field!r} differs from the path's {value!r}")
+        # A version that names no devices runs on the server's, not on --devices: a server
+        # started from --models never reads that flag, and its default (sim:4) may be none
+        # of its devices.
+        fields.setdefault("devices", _as_devices(self._engine.device_names))
         try:
             spec = spec_from_fields(fields, self._engine.config)
         except SpecError as exc:
@@ -80,3 +85,46 @@ def authorize(authorization: str | None, key: bytes) -> None:
     sent = given.strip().encode("utf-8", "surrogateescape")  # the bytes, UTF-8 or not
     if scheme.lower() != "bearer" or not hmac.compare_digest(sent, key):
         raise Unauthenticated("send Authorization: Bearer <admin key>")
+
+
+_VERSION = {
+    "title": "VersionChange",
+    "type": "object",
+    "required": ["name", "version", "state"],
+    "properties": {"name": {"type": "string"}, "version": {"type": "string"},
+                   "state": {"type": "string"}},
+}  # fmt: skip
+_PATH = {"name": {"type": "string", "minLength": 1}, "version": {"type": "string", "minLength": 1}}
+
+
+def _as_devices(names: list[str]) -> str:
+    """The devices field that names exactly `names` (sim:N for simulated ones)."""
+    if names and all(name.startswith("sim:") for name in names):
+        return f"sim:{len(names)}"  # the pool's simulated devices are sim:0 .. sim:N-1
+    return ",".join(names)
+
+
+ADMIN_PUT = Operation(
+    summary="Add a version: it loads in the background",
+    tag="admin",
+    path=_PATH,
+    body={"type": "object", "description": "a models-file entry's fields (docs/models.md)"},
+    answers={202: json_answer("loading", _VERSION), **errors(400, 401, 409, 413, 503)},
+    auth="admin",
+)
+ADMIN_PATCH = Operation(
+    summary="Set a version's weight",
+    tag="admin",
+    path=_PATH,
+    body={"type": "object", "required": ["weight"], "additionalProperties": False,
+          "properties": {"weight": {"type": "number", "exclusiveMinimum": 0}}},
+    answers={200: json_answer("reweighted", _VERSION), **errors(400, 401, 404, 413)},
+    auth="admin",
+)  # fmt: skip
+ADMIN_DELETE = Operation(
+    summary="Remove a version: it finishes what it holds, then unloads",
+    tag="admin",
+    path=_PATH,
+    answers={202: json_answer("removing", _VERSION), **errors(401, 404, 409)},
+    auth="admin",
+)

@@ -11,19 +11,26 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import ClassVar
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ..errors import BatchserveError
 from ..observability.metrics import Metrics
+from .openapi import Answer, Operation, errors, json_answer
 from .wire import error_response, json_response, request_id_of
 
 STATIC_DIR = Path(__file__).parent / "static"
 
 
 class Dashboard:
-    vendor_files = ("uPlot.iife.min.js", "uPlot.min.css")
+    vendor_files: ClassVar[dict[str, str]] = {
+        "uPlot.iife.min.js": "text/javascript",
+        "uPlot.min.css": "text/css",
+    }
+    """Each vendored file and its type, stated here (RFC 9239's text/javascript) rather than
+    guessed by aiohttp, so that /openapi.json says what is served."""
 
     def __init__(
         self, metrics: Metrics, authorize: Callable[[str | None], None] = lambda _: None
@@ -35,7 +42,10 @@ class Dashboard:
         return web.FileResponse(STATIC_DIR / "dashboard.html")
 
     async def vendor_file(self, request: web.Request) -> web.FileResponse:
-        return web.FileResponse(STATIC_DIR / "vendor" / Path(request.path).name)
+        name = Path(request.path).name
+        return web.FileResponse(
+            STATIC_DIR / "vendor" / name, headers={"Content-Type": self.vendor_files[name]}
+        )
 
     async def stats(self, request: web.Request) -> web.Response:
         if (refused := self._refused(request)) is not None:
@@ -54,3 +64,39 @@ class Dashboard:
         except BatchserveError as error:
             return error_response(error, request_id_of(request)[0])
         return None
+
+
+PAGE = Operation(
+    summary="The live dashboard",
+    tag="operator",
+    answers={200: Answer(description="the page", schema={"type": "string"},
+                         media_type="text/html")},
+)  # fmt: skip
+
+
+def vendor_file_operation(name: str, kind: str) -> Operation:
+    """GET /static/vendor/{name}: a vendored file of the page (uPlot), of type `kind`."""
+    return Operation(
+        summary=f"The dashboard's {name}",
+        tag="operator",
+        answers={200: Answer(description="the file", schema={"type": "string"}, media_type=kind)},
+    )
+
+
+STATS = Operation(
+    summary="The dashboard's numbers",
+    tag="operator",
+    answers={200: json_answer("the numbers", {"type": "object"}), **errors(401)},
+    auth="operator",
+)
+SCRAPE = Operation(
+    summary="Prometheus metrics",
+    tag="operator",
+    answers={
+        200: Answer(
+            description="the exposition", schema={"type": "string"}, media_type="text/plain"
+        ),
+        **errors(401),
+    },
+    auth="operator",
+)

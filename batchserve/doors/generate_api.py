@@ -19,9 +19,13 @@ from typing import Any, NamedTuple
 
 from aiohttp import web
 
+from ..config import Config
 from ..engine.core import Engine
 from ..errors import BatchserveError, InvalidInput
+from ..rules.admission import MAX_STOP_CHARS, MAX_STOPS
+from ..rules.sampling_params import SCHEMAS
 from .generation_answer import Events, answer_generation, data_event
+from .openapi import REQUEST_ID, TIMEOUT, Answer, ModelName, Operation, errors
 from .wire import (
     model_fields,
     read_call,
@@ -109,3 +113,86 @@ EVENTS = Events(
     ending=lambda gen: data_event(gen.summary()),
     failure=_failure_event,
 )
+
+
+STOP = {"anyOf": [
+    {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS},
+    {"type": "array", "maxItems": MAX_STOPS,
+     "items": {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS}},
+    {"type": "null"},
+]}  # fmt: skip
+"""`stop`, as the engine checks it, for the OpenAPI document."""
+SSE = {
+    "type": "object",
+    "required": ["data"],
+    "properties": {"event": {"type": "string"}, "data": {"type": "string"}},
+    "description": "one server-sent event: its data is a JSON object, the last one [DONE]",
+}
+
+
+def max_tokens_schema(config: Config) -> dict[str, Any]:
+    return {"type": ["integer", "null"], "minimum": 1, "maximum": config.max_tokens_cap}
+
+
+def generate_operation(config: Config) -> Operation:
+    """POST /api/generate as the OpenAPI document describes it on a server of `config`."""
+    body = {
+        "title": "GenerateRequest",
+        "type": "object",
+        "required": ["prompt"],
+        "additionalProperties": False,
+        "properties": {
+            "prompt": {"type": "string"},
+            "max_tokens": max_tokens_schema(config),
+            "stop": STOP,
+            "params": {
+                "type": ["object", "null"],
+                "properties": SCHEMAS,
+                "description": "sampling params; other keys go to the generator",
+            },
+            "stream": {"type": "boolean"},
+            "timeout_ms": {"type": ["number", "null"], "exclusiveMinimum": 0},
+            "model": ModelName("generation", nullable=True),
+            "version": {"type": ["string", "null"]},
+        },
+    }
+    answer = {
+        "title": "Generation",
+        "type": "object",
+        "required": [
+            "output",
+            "tokens",
+            "prompt_tokens",
+            "finish_reason",
+            "latency_ms",
+            "model",
+            "version",
+            "request_id",
+        ],
+        "properties": {
+            "output": {"type": "string"},
+            "tokens": {"type": "integer", "minimum": 0},
+            "prompt_tokens": {"type": "integer", "minimum": 0},
+            "finish_reason": {"type": ["string", "null"]},
+            "ttft_ms": {"type": ["number", "null"]},
+            "latency_ms": {"type": "number"},
+            "model": {"type": "string"},
+            "version": {"type": "string"},
+            "request_id": {"type": "string"},
+        },
+    }
+    return Operation(
+        summary="Generate text from one prompt, whole or streamed as server-sent events",
+        tag="generation",
+        parameters=(REQUEST_ID, TIMEOUT),
+        body=body,
+        answers={
+            200: Answer(
+                description="the text and its numbers (or, with stream, the events)",
+                schema=answer,
+                more={"text/event-stream": SSE},
+            ),
+            **errors(400, 401, 404, 409, 413, 429, 500, 503, 504),
+        },
+        auth="key",
+    )

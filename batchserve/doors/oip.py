@@ -29,6 +29,16 @@ from .. import __version__
 from ..engine.core import MAX_INPUTS_PER_CALL, Engine
 from ..errors import BatchserveError, InvalidInput, ModelNotFound
 from ..models.specs import MAX_NAME
+from .openapi import (
+    REQUEST_ID,
+    TIMEOUT,
+    Answer,
+    ModelName,
+    Operation,
+    Routes,
+    errors,
+    json_answer,
+)
 from .wire import (
     error_response,
     json_object,
@@ -101,11 +111,20 @@ INFER_REQUEST_SCHEMA: dict[str, Any] = {
             "maxItems": 1,
             "items": {
                 "type": "object",
-                "required": ["name", "shape", "datatype"],
+                "required": ["name", "shape", "datatype", "data"],
                 "additionalProperties": False,
                 "properties": {
                     "name": {"const": INPUT},
-                    "shape": {"type": "array", "items": {"type": "integer", "minimum": 1}},
+                    "shape": {
+                        "type": "array",
+                        "minItems": 1,
+                        "maxItems": 2,
+                        "prefixItems": [
+                            {"type": "integer", "minimum": 1, "maximum": MAX_INPUTS_PER_CALL},
+                            {"const": 1},
+                        ],
+                        "description": "[N] or [N, 1]: N strings in data",
+                    },
                     "datatype": {"const": "BYTES"},
                     "parameters": _PARAMETERS,
                     "data": _STRINGS,
@@ -150,38 +169,70 @@ ERROR_SCHEMA: dict[str, Any] = {
 }
 
 
-class OipRoute(NamedTuple):
-    method: str
-    path: str
-    handler: str
-    """The name of `OipApi`'s method that answers it."""
-    summary: str
-    answers: dict[int, dict[str, Any] | None]
-    """Status -> body schema (None: no body)."""
+def _answers(ok: Answer, *statuses: int) -> dict[int, Answer]:
+    return {200: ok, **errors(*statuses, schema=ERROR_SCHEMA)}
 
 
-_MODEL_ERRORS: dict[int, dict[str, Any] | None] = {401: ERROR_SCHEMA, 404: ERROR_SCHEMA}
-_INFER_ANSWERS: dict[int, dict[str, Any] | None] = {
-    200: INFER_RESPONSE_SCHEMA,
-    **{status: ERROR_SCHEMA for status in (400, 401, 404, 409, 413, 429, 500, 503, 504)},
-}
-_M, _V = "/v2/models/{model}", "/v2/models/{model}/versions/{version}"
-ROUTES = (
-    OipRoute("GET", "/v2", "server_metadata", "server metadata", {200: SERVER_METADATA_SCHEMA}),
-    OipRoute("GET", "/v2/health/live", "live", "server live", {200: None}),
-    OipRoute("GET", "/v2/health/ready", "ready", "server ready", {200: None, 400: ERROR_SCHEMA}),
-    OipRoute("GET", _M, "model_metadata", "model metadata",
-             {200: METADATA_SCHEMA, **_MODEL_ERRORS}),
-    OipRoute("GET", _V, "model_metadata", "model version metadata",
-             {200: METADATA_SCHEMA, **_MODEL_ERRORS}),
-    OipRoute("GET", f"{_M}/ready", "model_ready", "model ready",
-             {200: None, 400: ERROR_SCHEMA, **_MODEL_ERRORS}),
-    OipRoute("GET", f"{_V}/ready", "model_ready", "model version ready",
-             {200: None, 400: ERROR_SCHEMA, **_MODEL_ERRORS}),
-    OipRoute("POST", f"{_M}/infer", "infer", "inference", _INFER_ANSWERS),
-    OipRoute("POST", f"{_V}/infer", "infer", "inference on a version", _INFER_ANSWERS),
+_EMPTY = Answer(description="yes: an empty body")
+_NOT_READY = "no (the protocol's 4xx): why, in the protocol's error body"
+_MODEL = ModelName("batch", "a batch model (GET /api/models lists them)")
+_INFER_ERRORS = (400, 401, 404, 409, 413, 429, 500, 503, 504)
+_BINARY_NOTE = (
+    "Triton's binary tensor extension (a body of an Inference-Header-Content-Length-byte"
+    " JSON header, then the tensors' bytes) is read and written too, but is not described"
+    " here: OpenAPI cannot say where the JSON ends. A JSON request asking for a binary"
+    " output (binary_data_output or an output's binary_data) gets an"
+    " application/octet-stream answer of that shape."
+)
+_INFERRED = Answer(
+    description="one output string for each input string, in order",
+    schema=INFER_RESPONSE_SCHEMA,
+    more={"application/octet-stream": {"type": "string", "contentMediaType":
+          "application/octet-stream"}},
 )  # fmt: skip
-"""Every route of the protocol, declared once: `mount` adds them, a document reads them."""
+_M, _V = "/v2/models/{model}", "/v2/models/{model}/versions/{version}"
+
+
+def _operation(
+    summary: str, answers: dict[int, Answer], *, model: bool = False, **more: Any
+) -> Operation:
+    """An OIP operation; on a model's path, for a caller with a key, the model a live one."""
+    if model:
+        more |= {"path": {"model": _MODEL}, "auth": "key"}
+    return Operation(summary=summary, tag="oip", answers=answers, **more)
+
+
+ROUTES: tuple[tuple[str, str, str, Operation], ...] = (
+    ("GET", "/v2", "server_metadata", _operation(
+        "OIP server metadata", _answers(json_answer("the server", SERVER_METADATA_SCHEMA)))),
+    ("GET", "/v2/health/live", "live", _operation("OIP server live", _answers(_EMPTY))),
+    ("GET", "/v2/health/ready", "ready", _operation("OIP server ready", {
+        200: _EMPTY, 400: Answer(description=_NOT_READY, schema=ERROR_SCHEMA)})),
+    ("GET", _M, "model_metadata", _operation(
+        "OIP model metadata", _answers(json_answer("the model", METADATA_SCHEMA), 401, 404),
+        model=True)),
+    ("GET", _V, "model_metadata", _operation(
+        "OIP model version metadata",
+        _answers(json_answer("the model", METADATA_SCHEMA), 401, 404), model=True)),
+    ("GET", f"{_M}/ready", "model_ready", _operation(
+        "OIP model ready: a version of it is", {
+            200: _EMPTY, 400: Answer(description=_NOT_READY, schema=ERROR_SCHEMA),
+            **errors(401, 404, schema=ERROR_SCHEMA)}, model=True)),
+    ("GET", f"{_V}/ready", "model_ready", _operation(
+        "OIP model version ready", {
+            200: _EMPTY, 400: Answer(description=_NOT_READY, schema=ERROR_SCHEMA),
+            **errors(401, 404, schema=ERROR_SCHEMA)}, model=True)),
+    ("POST", f"{_M}/infer", "infer", _operation(
+        "OIP inference: each string of the input tensor is one request to the model",
+        _answers(_INFERRED, *_INFER_ERRORS), body=INFER_REQUEST_SCHEMA,
+        parameters=(REQUEST_ID, TIMEOUT), description=_BINARY_NOTE, model=True)),
+    ("POST", f"{_V}/infer", "infer", _operation(
+        "OIP inference on a version", _answers(_INFERRED, *_INFER_ERRORS),
+        body=INFER_REQUEST_SCHEMA, parameters=(REQUEST_ID, TIMEOUT),
+        description=_BINARY_NOTE, model=True)),
+)  # fmt: skip
+"""Every route of the protocol (method, path, the name of `OipApi`'s method that answers it,
+its operation), declared once: `mount` adds them to the routes that /openapi.json reads."""
 
 
 class Tensors(NamedTuple):
@@ -202,9 +253,9 @@ class OipApi:
     def __init__(self, engine: Engine) -> None:
         self._engine = engine
 
-    def mount(self, router: web.UrlDispatcher) -> None:
-        for route in ROUTES:
-            router.add_route(route.method, route.path, getattr(self, route.handler))
+    def mount(self, routes: Routes) -> None:
+        for method, path, handler, operation in ROUTES:
+            routes.add(method, path, getattr(self, handler), operation)
 
     async def server_metadata(self, request: web.Request) -> web.Response:
         body = {"name": "batchserve", "version": __version__, "extensions": EXTENSIONS}

@@ -23,6 +23,7 @@ from aiohttp import web
 from ..engine.core import MAX_INPUTS_PER_CALL, Engine
 from ..errors import BatchserveError, InvalidInput, ModelNotFound
 from ..models.specs import MAX_NAME
+from .openapi import REQUEST_ID, ModelName, Operation, errors, json_answer
 from .wire import (
     error_response,
     json_response,
@@ -140,3 +141,100 @@ def _encoded(vector: list[float]) -> str:
     if sys.byteorder != "little":
         packed.byteswap()
     return base64.b64encode(packed.tobytes()).decode()
+
+
+MODEL_OBJECT = {
+    "title": "Model",
+    "type": "object",
+    "required": ["id", "object", "created", "owned_by"],
+    "properties": {"id": {"type": "string"}, "object": {"const": "model"},
+                   "created": {"type": "integer"}, "owned_by": {"type": "string"}},
+}  # fmt: skip
+EMBEDDINGS = Operation(
+    summary="OpenAI's embeddings: one vector per input, in the order given",
+    tag="openai",
+    parameters=(REQUEST_ID,),
+    body={
+        "title": "EmbeddingsRequest",
+        "type": "object",
+        "required": ["model", "input"],
+        "additionalProperties": False,
+        "properties": {
+            "model": ModelName("embedding", "a model that returns vectors"),
+            "input": {
+                "anyOf": [
+                    {"type": "string"},
+                    {
+                        "type": "array",
+                        "items": {"type": "string"},
+                        "minItems": 1,
+                        "maxItems": MAX_EMBEDDING_INPUTS,
+                    },
+                ]
+            },
+            "encoding_format": {"enum": ["float", "base64"]},
+            "user": {},
+            "dimensions": {"type": ["integer", "null"], "description": "the model's, or 400"},
+        },
+    },
+    answers={
+        200: json_answer(
+            "the vectors",
+            {
+                "title": "Embeddings",
+                "type": "object",
+                "required": ["object", "data", "model", "usage"],
+                "properties": {
+                    "object": {"const": "list"},
+                    "data": {
+                        "type": "array",
+                        "items": {
+                            "type": "object",
+                            "required": ["object", "index", "embedding"],
+                            "properties": {
+                                "object": {"const": "embedding"},
+                                "index": {"type": "integer", "minimum": 0},
+                                "embedding": {
+                                    "anyOf": [
+                                        {"type": "array", "items": {"type": "number"}},
+                                        {"type": "string", "contentEncoding": "base64"},
+                                    ]
+                                },
+                            },
+                        },
+                    },
+                    "model": {"type": "string"},
+                    "usage": {"type": "object", "required": ["prompt_tokens", "total_tokens"]},
+                },
+            },
+        ),
+        **errors(400, 401, 404, 409, 413, 429, 500, 503, 504, openai=True),
+    },
+    auth="key",
+)
+OPENAI_MODELS = Operation(
+    summary="OpenAI's model list: every model this server runs",
+    tag="openai",
+    answers={
+        200: json_answer(
+            "the models",
+            {
+                "title": "ModelObjects",
+                "type": "object",
+                "required": ["object", "data"],
+                "properties": {
+                    "object": {"const": "list"},
+                    "data": {"type": "array", "items": MODEL_OBJECT},
+                },
+            },
+        ),
+        **errors(401, openai=True),
+    },
+    auth="key",
+)
+OPENAI_MODEL = Operation(
+    summary="OpenAI's model object of one model",
+    tag="openai",
+    answers={200: json_answer("the model", MODEL_OBJECT), **errors(401, 404, openai=True)},
+    auth="key",
+)

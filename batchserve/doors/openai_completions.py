@@ -22,11 +22,15 @@ from typing import Any, NamedTuple
 
 from aiohttp import web
 
+from ..config import Config
 from ..engine.core import Engine
 from ..errors import BatchserveError, InvalidInput
 from ..generation.request import Generation
+from ..rules.sampling_params import SCHEMAS
+from .generate_api import SSE, STOP, max_tokens_schema
 from .generation_answer import Events, answer_generation, data_event
-from .openai_fields import check_fields, sampling_params
+from .openai_fields import check_fields, neutral_schemas, sampling_params
+from .openapi import REQUEST_ID, TIMEOUT, Answer, ModelName, Operation, errors
 from .wire import read_call, timeout_ms_of
 
 
@@ -216,3 +220,93 @@ def _messages(given: object) -> list[dict[str, str]]:
             raise InvalidInput('each message needs a string "role" and text "content"')
         messages.append({"role": role, "content": content})
     return messages
+
+
+_TEXT_PART = {
+    "type": "object",
+    "required": ["text"],
+    "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+}
+_MESSAGE = {
+    "type": "object",
+    "required": ["role", "content"],
+    "properties": {
+        "role": {"type": "string"},
+        "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART}]},
+    },
+}
+_CHOICE = {"type": "object", "required": ["index", "finish_reason"]}
+_USAGE = {
+    "type": "object",
+    "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
+    "additionalProperties": {"type": "integer", "minimum": 0},
+}
+
+
+def completion_operation(config: Config, *, chat: bool) -> Operation:
+    """POST /v1/completions (or, `chat`, /v1/chat/completions) as the OpenAPI document
+    describes it: the fields `_read_completion` reads, and the neutral ones at the value
+    they take (`openai_fields.py`); any other field is 400."""
+    text = (
+        {
+            "messages": {"type": "array", "minItems": 1, "items": _MESSAGE},
+            "max_completion_tokens": max_tokens_schema(config),
+        }
+        if chat
+        else {
+            "prompt": {
+                "anyOf": [
+                    {"type": "string"},
+                    {"type": "array", "minItems": 1, "maxItems": 1, "items": {"type": "string"}},
+                ]
+            }
+        }
+    )
+    name = "ChatCompletion" if chat else "Completion"
+    body = {
+        "title": f"{name}Request",
+        "type": "object",
+        "required": ["model", "messages" if chat else "prompt"],
+        "additionalProperties": False,
+        "properties": {
+            "model": ModelName("generation"),
+            **text,
+            "max_tokens": max_tokens_schema(config),
+            "stop": STOP,
+            "stream": {"type": ["boolean", "null"]},
+            "stream_options": {
+                "type": ["object", "null"],
+                "properties": {"include_usage": {"type": "boolean"}},
+            },
+            **SCHEMAS,
+            **neutral_schemas(chat=chat),
+        },
+    }
+    answer = {
+        "title": name,
+        "type": "object",
+        "required": ["id", "object", "created", "model", "choices", "usage"],
+        "properties": {
+            "id": {"type": "string"},
+            "object": {"const": "chat.completion" if chat else "text_completion"},
+            "created": {"type": "integer"},
+            "model": {"type": "string"},
+            "choices": {"type": "array", "minItems": 1, "maxItems": 1, "items": _CHOICE},
+            "usage": _USAGE,
+        },
+    }
+    return Operation(
+        summary=f"OpenAI's {'chat ' if chat else ''}completion, whole or streamed",
+        tag="openai",
+        parameters=(REQUEST_ID, TIMEOUT),
+        body=body,
+        answers={
+            200: Answer(
+                description="the completion (or, with stream, its chunks)",
+                schema=answer,
+                more={"text/event-stream": SSE},
+            ),
+            **errors(400, 401, 404, 409, 413, 429, 500, 503, 504, openai=True),
+        },
+        auth="key",
+    )

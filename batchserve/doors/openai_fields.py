@@ -28,11 +28,8 @@ COMPLETION_READ = READ | {"prompt"}
 CHAT_READ = READ | {"messages", "max_completion_tokens"}
 
 
-def _is_int(wanted: int) -> Callable[[object], bool]:
-    return lambda value: type(value) is int and value == wanted
-
-
 def _is_number(wanted: float) -> Callable[[object], bool]:
+    """`wanted` as a JSON number: 1.0 is 1, as in JSON Schema (a bool is not)."""
     return lambda value: type(value) in (int, float) and value == wanted
 
 
@@ -53,9 +50,9 @@ _Rule = tuple[Callable[[object], bool], str, str]
 """A neutral field's test, the value(s) it passes in words, and why no other value will do."""
 
 _NEUTRAL: dict[str, _Rule] = {
-    "n": (_is_int(1), "1", "one choice is made per request"),
+    "n": (_is_number(1), "1", "one choice is made per request"),
     "logprobs": (_is(False), "false", "log probabilities are not reported"),
-    "top_logprobs": (_is_int(0), "0", "log probabilities are not reported"),
+    "top_logprobs": (_is_number(0), "0", "log probabilities are not reported"),
     "presence_penalty": (_is_number(0), "0", "penalties are not applied"),
     "frequency_penalty": (_is_number(0), "0", "penalties are not applied"),
     "repetition_penalty": (_is_number(1), "1", "penalties are not applied"),
@@ -77,7 +74,7 @@ _NEUTRAL: dict[str, _Rule] = {
 }
 _COMPLETION_NEUTRAL = {
     **_NEUTRAL,
-    "best_of": (_is_int(1), "1", "one choice is made per request"),
+    "best_of": (_is_number(1), "1", "one choice is made per request"),
     "echo": (_is(False), "false", "the prompt is not echoed"),
     "suffix": (_is(""), '""', "a suffix is not supported"),
 }
@@ -101,3 +98,45 @@ def check_fields(payload: Mapping[str, Any], *, chat: bool) -> None:
 def sampling_params(payload: Mapping[str, Any]) -> dict[str, Any]:
     """The body's sampling fields that are not null, as the generation's params."""
     return {name: payload[name] for name in SAMPLING_FIELDS if payload.get(name) is not None}
+
+
+def _or_null(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"anyOf": [schema, {"type": "null"}]}
+
+
+_NEUTRAL_SCHEMAS: dict[str, dict[str, Any]] = {
+    "n": {"const": 1},
+    "logprobs": {"const": False},
+    "top_logprobs": {"const": 0},
+    "presence_penalty": {"const": 0},
+    "frequency_penalty": {"const": 0},
+    "repetition_penalty": {"const": 1},
+    "min_p": {"const": 0},
+    "logit_bias": {"type": "object", "maxProperties": 0},
+    "response_format": {"type": "object", "required": ["type"], "additionalProperties": False,
+                        "properties": {"type": {"const": "text"}}},
+    "tools": {"type": "array", "maxItems": 0},
+    "tool_choice": {"enum": ["none", "auto"]},
+    "functions": {"type": "array", "maxItems": 0},
+    "function_call": {"enum": ["none", "auto"]},
+    "parallel_tool_calls": {"type": "boolean"},
+    "modalities": {"type": "array", "prefixItems": [{"const": "text"}], "minItems": 1,
+                   "maxItems": 1},
+    "store": {"type": "boolean"},
+    "metadata": {"type": "object"},
+    "service_tier": {"type": "string"},
+    "user": {"type": "string"},
+    "prompt_cache_key": {"type": "string"},
+    "safety_identifier": {"type": "string"},
+    "best_of": {"const": 1},
+    "echo": {"const": False},
+    "suffix": {"const": ""},
+}  # fmt: skip
+"""The values each neutral field takes, as JSON Schema, for the OpenAPI document
+(tests/test_openapi.py checks that it names exactly the fields `_NEUTRAL` rules)."""
+
+
+def neutral_schemas(*, chat: bool) -> dict[str, dict[str, Any]]:
+    """The body's neutral fields, each at the value(s) it takes or null."""
+    names = _NEUTRAL if chat else _COMPLETION_NEUTRAL
+    return {name: _or_null(_NEUTRAL_SCHEMAS[name]) for name in names}

@@ -39,9 +39,12 @@ from ..errors import (
 )
 from ..rules.tenants import Tenant
 from ..tasks import TaskSet
+from .openapi import ERROR, REQUEST_ID, TIMEOUT, Operation, errors, json_answer
 from .shared_records import Record, SharedRecords, open_records
 from .status_store import ResultStore
 from .wire import (
+    INFERENCE_ANSWER,
+    INFERENCE_BODY,
     MAX_REQUEST_ID,
     answer_body,
     error_body,
@@ -278,3 +281,61 @@ def _shared_id(request_id: str, tenant: Tenant | None) -> str:
     if tenant is None:
         return request_id
     return f"{len(tenant.name)}:{tenant.name}:{request_id}"
+
+
+SUBMIT = Operation(
+    summary="Submit one input; poll its answer at the Location",
+    tag="status",
+    parameters=(REQUEST_ID, TIMEOUT),
+    body=INFERENCE_BODY,
+    answers={
+        202: json_answer(
+            "queued",
+            {
+                "type": "object",
+                "required": ["request_id", "status"],
+                "properties": {"request_id": {"type": "string"}, "status": {"const": "queued"}},
+            },
+            "Location",
+        ),
+        **errors(400, 401, 404, 409, 413, 429, 503),
+    },
+    auth="key",
+)
+POLL = Operation(
+    summary="A submitted request's state: queued, running, completed or failed",
+    tag="status",
+    path={"request_id": {"type": "string", "minLength": 1, "maxLength": MAX_REQUEST_ID}},
+    parameters=(
+        {
+            "name": "wait_ms",
+            "in": "query",
+            "schema": {"type": "number", "minimum": 0, "maximum": MAX_WAIT_MS},
+            "description": f"wait up to this many ms (at most {MAX_WAIT_MS:.0f}) for it to end",
+        },
+    ),
+    answers={
+        200: json_answer(
+            "its state",
+            {
+                "title": "RequestState",
+                "type": "object",
+                "required": ["request_id", "status"],
+                "properties": {
+                    "request_id": {"type": "string"},
+                    "status": {"enum": ["queued", "running", "completed", "failed"]},
+                    "error": {**ERROR, "title": "FailedRequest"},
+                },
+                "oneOf": [
+                    {"properties": {"status": {"enum": ["queued", "running", "failed"]}}},
+                    {
+                        "properties": {"status": {"const": "completed"}},
+                        **{k: INFERENCE_ANSWER[k] for k in ("required", "properties")},
+                    },
+                ],
+            },
+        ),
+        **errors(400, 401, 404, 503),
+    },
+    auth="key",
+)

@@ -25,6 +25,7 @@ from ..errors import (
     Unauthenticated,
 )
 from ..rules.admission import checked_timeout_ms
+from .openapi import ModelName
 
 if TYPE_CHECKING:
     from ..engine.core import Engine
@@ -207,11 +208,14 @@ def _json_problem(exc: orjson.JSONDecodeError) -> str:
 def timeout_ms_of(in_body: object, request: web.BaseRequest) -> float | None:
     """The request's own timeout: the body's, else the header's, else None."""
     requested: object = in_body
-    if requested is None and TIMEOUT_HEADER in request.headers:
+    if TIMEOUT_HEADER in request.headers:
+        # Read even where the body's wins: a malformed header is refused, never ignored.
         try:
-            requested = float(request.headers[TIMEOUT_HEADER])
+            in_header = float(request.headers[TIMEOUT_HEADER])
         except ValueError:
             raise InvalidInput(f"{TIMEOUT_HEADER} must be a number") from None
+        if requested is None:
+            requested = in_header
     return None if requested is None else checked_timeout_ms(requested)
 
 
@@ -300,3 +304,38 @@ def error_response(
     if isinstance(error, MethodNotAllowed):
         headers["Allow"] = ", ".join(error.allowed)
     return json_response(error.status, body, headers)
+
+
+INFERENCE_BODY = {
+    "title": "InferenceRequest",
+    "type": "object",
+    "required": ["input"],
+    "additionalProperties": False,
+    "properties": {
+        "input": {"type": "string", "description": "up to --max-input-bytes of UTF-8"},
+        "timeout_ms": {"type": ["number", "null"], "exclusiveMinimum": 0,
+                       "description": "the request's own timeout, capped by --timeout-ms"},
+        "model": ModelName("batch", "needed where several run", nullable=True),
+        "version": {"type": ["string", "null"], "description": "pins a version"},
+        "params": {"type": ["object", "null"],
+                   "description": "keyword arguments the model's function takes; others: 400"},
+    },
+}  # fmt: skip
+"""`parse_input`'s body, for the OpenAPI document."""
+INFERENCE_ANSWER = {
+    "title": "InferenceAnswer",
+    "type": "object",
+    "required": ["output", "model", "version", "request_id", "latency_ms", "queue_ms",
+                 "compute_ms", "batch_size"],
+    "properties": {
+        "output": {"description": "what the batch function returned for this input"},
+        "model": {"type": "string"},
+        "version": {"type": "string"},
+        "request_id": {"type": "string"},
+        "latency_ms": {"type": "number", "minimum": 0},
+        "queue_ms": {"type": "number", "minimum": 0},
+        "compute_ms": {"type": "number", "minimum": 0},
+        "batch_size": {"type": "integer", "minimum": 1},
+    },
+}  # fmt: skip
+"""`answer_body`, for the OpenAPI document."""

@@ -134,6 +134,8 @@ def checked_timeout_ms(timeout_ms: object) -> float:
 def _max_tokens(given: object, cap: int) -> int | None:
     if given is None:
         return None
+    if isinstance(given, float) and given.is_integer():
+        given = int(given)  # a whole JSON number, as JSON Schema's integer takes it
     if isinstance(given, bool) or not isinstance(given, int) or not 1 <= given <= cap:
         raise InvalidInput(f"max_tokens must be a whole number from 1 to {cap}")
     return given

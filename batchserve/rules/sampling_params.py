@@ -41,6 +41,9 @@ def _number(value: object) -> float | None:
 
 
 def _integer(value: object) -> int | None:
+    """`value` as an int if it is a whole JSON number: 482.0 is 482, as in JSON Schema."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
     return None if isinstance(value, bool) or not isinstance(value, int) else value
 
 
@@ -120,3 +123,15 @@ def _shown(value: object) -> str:
     else:
         text = "an object" if isinstance(value, Mapping) else f"a {type(value).__name__}"
     return text if len(text) <= 40 else text[:37] + "..."
+
+
+SCHEMAS: dict[str, dict[str, Any]] = {
+    "temperature": {"type": "number", "minimum": 0, "maximum": MAX_TEMPERATURE},
+    "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+    "top_k": {"type": "integer", "minimum": -1, "maximum": MAX_TOP_K},
+    "seed": {"type": "integer", "minimum": SEED_RANGE[0], "maximum": SEED_RANGE[1]},
+    "ignore_eos": {"type": "boolean"},
+    "min_tokens": {"type": "integer", "minimum": 0, "description": "at most max_tokens"},
+}
+"""Each known param's rule (`_RULES`) as JSON Schema, null allowed, for the OpenAPI document."""
+SCHEMAS = {name: {"anyOf": [schema, {"type": "null"}]} for name, schema in SCHEMAS.items()}
