@@ -10,7 +10,9 @@ import pytest
 from batchserve.batching.deadlines import MIN_SWEEP, Deadlines
 from batchserve.batching.request import QueuedRequest
 from batchserve.clock import FakeClock
-from batchserve.errors import DeadlineExceeded
+from batchserve.config import Config
+from batchserve.errors import DeadlineExceeded, InvalidInput
+from batchserve.rules.admission import Admission, checked_timeout_ms
 
 from .conftest import PLAIN_KEY
 
@@ -127,3 +129,19 @@ async def test_a_shorter_deadline_after_an_answered_longer_one_is_not_late():
     deadlines.add(short)
     clock.advance(1.0)
     assert expired([short]) == ["short"]
+
+
+@pytest.mark.parametrize("given", [0, -5, float("nan"), float("inf"), True, "500"])
+def test_one_timeout_rule_refuses_what_no_deadline_can_be_made_of(given: object) -> None:
+    # The doors (wire.timeout_ms_of) and the engine (Admission.timeout_s) share this rule.
+    with pytest.raises(InvalidInput, match="timeout_ms must be a number above 0"):
+        checked_timeout_ms(given)
+    with pytest.raises(InvalidInput, match="timeout_ms must be a number above 0"):
+        Admission(Config(timeout_ms=2000)).timeout_s(given, None)  # type: ignore[arg-type]
+
+
+def test_a_timeout_is_capped_by_the_servers() -> None:
+    assert checked_timeout_ms(250) == 250.0
+    assert Admission(Config(timeout_ms=2000)).timeout_s(250, None) == 0.25
+    assert Admission(Config(timeout_ms=2000)).timeout_s(9000, None) == 2.0
+    assert Admission(Config(timeout_ms=2000)).timeout_s(None, None) == 2.0

@@ -9,7 +9,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from batchserve.batching.request import QueuedRequest
-from batchserve.rules.fair_queue import TIER_RANKS, FairQueue, predicted_wait_s
+from batchserve.rules.fair_queue import FairQueue, predicted_wait_s
+from batchserve.rules.tenants import TIER_RANKS
 
 from .conftest import PLAIN_KEY
 

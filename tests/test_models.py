@@ -4,6 +4,7 @@ invariant that a batch call never mixes compatibility keys."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import subprocess
 import sys
@@ -21,6 +22,7 @@ from batchserve.clock import FakeClock
 from batchserve.config import Config
 from batchserve.engine.core import Engine
 from batchserve.errors import InvalidInput, ModelNotFound, StartupError
+from batchserve.models.registry import Registry, Routes, VersionState, Wording
 from batchserve.models.specs import ModelSpec, load_models_file
 from batchserve.server import create_app
 
@@ -125,6 +127,33 @@ async def test_requests_route_by_model_and_version_and_answers_name_them():
             await engine.infer("z", model="a", version="9")
         with pytest.raises(InvalidInput, match='name a "model"'):
             await engine.infer("z", version="1")  # a version alone needs one model name
+
+
+@dataclasses.dataclass
+class _Routed:
+    """A version as routing sees it (`Routable`): a batch one or a generation one."""
+
+    spec: ModelSpec
+    state: VersionState = VersionState.READY
+
+    def describe(self) -> dict[str, Any]:
+        return {"version": self.spec.version}
+
+
+def test_one_routing_table_serves_batch_and_generation_models_alike():
+    # Routes is the one router: Registry and Generators differ only in their wording.
+    a1, a2 = _Routed(ModelSpec(name="a", version="1")), _Routed(ModelSpec(name="a", version="2"))
+    gone = _Routed(ModelSpec(name="a", version="3"), VersionState.DRAINING)
+    routes = Routes([a1, a2, gone], Wording("generation model", "generates with", "no model"))
+    assert routes.route(None, "2", "id") is a2
+    assert {routes.route("a", None, f"id-{n}").spec.version for n in range(50)} == {"1", "2"}
+    assert routes.route("a", None, "same") is routes.route(None, None, "same")
+    with pytest.raises(ModelNotFound, match="model a has no version '3'; it has 1, 2"):
+        routes.route("a", "3", "id")
+    with pytest.raises(ModelNotFound, match="no generation model 'b'; this server generates"):
+        routes.route("b", None, "id")
+    with pytest.raises(InvalidInput, match="this server runs no batch model"):
+        Registry([]).route(None, None, "id")
 
 
 async def test_unpinned_requests_share_a_name_by_weight_and_the_same_id_lands_the_same():

@@ -10,7 +10,8 @@ import pytest
 from batchserve.clock import FakeClock
 from batchserve.errors import StartupError
 from batchserve.models.backends import simulated_factory
-from batchserve.rules.tenants import KeyRing, Tenant, TokenBucket
+from batchserve.rules import fair_queue
+from batchserve.rules.tenants import TIER_RANKS, TIERS, KeyRing, Tenant, TokenBucket
 
 from . import raw_http
 from .conftest import GatedBackend, reach
@@ -34,6 +35,14 @@ rate = 0.001
 burst = 2
 timeout_ms = 1500
 """
+
+
+def test_the_tiers_are_listed_once_and_ranked_from_that_list():
+    # The keys file's tiers and the batch order's ranks are one list: enterprise first.
+    assert TIER_RANKS == {"enterprise": 0, "paid": 1, "free": 2}
+    assert list(TIER_RANKS) == list(reversed(TIERS))
+    assert fair_queue.TIER_RANKS is TIER_RANKS
+    assert [Tenant("t", tier).rank for tier in TIERS] == [2, 1, 0]
 
 
 @pytest.fixture

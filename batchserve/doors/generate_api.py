@@ -20,8 +20,9 @@ from typing import Any, NamedTuple
 from aiohttp import web
 
 from ..config import Config
-from ..engine.core import MAX_STOP_CHARS, MAX_STOPS, Engine
+from ..engine.core import Engine
 from ..errors import BatchserveError, InvalidInput
+from ..rules.admission import MAX_STOP_CHARS, MAX_STOPS
 from ..rules.sampling_params import SCHEMAS
 from .generation_answer import Events, answer_generation, data_event
 from .openapi import REQUEST_ID, TIMEOUT, Answer, ModelName, Operation, errors

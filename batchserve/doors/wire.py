@@ -24,6 +24,7 @@ from ..errors import (
     RateLimited,
     Unauthenticated,
 )
+from ..rules.admission import checked_timeout_ms
 from .openapi import ModelName
 
 if TYPE_CHECKING:
@@ -217,16 +218,7 @@ def timeout_ms_of(in_body: object, request: web.BaseRequest) -> float | None:
             raise InvalidInput(f"{TIMEOUT_HEADER} must be a number") from None
         if requested is None:
             requested = in_header
-    if requested is None:
-        return None
-    if (
-        isinstance(requested, bool)
-        or not isinstance(requested, int | float)
-        or not math.isfinite(requested)
-        or requested <= 0
-    ):
-        raise InvalidInput("timeout_ms must be a number above 0")
-    return float(requested)
+    return None if requested is None else checked_timeout_ms(requested)
 
 
 def answer_body(request_id: str, result: Result, latency_s: float) -> dict[str, Any]:

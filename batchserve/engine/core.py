@@ -5,13 +5,21 @@
         ticket = engine.submit("later")       # poll ticket.status, or await ticket
 
 The HTTP server, the status API and the dashboard are doors onto one engine; a Python
-program embeds it the same way. The engine owns, each in one place: admission (keys and
-rate limits in `rules/admission.py`; phase, queue bound and shedding here and in the batcher), the
-pending requests and their deadlines, the device pool and the batcher (the pool starts
-first and stops last), the one batch-time estimate, the metrics, and drain. Everything reads
-time from one injected clock. Its tasks are supervised: if one crashes, the engine fails
-what it holds, turns not-ready and sets `failed`, which makes the server exit non-zero
-rather than serve into a dead batcher.
+program embeds it the same way. The engine owns, each in one place: admission (`intake.py`,
+one order for batch requests and generations, over the pure rules of `rules/admission.py`),
+the pending requests and their deadlines, the versions changed while serving (`versions.py`),
+the device pool and the batcher (the pool starts first and stops last), the one batch-time
+estimate, the metrics, and drain. Everything reads time from one injected clock. Its tasks
+are supervised: if one crashes, the engine fails what it holds, turns not-ready and sets
+`failed`, which makes the server exit non-zero rather than serve into a dead batcher.
+
+Why `Engine` is over the house's ~25 methods and this module over ~400 lines: it is the
+one facade that every door, test and library caller holds, so its public surface (infer,
+submit, generate, admit/settle, the admin and reload calls, the read-only views) is about
+30 methods, most a few lines handing over to `intake.py`, `versions.py`, the batcher, the
+pool or the generation models. The batch request path (`admit`, `_queue`, `settle`) stays
+inline here because each further call is paid by every request (benchmarks/README.md,
+section 4). The pool's listener methods go once the batcher takes the pool's callbacks.
 """
 
 from __future__ import annotations
@@ -19,11 +27,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import enum
 import functools
-import gc
 import logging
-import sys
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -37,44 +42,31 @@ from ..clock import Clock, LoopClock, Timer, wait_until
 from ..config import Config
 from ..errors import (
     BatchserveError,
-    Conflict,
-    DuplicateRequestId,
-    InputTooLarge,
     InvalidInput,
     ModelNotFound,
     NotReady,
-    Overloaded,
-    StartupError,
 )
 from ..generation.models import GenerationModel, Generators, build_generation_model
 from ..generation.request import Generation
 from ..gpu_pool import GpuPool
-from ..live_config import LiveChanges, live_changes, model_changes
+from ..live_config import LiveChanges, live_changes
 from ..models.generators import Seq
-from ..models.registry import Key, ModelVersion, Registry, VersionState, build_version
+from ..models.registry import Key, Registry, build_version
 from ..models.specs import BatchFn, DeviceFactory, ModelSpec, default_spec, load_models_file
 from ..observability.metrics import Metrics
-from ..rules.admission import Admission
-from ..rules.fair_queue import TIER_RANKS
-from ..rules.policy import Policy, make_policy
+from ..rules.admission import Admission, stop_strings
+from ..rules.policy import Policy
 from ..rules.sampling_params import checked_params
 from ..rules.tenants import Tenant
-from ..tasks import TaskSet
+from .intake import InFlightKey, Intake, Phase
 from .recorder import Recorder
+from .versions import Versions
 
 log = logging.getLogger(__name__)
 
 MAX_INPUTS_PER_CALL = 2048
 """The most inputs a door takes in one request for `infer_all` (an embeddings list, an Open
 Inference Protocol tensor): OpenAI's own limit on inputs per embeddings request."""
-
-
-class Phase(enum.Enum):
-    STARTING = "starting"
-    READY = "ready"
-    DRAINING = "draining"
-    FAILED = "failed"
-    """One of the engine's tasks crashed: nothing more is served."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,18 +116,12 @@ class Engine:
                 if spec.generator is not None
             ]
         )
-        self.phase = Phase.STARTING
         self.started = asyncio.Event()
         """Set once every device has loaded and the engine takes requests."""
         self.failed = asyncio.Event()
         """Set when one of the engine's tasks crashed; `failure` says which and why."""
         self.failure: str | None = None
-        self._pending: dict[InFlightKey, QueuedRequest] = {}
-        """Requests in flight by their namespace: a tenant's ids are its own, so another
-        tenant's id looks unknown (never 409), and an embedding's parts are apart from
-        every id a client can send."""
         self._deadlines = Deadlines(self.clock)
-        self._generating: dict[InFlightKey, Generation] = {}
         self._no_generations = asyncio.Event()
         self._no_generations.set()
         self._pool = GpuPool(versions, clock=self.clock, on_crash=self._crashed)
@@ -167,16 +153,25 @@ class Engine:
         if self.metrics is not None:
             self._batcher.on_batch_ran = self.metrics.batch_ran
         self._recorder = Recorder(self.metrics, config.access_log)
-        self._admission = Admission(config)
+        self._intake = Intake(
+            config, self._registry, self._generators, self._pool, self._batcher.capacity_rps
+        )
+        # Each scheduler's routing, bound once: `admit` runs for every request.
+        self._batch_route = self._intake.batch_version
+        self._generation_route = self._intake.generation_model
         self._stack = contextlib.AsyncExitStack()
-        self._changes = TaskSet(self._crashed)
-        """Loads and unloads of model versions asked for while serving."""
+        self._versions = Versions(
+            self._registry,
+            self._pool,
+            self._batcher,
+            self.metrics,
+            require_ready=self._intake.require_ready,
+            on_crash=self._crashed,
+        )
         self._drained: asyncio.Task[None] | None = None
-        self._drain_takes_stragglers = False
-        """See drain(refuse_new=False)."""
 
     def __repr__(self) -> str:
-        return f"<Engine {self.phase.value} pending={len(self._pending)} {self._pool!r}>"
+        return f"<Engine {self._intake!r} {self._pool!r}>"
 
     async def __aenter__(self) -> Engine:
         """Loads every device, then starts the batcher; ready once both are up."""
@@ -187,9 +182,8 @@ class Engine:
             await stack.enter_async_context(self._batcher)
             await stack.enter_async_context(self._generators)
             self._stack = stack.pop_all()
-        for version in self._registry:
-            version.state = VersionState.READY
-        self.phase = Phase.READY
+        self._versions.all_ready()
+        self._intake.phase = Phase.READY
         self.started.set()
         return self
 
@@ -200,7 +194,7 @@ class Engine:
             await self.drain()
         finally:
             self._deadlines.close()
-        await self._changes.aclose()
+        await self._versions.aclose()
         await self._stack.aclose()
 
     # Requests
@@ -336,7 +330,7 @@ class Engine:
         arrival = self.clock.time() if arrival is None else arrival
         request_id = request_id or new_request_id()
         try:
-            generation_model, gen = self._generation(
+            generation_model, gen, in_flight = self._generation(
                 prompt, model, version, max_tokens, stop, params, timeout_ms,
                 request_id, tenant, arrival,
             )  # fmt: skip
@@ -344,8 +338,7 @@ class Engine:
             self.record(route, request_id, arrival, error, tenant)
             raise
         self._no_generations.clear()
-        in_flight = _in_flight(tenant, request_id)
-        self._generating[in_flight] = gen
+        self._intake.generating[in_flight] = gen
         generation_model.submit(gen)
         expiry = self.clock.call_at(gen.deadline, self._expire, generation_model, gen)
         try:
@@ -355,8 +348,8 @@ class Engine:
             if not gen.done:
                 gen.cancel()
                 generation_model.discard(gen)
-            del self._generating[in_flight]
-            if not self._generating:
+            del self._intake.generating[in_flight]
+            if not self._intake.generating:
                 self._no_generations.set()
             now = self.clock.time()
             self._recorder.record_generation(route, tenant, gen, now)
@@ -373,63 +366,32 @@ class Engine:
         request_id: str,
         tenant: Tenant | None,
         arrival: float,
-    ) -> tuple[GenerationModel, Generation]:
-        """Checks a generation request as `_queue` checks a batch one, and its tokens: a
-        prompt that can never fit a device's budget is refused at once (413)."""
-        self._admission.take_token(tenant, arrival, self._batcher.capacity_rps)
-        if self.phase is not Phase.READY and not self._takes_stragglers():
-            raise NotReady(f"the server is {self.phase.value}")
-        try:
-            generation_model = self._generators.route(model, version, request_id)
-        except ModelNotFound:
-            if model is not None and model in self._registry:
-                raise InvalidInput(
-                    f"model {model[:64]} runs batches, not generation: POST /api/inference"
-                ) from None
-            raise
-        self._admission.check_input(prompt)
-        in_flight = _in_flight(tenant, request_id)
-        if in_flight in self._generating or in_flight in self._pending:
-            raise DuplicateRequestId(f"request id {request_id} is already in flight")
-        if generation_model.waiting >= self.config.max_queue:
-            raise Overloaded(
-                f"{generation_model.waiting} generations are waiting, the limit",
-                retry_after_s=1.0,
-            )
+    ) -> tuple[GenerationModel, Generation, InFlightKey]:
+        """Admits a generation as `_queue` admits a batch request (intake.py), then checks
+        its tokens: a prompt that can never fit a device's budget is refused at once (413)."""
+        generation_model, deadline, in_flight = self._intake.admit(
+            self._generation_route, model, version, prompt, timeout_ms, request_id, tenant, arrival
+        )
         prompt_tokens = generation_model.count_tokens(prompt)
-        budget = generation_model.kv_budget
-        limit = _max_tokens(max_tokens, self.config.max_tokens_cap)
-        if prompt_tokens >= budget:
-            raise InputTooLarge(
-                f"the prompt is {prompt_tokens} tokens; a device holds {budget} in all,"
-                " the prompt and at least one new token: shorten the prompt"
-            )
-        if limit is None:
-            limit = min(self.config.max_tokens, self.config.max_tokens_cap, budget - prompt_tokens)
-        if prompt_tokens + limit > budget:
-            raise InputTooLarge(
-                f"the prompt's {prompt_tokens} tokens and max_tokens {limit} do not fit a"
-                f" device's budget of {budget} tokens: ask for at most"
-                f" {budget - prompt_tokens} new tokens"
-            )
+        rules = self._intake.rules
+        limit = rules.new_tokens(prompt_tokens, max_tokens, generation_model.kv_budget)
         sampling = checked_params(params, limit)
-        deadline = arrival + self._admission.timeout_s(timeout_ms, tenant)
         gen = Generation(
             # The sequence's id is the generator's handle, unique across tenants.
             Seq(_seq_id(tenant, request_id), prompt, params=sampling),
             request_id=request_id,
             prompt_tokens=prompt_tokens,
             max_tokens=limit,
-            stops=_stop_strings(stop),
+            stops=stop_strings(stop),
             arrival=arrival,
             deadline=deadline,
             model=generation_model.spec.name,
             version=generation_model.spec.version,
         )
         if tenant is not None:
-            gen.tenant, gen.tier_rank = tenant.name, TIER_RANKS[tenant.tier]
+            gen.tenant, gen.tier_rank = tenant.name, tenant.rank
             gen.tenant_weight = tenant.weight
-        return generation_model, gen
+        return generation_model, gen, in_flight
 
     def chat_prompt(self, model: str | None, messages: list[dict[str, str]]) -> str:
         """A chat's messages as one prompt, in the template of `model`'s generator."""
@@ -443,18 +405,18 @@ class Engine:
     def authenticate(self, authorization: str | None) -> Tenant | None:
         """The caller's tenant from `Authorization: Bearer <key>`; None when the engine runs
         open (no keys file)."""
-        return self._admission.authenticate(authorization)
+        return self._intake.rules.authenticate(authorization)
 
     def gateway_tenant(
         self, headers: Mapping[str, str], authenticated: Tenant | None
     ) -> Tenant | None:
         """The tenant, tier and deadline cap the Kubernetes inference gateway's headers give
         a request, with --trust-gateway-headers on; else `authenticated` (gateway.py)."""
-        return self._admission.gateway_tenant(headers, authenticated)
+        return self._intake.rules.gateway_tenant(headers, authenticated)
 
     def authorize_operator(self, authorization: str | None) -> None:
         """Raises Unauthenticated unless the caller may read the server's numbers."""
-        self._admission.authorize_operator(authorization)
+        self._intake.rules.authorize_operator(authorization)
 
     def record(
         self,
@@ -495,31 +457,12 @@ class Engine:
     def _queue(
         self, ask: Ask, request_id: str, tenant: Tenant | None, arrival: float, part: bool
     ) -> tuple[QueuedRequest, Timer | None]:
-        """Checks who calls, their rate, that the engine can take the request, which model
-        version runs it and that the input and params are acceptable; then queues it and
-        arms its deadline."""
-        if tenant is not None:
-            self._admission.take_token(tenant, arrival, self._batcher.capacity_rps)
-        if self.phase is not Phase.READY and not self._takes_stragglers():
-            raise NotReady(f"the server is {self.phase.value}")
-        try:
-            version = self._registry.route(ask.model, ask.version, request_id)
-        except ModelNotFound:
-            if ask.model in self._generators:  # looked for only once routing has failed
-                raise InvalidInput(
-                    f"model {ask.model} generates text: POST /api/generate or /v1/completions"
-                ) from None
-            raise
-        if not self._pool.healthy or (
-            len(version.loaded_on) < len(self.device_names) and not self._pool.healthy_for(version)
-        ):
-            raise NotReady(f"no device of {version.spec.label} is healthy; see /readyz")
+        """Admits the request (intake.py), then queues it and arms its deadline."""
         text = ask.text
-        self._admission.check_input(text)
-        deadline = arrival + self._admission.timeout_s(ask.timeout_ms, tenant)
-        in_flight = _in_flight(tenant, request_id, part)
-        if in_flight in self._pending:
-            raise DuplicateRequestId(f"request id {request_id} is already in flight")
+        version, deadline, in_flight = self._intake.admit(
+            self._batch_route, ask.model, ask.version, text, ask.timeout_ms,
+            request_id, tenant, arrival, part,
+        )  # fmt: skip
         params_key = version.params_key(ask.params) if ask.params is not None else b""
         if version.spec.cost == "length":
             tokens = max(1, version.tokens(text))
@@ -530,11 +473,11 @@ class Engine:
         future: asyncio.Future[Result] = asyncio.get_running_loop().create_future()
         request = QueuedRequest(request_id, text, arrival, deadline, future, key, tokens)
         if tenant is not None:
-            request.tenant, request.tier_rank = tenant.name, TIER_RANKS[tenant.tier]
+            request.tenant, request.tier_rank = tenant.name, tenant.rank
             request.tenant_weight = tenant.weight
         self._batcher.submit(request)
         request.part = part
-        self._pending[in_flight] = request
+        self._intake.pending[in_flight] = request
         # Its deadline fails the future, rather than asyncio.timeout_at: the hot path then
         # needs no Timeout object and no task-cancel round trip.
         return request, self._deadlines.add(request)
@@ -553,7 +496,7 @@ class Engine:
         before any batch is formed."""
         if expiry is not None:
             expiry.cancel()
-        del self._pending[request.tenant, request.request_id, request.part]
+        del self._intake.pending[request.tenant, request.request_id, request.part]
         self._batcher.discard(request)
         if outcome is not None:
             self.record(route, request.request_id, request.arrival, outcome, tenant)
@@ -563,78 +506,24 @@ class Engine:
     ) -> None:
         self.settle("requests", request, expiry, tenant, ticket.outcome())
 
-    # Versions added, reweighted and removed while serving (the admin API)
+    # Versions added, reweighted and removed while serving (the admin API): see versions.py
 
     def add_version(self, spec: ModelSpec) -> dict[str, Any]:
         """Loads a new version in the background (beside what serves); it takes traffic
         once every device has loaded it and answered a warm-up batch."""
-        if self.phase is not Phase.READY:
-            raise NotReady(f"the server is {self.phase.value}")
-        if spec.generator is not None:
-            # Only batch models load while serving; built as one, it would ignore the field.
-            raise InvalidInput(
-                "field 'generator': a generation model cannot be added while serving; list it"
-                " in --models and restart"
-            )
-        if self._registry.get(spec.name, spec.version) is not None:
-            raise Conflict(f"{spec.label} exists; DELETE it first, or PATCH its weight")
-        try:
-            version = build_version(self.config, spec)
-        except StartupError as exc:
-            raise InvalidInput(str(exc)) from None
-        foreign = sorted(set(version.device_names) - set(self.device_names))
-        if foreign:
-            raise InvalidInput(
-                f"field 'devices': {', '.join(foreign)} is not a device of this server"
-                f" ({', '.join(self.device_names)})"
-            )
-        self._registry.add(version)
-        log.info("loading %s on %s", spec.label, ",".join(version.device_names))
-        self._changes.start(self._load(version), name=f"batchserve-load-{spec.label}")
-        return version.describe()
-
-    async def _load(self, version: ModelVersion) -> None:
-        problems = await self._pool.load(version, beside_serving=True)
-        for problem in problems:
-            log.error("%s", problem)
-        if not version.loaded_on:
-            self._registry.remove(version)
-            log.error("%s loaded on no device and is not added", version.spec.label)
-            return
-        version.state = VersionState.READY
-        log.info("%s is ready on %s and takes traffic", version.spec.label, version.loaded_on)
+        return self._versions.add(spec, self.config)
 
     def set_weight(self, name: str, version_name: str, weight: float) -> dict[str, Any]:
-        version = self._existing(name, version_name)
-        old = version.spec.weight
-        version.spec = dataclasses.replace(version.spec, weight=weight)
-        log.info("%s weight %s -> %s", version.spec.label, old, weight)
-        return version.describe()
+        return self._versions.set_weight(name, version_name, weight)
 
     def remove_version(self, name: str, version_name: str) -> dict[str, Any]:
         """Stops new traffic to a version at once; what it holds finishes, then it unloads
         and its devices' memory is freed."""
-        version = self._existing(name, version_name)
-        if version.state is VersionState.LOADING:
-            raise Conflict(f"{version.spec.label} is still loading; delete it once ready")
-        if version.state is VersionState.READY:
-            version.state = VersionState.DRAINING
-            log.info("draining %s: no new requests; those it holds finish", version.spec.label)
-            self._changes.start(self._unload(version), name=f"batchserve-unload-{name}")
-        return version.describe()
+        return self._versions.remove(name, version_name)
 
-    async def _unload(self, version: ModelVersion) -> None:
-        await self._batcher.wait_until(
-            lambda _: not self._batcher.queued_for(version) and not self._pool.running(version)
-        )
-        self._pool.unload(version)
-        self._registry.remove(version)
-        # Its metric series go with it: add/delete cycles must not grow the scrape.
-        self._batcher.forget(version.name, version.version)
-        if self.metrics is not None:
-            self.metrics.forget(version.name, version.version)
-        await asyncio.to_thread(_free_device_memory)
-        log.info("%s is unloaded", version.spec.label)
+    async def settled(self) -> None:
+        """Returns once the loads and unloads under way have finished."""
+        await self._versions.settled()
 
     def reconfigure(self, wanted: Config) -> LiveChanges:
         """Applies what a running server can change of `wanted` (see live_config.py), or
@@ -647,56 +536,13 @@ class Engine:
         changes = live_changes(self.config, wanted)
         config = changes.config
         admission = Admission(config)
-        if config.models is not None:
-            specs = [s for s in load_models_file(config.models, config) if s.generator is None]
-        else:
-            specs = [
-                dataclasses.replace(
-                    version.spec,
-                    max_batch_size=config.max_batch_size,
-                    max_linger_ms=config.max_linger_ms,
-                )
-                for version in self._registry
-            ]
-        models = model_changes([version.spec for version in self._registry], specs)
+        models = self._versions.plan(config)
         self.config = config
-        self._admission = admission
+        self._intake.configure(admission, config)
         self._batcher.max_queue = config.max_queue
         self._recorder = Recorder(self.metrics, config.access_log)
-        for spec in models.retune:
-            version = self._existing(spec.name, spec.version)
-            version.spec = dataclasses.replace(
-                version.spec, max_batch_size=spec.max_batch_size, max_linger_ms=spec.max_linger_ms
-            )
-            version.policy = make_policy(
-                config.policy, version.spec, config.max_linger_ms, version.estimate
-            )
-        for spec in models.reweigh:
-            version = self._existing(spec.name, spec.version)
-            version.spec = dataclasses.replace(version.spec, weight=spec.weight)
-        for name, version_name in models.remove:
-            self._change(self.remove_version, name, version_name)
-        for spec in models.add:
-            self._change(self.add_version, spec)
+        self._versions.apply(models, config)
         return LiveChanges(config, changes.changed, [*changes.kept, *models.kept])
-
-    def _change(self, change: Callable[..., object], *args: Any) -> None:
-        """One version added or removed by a reload; one that cannot be (still loading, a
-        device this server lacks) is logged and the rest go on."""
-        try:
-            change(*args)
-        except BatchserveError as error:
-            log.error("the reload could not apply %s: %s", args[0], error)
-
-    def _existing(self, name: str, version_name: str) -> ModelVersion:
-        version = self._registry.get(name, version_name)
-        if version is None:
-            raise ModelNotFound(f"no version {version_name[:64]!r} of model {name[:64]!r}")
-        return version
-
-    async def settled(self) -> None:
-        """Returns once the loads and unloads under way have finished."""
-        await self._changes.join()
 
     # Lifecycle
 
@@ -711,16 +557,12 @@ class Engine:
         rather than answered 503 (nginx does not retry a 503)."""
         if self._drained is None:
             # Readiness turns off now, not when the task first runs.
-            if self.phase is not Phase.FAILED:
-                self.phase = Phase.DRAINING
-            self._drain_takes_stragglers = not refuse_new
+            if self._intake.phase is not Phase.FAILED:
+                self._intake.phase = Phase.DRAINING
+            self._intake.takes_stragglers = not refuse_new
             deadline = self.clock.time() + self.config.drain_timeout_s
             self._drained = asyncio.create_task(self._drain(deadline), name="batchserve-drain")
         await asyncio.shield(self._drained)
-
-    def _takes_stragglers(self) -> bool:
-        """Draining for a server whose doors are closed: see drain(refuse_new=False)."""
-        return self.phase is Phase.DRAINING and self._drain_takes_stragglers
 
     async def _drain(self, deadline: float) -> None:
         idle = asyncio.gather(
@@ -729,7 +571,7 @@ class Engine:
         )
         if not await wait_until(self.clock, idle, deadline):
             idle.cancel()
-            log.warning("drain timed out: answering %d requests 503", len(self._pending))
+            log.warning("drain timed out: answering %d requests 503", len(self._intake.pending))
             self._fail_everything(NotReady("the server shut down before this request could run"))
         await asyncio.gather(idle, return_exceptions=True)
 
@@ -742,7 +584,7 @@ class Engine:
             error,
             exc_info=error,
         )
-        self.phase = Phase.FAILED
+        self._intake.phase = Phase.FAILED
         self.failure = f"{task_name} crashed: {type(error).__name__}: {error}"
         self._fail_everything(NotReady(f"the server failed ({self.failure})"))
         self.failed.set()
@@ -756,9 +598,10 @@ class Engine:
 
     def readiness(self) -> tuple[bool, str]:
         """Ready while serving with at least one healthy device; else why not."""
-        if self.phase is Phase.READY and self._pool.devices and not self._pool.healthy:
+        phase = self._intake.phase
+        if phase is Phase.READY and self._pool.devices and not self._pool.healthy:
             return False, "no healthy device"
-        return self.phase is Phase.READY, self.phase.value
+        return phase is Phase.READY, phase.value
 
     def device_states(self) -> dict[str, str]:
         """Each batch device's state, and each generation device's (busy while it steps)."""
@@ -772,7 +615,7 @@ class Engine:
         await self._batcher.wait_until(lambda stats: predicate(self._with_pending(stats)))
 
     def _with_pending(self, stats: BatcherStats) -> EngineStats:
-        return EngineStats(**asdict(stats), pending=len(self._pending))
+        return EngineStats(**asdict(stats), pending=len(self._intake.pending))
 
     @property
     def call_time_s(self) -> float | None:
@@ -813,52 +656,6 @@ class Engine:
     def recoveries(self) -> Counter[str]:
         """Requests retried or failed after a fault, by kind (read-only)."""
         return Counter(self._batcher.recoveries)
-
-
-MAX_STOPS = 16
-MAX_STOP_CHARS = 256
-
-
-def _max_tokens(given: object, cap: int) -> int | None:
-    if given is None:
-        return None
-    if isinstance(given, float) and given.is_integer():
-        given = int(given)  # a whole JSON number, as JSON Schema's integer takes it
-    if isinstance(given, bool) or not isinstance(given, int) or not 1 <= given <= cap:
-        raise InvalidInput(f"max_tokens must be a whole number from 1 to {cap}")
-    return given
-
-
-def _stop_strings(stop: object) -> tuple[str, ...]:
-    """`stop` as given (a string or a list of them), checked: non-empty, few and short."""
-    stops = [] if stop is None else [stop] if isinstance(stop, str) else stop
-    if (
-        not isinstance(stops, list)
-        or len(stops) > MAX_STOPS
-        or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stops)
-    ):
-        raise InvalidInput(
-            f'"stop" must be a string or a list of at most {MAX_STOPS} strings, each 1 to'
-            f" {MAX_STOP_CHARS} characters"
-        )
-    return tuple(stops)
-
-
-def _free_device_memory() -> None:
-    """After a version unloads: collect its weights, and give CUDA's cached blocks back
-    where torch is loaded (other processes and the next version can then use them)."""
-    gc.collect()
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.empty_cache()
-
-
-InFlightKey = tuple[str, str, bool]
-"""(tenant, request id, whether it is one part of a request of several)."""
-
-
-def _in_flight(tenant: Tenant | None, request_id: str, part: bool = False) -> InFlightKey:
-    return ("" if tenant is None else tenant.name, request_id, part)
 
 
 def _seq_id(tenant: Tenant | None, request_id: str) -> str:

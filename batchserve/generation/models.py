@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,8 +19,6 @@ from ..config import Config, GenerateMode
 from ..errors import (
     BackendError,
     BatchserveError,
-    InvalidInput,
-    ModelNotFound,
     StartupError,
 )
 from ..models.device_names import parse_devices
@@ -34,8 +32,8 @@ from ..models.generators import (
     simulated_generator_factory,
     token_counter,
 )
-from ..models.registry import weighted_pick
-from ..models.specs import DEFAULT_MODEL, MAX_NAME, ModelSpec
+from ..models.registry import Routes, VersionState, Wording
+from ..models.specs import DEFAULT_MODEL, ModelSpec
 from ..rules.capacity import BatchBudget, DecayedRate
 from ..rules.fair_queue import FairQueue
 from ..tasks import CrashHandler, TaskSet
@@ -118,6 +116,8 @@ class GenerationModel:
         on_crash: CrashHandler,
     ) -> None:
         self.spec = spec
+        self.state = VersionState.READY
+        """Always ready once the engine serves: generation models load only at start."""
         self.mode = mode
         self._factory = factory
         self._stop_wait_s = step_budget.seconds(None)
@@ -261,7 +261,7 @@ class GenerationModel:
     def describe(self) -> dict[str, Any]:
         return {
             "version": self.spec.version,
-            "state": "ready",
+            "state": self.state.value,
             "kind": "generation",
             "weight": self.spec.weight,
             "devices": [loop.device for loop in self.loops],
@@ -270,23 +270,15 @@ class GenerationModel:
         }
 
 
-class Generators:
-    """Every generation model version by name, and the routing of requests to them."""
+GENERATION_WORDING = Wording("generation model", "generates with", "no model")
+
+
+class Generators(Routes[GenerationModel]):
+    """Every generation model version by name; requests are routed to them as batch
+    requests are to batch versions (`models/registry.py`'s `Routes`)."""
 
     def __init__(self, models: list[GenerationModel]) -> None:
-        self._by_name: dict[str, dict[str, GenerationModel]] = {}
-        for model in models:
-            self._by_name.setdefault(model.spec.name, {})[model.spec.version] = model
-
-    def __iter__(self) -> Iterator[GenerationModel]:
-        return iter([m for versions in self._by_name.values() for m in versions.values()])
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._by_name
-
-    @property
-    def names(self) -> list[str]:
-        return sorted(self._by_name)
+        super().__init__(models, GENERATION_WORDING)
 
     async def __aenter__(self) -> Generators:
         """Loads every generation model on its devices and starts their schedulers."""
@@ -299,38 +291,6 @@ class Generators:
 
     async def __aexit__(self, *exc_info: object) -> None:
         await asyncio.gather(*(model.aclose() for model in self))
-
-    def route(self, model: str | None, version: str | None, request_id: str) -> GenerationModel:
-        """The version a generation runs on: pinned, or by weight, stable per request id."""
-        if model is None:
-            if len(self._by_name) != 1:
-                raise InvalidInput(
-                    'name a "model": this server generates with'
-                    f" {', '.join(self.names) or 'no model'}"
-                )
-            model = self.names[0]
-        versions = self._by_name.get(model)
-        if versions is None:
-            raise ModelNotFound(
-                f"no generation model {model[:MAX_NAME]!r}; this server generates with"
-                f" {', '.join(self.names) or 'no model'} (GET /api/models)"
-            )
-        if version is not None:
-            chosen = versions.get(version)
-            if chosen is None:
-                raise ModelNotFound(
-                    f"model {model} has no version {version[:MAX_NAME]!r};"
-                    f" it has {', '.join(sorted(versions))}"
-                )
-            return chosen
-        ready = list(versions.values())
-        return weighted_pick(ready, [m.spec.weight for m in ready], request_id)
-
-    def describe(self) -> list[dict[str, Any]]:
-        return [
-            {"name": name, "versions": [m.describe() for m in versions.values()]}
-            for name, versions in sorted(self._by_name.items())
-        ]
 
     def states(self) -> dict[str, str]:
         return {

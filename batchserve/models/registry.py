@@ -17,7 +17,7 @@ import inspect
 import zlib
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Generic, NamedTuple, Protocol, TypeVar
 
 import orjson
 
@@ -200,45 +200,79 @@ def _keyword_names(fn: BatchFn) -> frozenset[str] | None:
     return frozenset(names)
 
 
-class Registry:
-    """Every model version by name, and the routing of requests to them."""
+class Routable(Protocol):
+    """What routing reads of a version: a batch model's or a generation model's."""
 
-    def __init__(self, versions: list[ModelVersion]) -> None:
-        self._by_name: dict[str, dict[str, ModelVersion]] = {}
-        self._sole: ModelVersion | None = None
+    spec: ModelSpec
+    state: VersionState
+
+    def describe(self) -> dict[str, Any]: ...
+
+
+Version = TypeVar("Version", bound=Routable)
+
+
+class Wording(NamedTuple):
+    """How a table's refusals name its models."""
+
+    noun: str
+    """"model", "generation model": `no model 'x'`."""
+    verb: str
+    """"runs", "generates with": `this server runs a, b`."""
+    none: str
+    """What it runs when it runs nothing: "no batch model"."""
+    when_empty: str | None = None
+    """The refusal of a request that names no model when there is none (None: as when
+    there are several)."""
+
+
+class Routes(Generic[Version]):
+    """Versions by model name, and the one place a request is routed to one of them: a
+    pinned version, or a weighted choice among the name's ready versions that is stable
+    for a given request id. The batch models' `Registry` and the generation models'
+    `Generators` are each one of these."""
+
+    def __init__(self, versions: list[Version], wording: Wording) -> None:
+        self._wording = wording
+        self._by_name: dict[str, dict[str, Version]] = {}
+        self._sole: Version | None = None
         """The one version, while there is only one: a request naming nothing routes to it
         without a look at names and weights."""
         for version in versions:
             self.add(version)
 
     def __repr__(self) -> str:
-        return f"<Registry {', '.join(v.spec.label for v in self)}>"
+        return f"<{type(self).__name__} {', '.join(v.spec.label for v in self)}>"
 
-    def __iter__(self) -> Iterator[ModelVersion]:
+    def __iter__(self) -> Iterator[Version]:
         return iter([v for versions in self._by_name.values() for v in versions.values()])
 
-    def get(self, name: str, version: str) -> ModelVersion | None:
+    def get(self, name: str, version: str) -> Version | None:
         return self._by_name.get(name, {}).get(version)
 
     def __contains__(self, name: object) -> bool:
         return name in self._by_name
 
-    def add(self, version: ModelVersion) -> None:
-        self._by_name.setdefault(version.name, {})[version.version] = version
+    @property
+    def names(self) -> list[str]:
+        return sorted(self._by_name)
+
+    def add(self, version: Version) -> None:
+        self._by_name.setdefault(version.spec.name, {})[version.spec.version] = version
         self._sole = self._only_version()
 
-    def remove(self, version: ModelVersion) -> None:
-        versions = self._by_name[version.name]
-        del versions[version.version]
+    def remove(self, version: Version) -> None:
+        versions = self._by_name[version.spec.name]
+        del versions[version.spec.version]
         if not versions:
-            del self._by_name[version.name]
+            del self._by_name[version.spec.name]
         self._sole = self._only_version()
 
-    def _only_version(self) -> ModelVersion | None:
+    def _only_version(self) -> Version | None:
         everything = list(self)
         return everything[0] if len(everything) == 1 else None
 
-    def route(self, model: str | None, version: str | None, request_id: str) -> ModelVersion:
+    def route(self, model: str | None, version: str | None, request_id: str) -> Version:
         """The version a request runs on; refusals say why (400, 404 or 503)."""
         sole = self._sole
         if (
@@ -252,7 +286,7 @@ class Registry:
         if version is not None:
             chosen = versions.get(version)
             if chosen is None or chosen.state is VersionState.DRAINING:
-                name = next(iter(versions.values())).name
+                name = next(iter(versions.values())).spec.name
                 raise ModelNotFound(
                     f"model {name} has no version {version[:MAX_NAME]!r};"
                     f" it has {', '.join(self._serving(versions))}"
@@ -265,12 +299,59 @@ class Registry:
         ready = [v for v in versions.values() if v.state is VersionState.READY]
         if not ready:
             raise NotReady(
-                f"no version of {next(iter(versions.values())).name} is ready yet",
+                f"no version of {next(iter(versions.values())).spec.name} is ready yet",
                 retry_after_s=LOADING_RETRY_AFTER_S,
             )
         if len(ready) == 1:
             return ready[0]
         return weighted_pick(ready, [v.spec.weight for v in ready], request_id)
+
+    def _versions_of(self, model: str | None) -> dict[str, Version]:
+        if model is None:
+            if len(self._by_name) == 1:
+                return next(iter(self._by_name.values()))
+            if not self._by_name and self._wording.when_empty is not None:
+                raise InvalidInput(self._wording.when_empty)
+            raise InvalidInput(f'name a "model": {self._runs()}')
+        versions = self._by_name.get(model)
+        if versions is None:
+            raise ModelNotFound(
+                f"no {self._wording.noun} {model[:MAX_NAME]!r}; {self._runs()} (GET /api/models)"
+            )
+        return versions
+
+    def _runs(self) -> str:
+        """What the server runs, for a refusal: "this server runs a, b"."""
+        return f"this server {self._wording.verb} {', '.join(self.names) or self._wording.none}"
+
+    @staticmethod
+    def _serving(versions: dict[str, Version]) -> list[str]:
+        return sorted(
+            v.spec.version for v in versions.values() if v.state is not VersionState.DRAINING
+        )
+
+    def describe(self) -> list[dict[str, Any]]:
+        """GET /api/models: each model, its versions, their devices, weights and state."""
+        return [
+            {"name": name, "versions": [v.describe() for v in versions.values()]}
+            for name, versions in sorted(self._by_name.items())
+        ]
+
+
+BATCH_WORDING = Wording(
+    "model",
+    "runs",
+    "no batch model",
+    when_empty="this server runs no batch model; its models generate text:"
+    " POST /api/generate or /v1/completions",
+)
+
+
+class Registry(Routes[ModelVersion]):
+    """Every batch model version by name, and the routing of requests to them."""
+
+    def __init__(self, versions: list[ModelVersion]) -> None:
+        super().__init__(versions, BATCH_WORDING)
 
     def embedding_dim(self, model: str) -> int:
         """The vector length `model` returns; 400 if any of its versions returns no vectors."""
@@ -279,37 +360,6 @@ class Registry:
         if dim is None or dims:
             raise InvalidInput(f"model {model} does not return embedding vectors")
         return dim
-
-    def _versions_of(self, model: str | None) -> dict[str, ModelVersion]:
-        if model is None:
-            if not self._by_name:
-                raise InvalidInput(
-                    "this server runs no batch model; its models generate text:"
-                    " POST /api/generate or /v1/completions"
-                )
-            if len(self._by_name) != 1:
-                raise InvalidInput(
-                    f'name a "model": this server runs {", ".join(sorted(self._by_name))}'
-                )
-            return next(iter(self._by_name.values()))
-        versions = self._by_name.get(model)
-        if versions is None:
-            raise ModelNotFound(
-                f"no model {model[:MAX_NAME]!r}; this server runs"
-                f" {', '.join(sorted(self._by_name)) or 'no batch model'} (GET /api/models)"
-            )
-        return versions
-
-    @staticmethod
-    def _serving(versions: dict[str, ModelVersion]) -> list[str]:
-        return sorted(v.version for v in versions.values() if v.state is not VersionState.DRAINING)
-
-    def describe(self) -> list[dict[str, Any]]:
-        """GET /api/models: each model, its versions, their devices, weights and state."""
-        return [
-            {"name": name, "versions": [v.describe() for v in versions.values()]}
-            for name, versions in sorted(self._by_name.items())
-        ]
 
 
 Choice = TypeVar("Choice")

@@ -1,8 +1,9 @@
-"""Who may send what: API keys, tenants' rate limits, deadlines and the input itself.
+"""Who may send what: API keys, tenants' rate limits, deadlines and the input itself, and
+what a generation may ask for (new tokens within a device's budget, stop strings).
 
 The engine asks these questions of every request, from HTTP or from Python, before it
-queues it; whether the engine is ready and whether its queue has room are its own to say.
-Time is passed in.
+queues it (`engine/intake.py`, one order for both schedulers); whether the engine is ready
+and whether its queue has room are its own to say. Time is passed in.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ class Admission:
             if config.trust_gateway_headers
             else None
         )
+        self._max_tokens = config.max_tokens
+        self._max_tokens_cap = config.max_tokens_cap
 
     def authenticate(self, authorization: str | None) -> Tenant | None:
         """The caller's tenant from `Authorization: Bearer <key>`; None when the server runs
@@ -112,8 +115,64 @@ class Admission:
                 cap_ms = min(cap_ms, tenant.timeout_cap_ms)
         if timeout_ms is None:
             return cap_ms / 1e3
-        if isinstance(timeout_ms, bool) or not (
-            isinstance(timeout_ms, int | float) and math.isfinite(timeout_ms) and timeout_ms > 0
-        ):
-            raise InvalidInput("timeout_ms must be a number above 0")
-        return min(timeout_ms, cap_ms) / 1e3
+        return min(checked_timeout_ms(timeout_ms), cap_ms) / 1e3
+
+    def new_tokens(self, prompt_tokens: int, max_tokens: object, budget: int) -> int:
+        """The most tokens a generation may make: its `max_tokens`, else the server's
+        default; refused (413) when the prompt and that many new tokens cannot fit a
+        device's budget of `budget` tokens."""
+        limit = _max_tokens(max_tokens, self._max_tokens_cap)
+        if prompt_tokens >= budget:
+            raise InputTooLarge(
+                f"the prompt is {prompt_tokens} tokens; a device holds {budget} in all,"
+                " the prompt and at least one new token: shorten the prompt"
+            )
+        if limit is None:
+            limit = min(self._max_tokens, self._max_tokens_cap, budget - prompt_tokens)
+        if prompt_tokens + limit > budget:
+            raise InputTooLarge(
+                f"the prompt's {prompt_tokens} tokens and max_tokens {limit} do not fit a"
+                f" device's budget of {budget} tokens: ask for at most"
+                f" {budget - prompt_tokens} new tokens"
+            )
+        return limit
+
+
+def checked_timeout_ms(timeout_ms: object) -> float:
+    """A request's own timeout as given (a body's field, a header, a library caller's
+    argument): a finite number of milliseconds above 0. The one rule for it: the doors
+    check what they parse with it, and the engine what it is handed."""
+    if isinstance(timeout_ms, bool) or not (
+        isinstance(timeout_ms, int | float) and math.isfinite(timeout_ms) and timeout_ms > 0
+    ):
+        raise InvalidInput("timeout_ms must be a number above 0")
+    return float(timeout_ms)
+
+
+def _max_tokens(given: object, cap: int) -> int | None:
+    if given is None:
+        return None
+    if isinstance(given, float) and given.is_integer():
+        given = int(given)  # a whole JSON number, as JSON Schema's integer takes it
+    if isinstance(given, bool) or not isinstance(given, int) or not 1 <= given <= cap:
+        raise InvalidInput(f"max_tokens must be a whole number from 1 to {cap}")
+    return given
+
+
+MAX_STOPS = 16
+MAX_STOP_CHARS = 256
+
+
+def stop_strings(stop: object) -> tuple[str, ...]:
+    """`stop` as given (a string or a list of them), checked: non-empty, few and short."""
+    stops = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    if (
+        not isinstance(stops, list)
+        or len(stops) > MAX_STOPS
+        or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stops)
+    ):
+        raise InvalidInput(
+            f'"stop" must be a string or a list of at most {MAX_STOPS} strings, each 1 to'
+            f" {MAX_STOP_CHARS} characters"
+        )
+    return tuple(stops)

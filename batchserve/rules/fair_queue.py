@@ -19,8 +19,8 @@ from collections import deque
 from collections.abc import Iterator
 from typing import Generic, Protocol, TypeVar
 
-TIER_RANKS = {"enterprise": 0, "paid": 1, "free": 2}
-"""Lower goes first; requests without a tier rank with enterprise (the server is open)."""
+# The tiers and their ranks are tenants.py's; re-exported for the modules that order by them.
+from .tenants import TIER_RANKS as TIER_RANKS
 
 
 class Waiting(Protocol):

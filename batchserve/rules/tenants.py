@@ -31,6 +31,10 @@ from pathlib import Path
 from ..errors import StartupError
 
 TIERS = ("free", "paid", "enterprise")
+"""The tiers, lowest to highest: the one list of them (keys files, rates, batch order)."""
+TIER_RANKS = {tier: rank for rank, tier in enumerate(reversed(TIERS))}
+"""Each tier's place in the batch order (rules/fair_queue.py): lower goes first, so
+enterprise is 0. Requests without a tier rank with enterprise (the server is open)."""
 ROLES = ("tenant", "operator")
 
 
@@ -74,6 +78,11 @@ class Tenant:
     """May read the server's numbers: /metrics, /api/stats (the dashboard's)."""
     timeout_cap_ms: float | None = None
     """A cap on this request's deadline: the gateway's x-slo-ttft-ms (gateway.py)."""
+
+    @property
+    def rank(self) -> int:
+        """Its tier's place in the batch order: see TIER_RANKS."""
+        return TIER_RANKS[self.tier]
 
 
 ANONYMOUS = "anonymous"
