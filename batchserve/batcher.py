@@ -198,10 +198,13 @@ class Batcher:
             log.info("request %s repeats a known poison input: it runs apart", request.request_id)
         lane = self._lanes.get(request.key)
         if lane is None:
-            lane = self._lanes[request.key] = Lane(request.key, self._virtual_time)
+            lane = Lane(request.key, self._virtual_time)
         if self._shed:
             self._refuse_if_late(request, lane)
             self._tier_rates[request.tier_rank].add(request.arrival, 1)
+        # Kept only once it holds a request: `_choose` reads a lane's oldest request, and a
+        # lane left empty by a refusal once crashed the batcher there.
+        self._lanes[request.key] = lane
         lane.queue.push(request)
         self._queued += 1
         self._arrival_rate.add(request.arrival, 1)
