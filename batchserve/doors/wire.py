@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from collections.abc import Awaitable, Callable
 from http import HTTPStatus
-from typing import TYPE_CHECKING, Any, Generic, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, NamedTuple, TypeGuard, TypeVar
 
 import orjson
 from aiohttp import web
@@ -208,23 +208,29 @@ def timeout_ms_of(in_body: object, request: web.BaseRequest) -> float | None:
     """The request's own timeout: the body's, else the header's, else None."""
     requested: object = in_body
     if TIMEOUT_HEADER in request.headers:
-        # Read even where the body's wins: a malformed header is refused, never ignored.
+        # Checked even where the body's wins: a bad header is refused, never ignored.
         try:
             in_header = float(request.headers[TIMEOUT_HEADER])
         except ValueError:
             raise InvalidInput(f"{TIMEOUT_HEADER} must be a number") from None
+        if not _above_zero(in_header):
+            raise InvalidInput(f"{TIMEOUT_HEADER} must be a number above 0")
         if requested is None:
             requested = in_header
     if requested is None:
         return None
-    if (
-        isinstance(requested, bool)
-        or not isinstance(requested, int | float)
-        or not math.isfinite(requested)
-        or requested <= 0
-    ):
+    if not _above_zero(requested):
         raise InvalidInput("timeout_ms must be a number above 0")
     return float(requested)
+
+
+def _above_zero(value: object) -> TypeGuard[float]:
+    return (
+        not isinstance(value, bool)
+        and isinstance(value, int | float)
+        and math.isfinite(value)
+        and value > 0
+    )
 
 
 def answer_body(request_id: str, result: Result, latency_s: float) -> dict[str, Any]:
