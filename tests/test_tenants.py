@@ -262,9 +262,7 @@ async def test_a_request_shed_from_an_empty_queue_leaves_the_batcher_serving(
     gated.gate.clear()
     held = asyncio.ensure_future(client.post("/api/inference", json={"input": "h"}, headers=acme))
     await reach(engine, lambda s: s.in_flight == 1 and s.queued == 0)
-    shed = await client.post(
-        "/api/inference", json={"input": "x", "timeout_ms": 1}, headers=acme
-    )
+    shed = await client.post("/api/inference", json={"input": "x", "timeout_ms": 1}, headers=acme)
     assert shed.status == 503  # one call is more than its 1 ms: refused, nothing queued
     assert (await shed.json())["error"] == "OVERLOADED"
     gated.gate.set()  # the batch done wakes the batcher, which looks at every lane
