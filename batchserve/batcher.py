@@ -221,7 +221,7 @@ class Batcher:
         self._rescue.recall(request)
         lane = self._lanes.get(request.key)
         if lane is None:
-            lane = self._lanes[request.key] = Lane(request.key, self._virtual_time)
+            lane = Lane(request.key, self._virtual_time)
         if self._shedding is not None:
             ahead = lane.queue.ahead_of(request.tenant, request.tier_rank, request.tenant_weight)
             self._shedding.refuse_if_late(
@@ -230,6 +230,9 @@ class Batcher:
                 self.capacity_rps(request.key.version),
                 self._drain_time_s,
             )
+        # Kept only once it holds a request: `_choose` reads a lane's oldest request, and a
+        # lane left empty by a refusal once crashed the batcher there.
+        self._lanes[request.key] = lane
         lane.queue.push(request)
         self._queued += 1
         self._arrival_rate.add(request.arrival, 1)

@@ -244,7 +244,12 @@ def create_app(engine: Engine) -> web.Application:
     status_api = StatusApi(engine)
     app[INFERENCE_KEY] = inference = InferenceApi(engine, status_api.store_problem)
     app[ROUTES_KEY] = routes = Routes(
-        app, _security(engine.config), "batchserve", __version__, _live_models(engine)
+        app,
+        _security(engine.config),
+        "batchserve",
+        __version__,
+        _live_models(engine),
+        lambda: [engine.embedding_dim(name) for name in _live_models(engine)("embedding")],
     )
     routes.add("POST", INFERENCE_PATH, inference.inference, INFERENCE)
     routes.add("GET", "/api/models", inference.models, MODELS)

@@ -140,6 +140,13 @@ async def test_bad_timeout_header_and_overlong_request_id_get_400(start_server):
         headers={"X-Request-Timeout-Ms": ""},
     )
     assert response.status == 400
+    for header in ("0", "-5", "inf", "nan"):  # a number, but not one above 0
+        response = await client.post(
+            "/api/inference",
+            json={"input": "x", "timeout_ms": 5000},
+            headers={"X-Request-Timeout-Ms": header},
+        )
+        assert response.status == 400, header
     response = await client.post(
         "/api/inference", json={"input": "x"}, headers={"X-Request-Id": "i" * 500}
     )

@@ -255,6 +255,31 @@ async def test_requests_predicted_to_miss_their_deadline_are_shed_lowest_tier_fi
     assert [(await task).status for task in [*queued, kept]] == [200] * 11
 
 
+async def test_a_request_shed_from_an_empty_queue_leaves_the_batcher_serving(
+    start_server, keys_file, gated
+):
+    """Shedding a request that would have opened a lane must not leave that lane empty:
+    the batcher once crashed on it at its next look (IndexError), failing the engine."""
+    clock = FakeClock()
+    client, engine = await start_server(gated, keys_file=keys_file, clock=clock)
+    acme = {"Authorization": "Bearer sk-ent-123"}
+    warm = asyncio.ensure_future(client.post("/api/inference", json={"input": "w"}, headers=acme))
+    await reach(engine, lambda s: s.in_flight == 1)
+    clock.advance(0.050)
+    gated.gate.set()
+    assert (await warm).status == 200  # a call takes 50 ms
+    gated.gate.clear()
+    held = asyncio.ensure_future(client.post("/api/inference", json={"input": "h"}, headers=acme))
+    await reach(engine, lambda s: s.in_flight == 1 and s.queued == 0)
+    shed = await client.post("/api/inference", json={"input": "x", "timeout_ms": 1}, headers=acme)
+    assert shed.status == 503  # one call is more than its 1 ms: refused, nothing queued
+    assert (await shed.json())["error"] == "OVERLOADED"
+    gated.gate.set()  # the batch done wakes the batcher, which looks at every lane
+    assert (await held).status == 200
+    after = await client.post("/api/inference", json={"input": "next"}, headers=acme)
+    assert after.status == 200
+
+
 async def test_capacity_follows_a_device_that_hangs(start_server, gated: GatedBackend):
     clock = FakeClock()
     client, engine = await start_server(gated, devices=2, batch_timeout_ms=200, clock=clock)

@@ -17,9 +17,10 @@ from typing import Any
 
 from aiohttp import web
 
+from ..config import BACKEND_BATCH_LIMIT, DTYPES
 from ..engine.core import Engine
 from ..errors import BatchserveError, InvalidInput, Unauthenticated
-from ..models.specs import SpecError, spec_from_fields
+from ..models.specs import MAX_NAME, SpecError, spec_from_fields
 from .openapi import Operation, errors, json_answer
 from .wire import error_response, json_response, read_json, request_id_of
 
@@ -95,6 +96,33 @@ _VERSION = {
                    "state": {"type": "string"}},
 }  # fmt: skip
 _PATH = {"name": {"type": "string", "minLength": 1}, "version": {"type": "string", "minLength": 1}}
+_PATH_ECHO = {"type": "string", "description": "the path's (it may be left out); another is 400"}
+_FN = {"type": "string", "description": "package.module:attr, imported as the version loads"}
+PUT_BODY: dict[str, Any] = {
+    "title": "VersionSpec",
+    "type": "object",
+    "additionalProperties": False,
+    "description": "a models-file entry's fields (docs/models.md). A generation model"
+    " (generator, model_path) is added only by --models and a restart. Rules JSON Schema"
+    " cannot state are 400: fn and fn_per_device not both; max_batch_tokens needs cost"
+    f" length; the path's name and version are 1 to {MAX_NAME} letters, digits or -_.",
+    "properties": {
+        "name": _PATH_ECHO,
+        "version": _PATH_ECHO,
+        "fn": _FN,
+        "fn_per_device": _FN,
+        "devices": {"type": "string", "description": "as --devices; absent: the server's own"
+                    " devices (every device a version names must be one of them)"},
+        "max_batch_size": {"type": "integer", "minimum": 1, "maximum": BACKEND_BATCH_LIMIT},
+        "weight": {"type": "number", "exclusiveMinimum": 0},
+        "cost": {"enum": ["flat", "length"]},
+        "max_batch_tokens": {"type": "integer", "minimum": 1},
+        "slo_ms": {"type": "number", "exclusiveMinimum": 0},
+        "max_linger_ms": {"type": "number", "minimum": 0},
+        "dtype": {"enum": list(DTYPES)},
+    },
+}  # fmt: skip
+"""The admin PUT's body: the models file's fields (models/specs.py) a batch version takes."""
 
 
 def _as_devices(names: list[str]) -> str:
@@ -108,7 +136,7 @@ ADMIN_PUT = Operation(
     summary="Add a version: it loads in the background",
     tag="admin",
     path=_PATH,
-    body={"type": "object", "description": "a models-file entry's fields (docs/models.md)"},
+    body=PUT_BODY,
     answers={202: json_answer("loading", _VERSION), **errors(400, 401, 409, 413, 503)},
     auth="admin",
 )

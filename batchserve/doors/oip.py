@@ -123,7 +123,8 @@ INFER_REQUEST_SCHEMA: dict[str, Any] = {
                             {"type": "integer", "minimum": 1, "maximum": MAX_INPUTS_PER_CALL},
                             {"const": 1},
                         ],
-                        "description": "[N] or [N, 1]: N strings in data",
+                        "description": "[N] or [N, 1]: N must be the number of strings in"
+                        " data (400 otherwise), a rule JSON Schema cannot state",
                     },
                     "datatype": {"const": "BYTES"},
                     "parameters": _PARAMETERS,

@@ -23,7 +23,7 @@ from aiohttp import web
 from ..engine.core import MAX_INPUTS_PER_CALL, Engine
 from ..errors import BatchserveError, InvalidInput, ModelNotFound
 from ..models.specs import MAX_NAME
-from .openapi import REQUEST_ID, ModelName, Operation, errors, json_answer
+from .openapi import REQUEST_ID, Dimensions, ModelName, Operation, errors, json_answer
 from .wire import (
     error_response,
     json_response,
@@ -174,7 +174,10 @@ EMBEDDINGS = Operation(
             },
             "encoding_format": {"enum": ["float", "base64"]},
             "user": {},
-            "dimensions": {"type": ["integer", "null"], "description": "the model's, or 400"},
+            "dimensions": Dimensions(
+                "the named model's vector length (or null); another is 400. It is the enum of"
+                " the one length where every embedding model that runs shares it"
+            ),
         },
     },
     answers={

@@ -11,7 +11,9 @@ Every answer carries `X-Request-Id`; errors are the wire's JSON body (`ERROR`, o
 `OPENAI_ERROR` on the OpenAI-shaped routes, OIP's own on OIP's), with the headers their
 status brings. A field or path parameter that names a model is a `ModelName`: in the
 document, an `enum` of the models of its kind that run when the document is asked for (a
-model of the other kind is refused with 400, an unknown name with 404).
+model of the other kind is refused with 400, an unknown name with 404); a body's field that
+may name none is required where several run. `/v1/embeddings`' `dimensions` is likewise the
+live embedding models' one vector length where they share one.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ Kind = Literal["batch", "embedding", "generation"]
 """A batch model, one of those that return vectors, or a generation model."""
 LiveModels = Callable[[Kind], list[str]]
 """The names of the models of a kind that the engine runs now."""
+LiveDimensions = Callable[[], list[int]]
+"""The vector lengths of the embedding models that the engine runs now."""
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,28 @@ class ModelName:
         if self.description:
             named["description"] = self.description
         return named
+
+
+@dataclass(frozen=True)
+class Dimensions:
+    """A schema placeholder: an embeddings request's `dimensions`, made the `enum` of the one
+    vector length the live embedding models share (or null); where their lengths differ,
+    an integer whose rule is told in `description` (the named model's length, or 400)."""
+
+    description: str
+
+    def schema(self, lengths: list[int]) -> dict[str, Any]:
+        if len(lengths) == 1:
+            return {"enum": [*lengths, None], "description": self.description}
+        return {"type": ["integer", "null"], "minimum": 1, "description": self.description}
+
+
+@dataclass(frozen=True)
+class _Live:
+    """What the document says of the running models, built anew when it changes."""
+
+    names: Mapping[Kind, list[str]]
+    dimensions: list[int]
 
 
 ERROR: Schema = {
@@ -217,11 +243,13 @@ class Routes:
         title: str,
         version: str,
         live_models: LiveModels = lambda kind: [],
+        live_dimensions: LiveDimensions = lambda: [],
     ) -> None:
         self._app = app
         self._security = security
         self._info = {"title": title, "version": version}
         self._live_models = live_models
+        self._live_dimensions = live_dimensions
         self.operations: dict[tuple[str, str], Operation] = {}
         self._document: tuple[object, bytes] | None = None
 
@@ -235,13 +263,14 @@ class Routes:
         self.operations[method, path] = operation
 
     def document(self) -> dict[str, Any]:
-        return self._build(self._names())
+        return self._build(self._now())
 
-    def _names(self) -> dict[str, list[str]]:
+    def _now(self) -> _Live:
         kinds: tuple[Kind, ...] = ("batch", "embedding", "generation")
-        return {kind: sorted(self._live_models(kind)) for kind in kinds}
+        names = {kind: sorted(self._live_models(kind)) for kind in kinds}
+        return _Live(names, sorted(set(self._live_dimensions())))
 
-    def _build(self, names: dict[str, list[str]]) -> dict[str, Any]:
+    def _build(self, live: _Live) -> dict[str, Any]:
         paths: dict[str, dict[str, Any]] = {}
         components: dict[str, Any] = {"schemas": {}}
         for (method, path), operation in self.operations.items():
@@ -249,7 +278,7 @@ class Routes:
             paths.setdefault(openapi_path, {})[method.lower()] = self._operation(
                 method, path, operation, components["schemas"]
             )
-        paths, components = _live(paths, names), _live(components, names)
+        paths, components = _live(paths, live), _live(components, live)
         schemes = {}
         if self._security.key or self._security.operator:
             schemes["apiKey"] = {
@@ -276,9 +305,9 @@ class Routes:
     async def serve(self, request: web.Request) -> web.Response:
         """GET /openapi.json: built for the models that run now (an admin may have added or
         removed one since the last ask), and kept until they change."""
-        names = self._names()
-        if self._document is None or self._document[0] != names:
-            self._document = (names, orjson.dumps(self._build(names)))
+        live = self._now()
+        if self._document is None or self._document[0] != live:
+            self._document = (live, orjson.dumps(self._build(live)))
         return web.Response(body=self._document[1], content_type="application/json")
 
     def _operation(
@@ -348,12 +377,30 @@ def _named(schema: Schema, named: dict[str, Any]) -> Schema:
     return {"$ref": f"#/components/schemas/{title}"}
 
 
-def _live(schema: Any, names: Mapping[str, list[str]]) -> Any:
-    """`schema` with each `ModelName` in it made the enum of its kind's live names."""
+def _live(schema: Any, live: _Live) -> Any:
+    """`schema` with each `ModelName` in it made the enum of its kind's live names (and
+    required where it may be left out only while one runs), and each `Dimensions` the live
+    vector lengths."""
     if isinstance(schema, ModelName):
-        return schema.schema(names[schema.kind])
+        return schema.schema(live.names[schema.kind])
+    if isinstance(schema, Dimensions):
+        return schema.schema(live.dimensions)
     if isinstance(schema, Mapping):
-        return {key: _live(value, names) for key, value in schema.items()}
+        made = {key: _live(value, live) for key, value in schema.items()}
+        properties = schema.get("properties")
+        if isinstance(properties, Mapping):
+            required = list(made.get("required", []))
+            required += [
+                name
+                for name, value in properties.items()
+                if isinstance(value, ModelName)
+                and value.nullable
+                and len(live.names[value.kind]) != 1
+                and name not in required
+            ]
+            if required:
+                made["required"] = required
+        return made
     if isinstance(schema, list | tuple):
-        return [_live(value, names) for value in schema]
+        return [_live(value, live) for value in schema]
     return schema

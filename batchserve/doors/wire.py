@@ -211,14 +211,19 @@ def timeout_ms_of(in_body: object, request: web.BaseRequest) -> float | None:
     """The request's own timeout: the body's, else the header's, else None."""
     requested: object = in_body
     if TIMEOUT_HEADER in request.headers:
-        # Read even where the body's wins: a malformed header is refused, never ignored.
+        # Checked even where the body's wins: a bad header is refused, never ignored.
         try:
             in_header = float(request.headers[TIMEOUT_HEADER])
         except ValueError:
             raise InvalidInput(f"{TIMEOUT_HEADER} must be a number") from None
+        try:
+            checked_timeout_ms(in_header)
+        except InvalidInput:
+            raise InvalidInput(f"{TIMEOUT_HEADER} must be a number above 0") from None
         if requested is None:
             requested = in_header
     return None if requested is None else checked_timeout_ms(requested)
+
 
 
 def answer_body(request_id: str, result: Result, latency_s: float) -> dict[str, Any]:

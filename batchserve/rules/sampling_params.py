@@ -131,7 +131,12 @@ SCHEMAS: dict[str, dict[str, Any]] = {
     "top_k": {"type": "integer", "minimum": -1, "maximum": MAX_TOP_K},
     "seed": {"type": "integer", "minimum": SEED_RANGE[0], "maximum": SEED_RANGE[1]},
     "ignore_eos": {"type": "boolean"},
-    "min_tokens": {"type": "integer", "minimum": 0, "description": "at most max_tokens"},
+    "min_tokens": {
+        "type": "integer",
+        "minimum": 0,
+        "description": "at most max_tokens (the request's, or the default it gets); more is"
+        " 400, a rule JSON Schema cannot state",
+    },
 }
 """Each known param's rule (`_RULES`) as JSON Schema, null allowed, for the OpenAPI document."""
 SCHEMAS = {name: {"anyOf": [schema, {"type": "null"}]} for name, schema in SCHEMAS.items()}
