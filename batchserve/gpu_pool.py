@@ -16,9 +16,9 @@ import enum
 import functools
 import logging
 from collections import Counter, deque
-from collections.abc import Awaitable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import orjson
 
@@ -45,6 +45,21 @@ class PoolListener(Protocol):
 
     def health_changed(self) -> None:
         """A device went unhealthy or came back."""
+
+
+class BatchCall(NamedTuple):
+    """A batch call that returned, as the pool's `on_call` hears of it (its trace span)."""
+
+    batch: list[QueuedRequest]
+    batch_id: int
+    device: str
+    started: float
+    finished: float
+    reason: str
+    """Why the batch left (rules/policy.py's FlushReason)."""
+    error: str | None
+    """None: it answered its batch; else why not: the type of what it raised, or "hung"
+    (the watchdog handed the batch on; the call returned late)."""
 
 
 class DeviceState(enum.Enum):
@@ -154,6 +169,8 @@ class GpuPool:
         """`sharing`'s answers, until a load or unload changes what the devices hold."""
         self.faults: Counter[str] = Counter()
         """Faults by kind, counted in the logs and on /metrics."""
+        self.on_call: Callable[[BatchCall], None] | None = None
+        """Told of each batch call as it returns, before anyone is answered (tracing)."""
 
     def __repr__(self) -> str:
         return (
@@ -340,9 +357,11 @@ class GpuPool:
         for device in self._devices:
             device.thread.stop()
 
-    def dispatch(self, batch: list[QueuedRequest], batch_id: int, key: Key) -> None:
+    def dispatch(
+        self, batch: list[QueuedRequest], batch_id: int, key: Key, reason: str = "policy"
+    ) -> None:
         """Starts `batch` (every request of `key`) on a free device that runs its version;
-        the caller has checked that one is free."""
+        the caller has checked that one is free. `reason`: why it left, for `on_call`."""
         version = key.version
         device = next(d for d in self._devices if d.state is DeviceState.IDLE and version in d.fns)
         avoid = batch[-1].failed_on  # riding rescue groups, if any, come last
@@ -372,7 +391,7 @@ class GpuPool:
             started + budget_s, self._hung, device, batch, batch_id, budget_s
         )
         self._tasks.start(
-            self._finish(device, batch, batch_id, started, call, watchdog),
+            self._finish(device, batch, batch_id, started, call, watchdog, reason),
             name=f"batchserve-batch-{batch_id}",
         )
 
@@ -391,12 +410,17 @@ class GpuPool:
         started: float,
         call: asyncio.Future[list[Any]],
         watchdog: Timer,
+        reason: str,
     ) -> None:
         try:
             returned: list[Any] | Exception = await call
         except Exception as exc:
             returned = exc
         watchdog.cancel()
+        if self.on_call is not None:
+            error = "hung" if device.state is DeviceState.HUNG else _error_type(returned)
+            now = self._clock.time()
+            self.on_call(BatchCall(batch, batch_id, device.name, started, now, reason, error))
         if device.state is DeviceState.HUNG:  # the watchdog already handed the batch back
             await self._recover(device)
             return
@@ -709,6 +733,11 @@ Who = tuple[str, str, bool]
 
 def _who(request: QueuedRequest) -> Who:
     return (request.tenant, request.request_id, request.part)
+
+
+def _error_type(returned: list[Any] | Exception) -> str | None:
+    """What a call raised, by type only: its message may quote the inputs."""
+    return type(returned).__name__ if isinstance(returned, Exception) else None
 
 
 def _padded(batch: list[QueuedRequest]) -> int:
