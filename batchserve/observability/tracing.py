@@ -4,9 +4,10 @@ the span of the batch call that answered it.
     batchserve.request     arrival -> answered; one per request the engine queued (each
                            input of a list is one)
         attributes         batchserve.request_id, .route, .model, .version, .tenant, .status
-                           (the HTTP status), .error (its code), .queue_ms, .compute_ms,
-                           .batch_id, .device, .failed_calls (failed calls it rode first)
-        events             batch.start, batch.end: the call that answered it
+                           (the HTTP status), .error (its code), .failed_calls (failed
+                           calls it rode first)
+        events             batch.start, batch.end: the call that answered it (queue, then
+                           compute; its id, device and size are on the batch span)
         link               that call's batch span: exactly one for an answered request,
                            none for one answered otherwise (504, 503, 500, 499)
     batchserve.batch       the call's start -> its return; one per batch call
@@ -111,14 +112,10 @@ class Tracer:
             attributes["batchserve.tenant"] = request.tenant
         if request.rescue_round:
             attributes["batchserve.failed_calls"] = request.rescue_round
+        # The batch's id, device and size are on the span it links to, and its start and end
+        # are the events: the SDK checks each attribute, which is most of a span's cost.
         if isinstance(error, Result):
-            attributes |= {
-                "batchserve.status": 200,
-                "batchserve.queue_ms": error.queue_s * 1e3,
-                "batchserve.compute_ms": error.compute_s * 1e3,
-                "batchserve.batch_id": error.batch_id,
-                "batchserve.device": error.device,
-            }
+            attributes["batchserve.status"] = 200
         else:
             attributes |= {"batchserve.status": error.status, "batchserve.error": error.code}
         # A request its batch answered links to that batch; one answered otherwise (its
