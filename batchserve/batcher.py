@@ -38,7 +38,7 @@ from .gpu_pool import GpuPool
 from .models.registry import Key, ModelVersion
 from .rules.capacity import DecayedRate
 from .rules.fair_queue import FairQueue
-from .rules.policy import QueueView
+from .rules.policy import FlushReason, QueueView
 from .tasks import CrashHandler, TaskSet
 
 
@@ -368,12 +368,12 @@ class Batcher:
             if rescue.paid_waiting and (retry := rescue.take_retry(now)) is not None:
                 self._send(*retry)
                 continue
-            lane, count, wake_at = self._choose(now)
+            lane, count, wake_at, reason = self._choose(now)
             if lane is not None:
                 riders = rescue.riders(lane, count, now)
                 batch = self._take(lane, min(count, lane.max_batch - len(riders)), now)
                 rescue.first_try_sent(now, backlog=len(lane.queue) >= lane.max_batch)
-                self._send(lane.key, batch + riders)
+                self._send(lane.key, batch + riders, reason)
                 continue
             if rescue.spare_waiting and (spare := rescue.take_spare(now, self._taker(now))):
                 self._send(*spare)
@@ -387,18 +387,21 @@ class Batcher:
         """`_take` at `now`, for a rescue group that takes its lane's requests along."""
         return lambda lane, count: self._take(self._lanes[lane.key], count, now)
 
-    def _send(self, key: Key, batch: list[QueuedRequest]) -> None:
+    def _send(self, key: Key, batch: list[QueuedRequest], reason: FlushReason = "rescue") -> None:
+        """Starts `batch` on a device; `reason`, why it leaves, is for its trace span (the
+        rescue calls pass none)."""
         if batch:
             self._batches += 1
             self.batch_sizes[len(batch)] += 1
             model, version = key.version.name, key.version.version
             self.batch_fill[model, version, "batches"] += 1
             self.batch_fill[model, version, "requests"] += len(batch)
-            self._pool.dispatch(batch, self._batches, key)
+            self._pool.dispatch(batch, self._batches, key, reason)
         self._changed()
 
-    def _choose(self, now: float) -> tuple[Lane | None, int, float | None]:
-        """The lane to send from now and how many of its requests; else when to look again.
+    def _choose(self, now: float) -> tuple[Lane | None, int, float | None, FlushReason]:
+        """The lane to send from now, how many of its requests and why; else when to look
+        again.
 
         Among the lanes whose policy would send now, the one with the smallest virtual start
         tag: each batch advances its lane's tag by its predicted time over the weight of the
@@ -406,15 +409,16 @@ class Batcher:
         they serve whatever their traffic (a tenant flooding a length bucket of its own gets
         a tenant's share, not the bucket's), and a lane that wakes from idle starts at the
         current virtual time rather than with credit saved up."""
-        best: tuple[float, float, Lane, int] | None = None
+        best: tuple[float, float, Lane, int, FlushReason] | None = None
         wake_at: float | None = None
+        reason: FlushReason
         for lane in self._lanes.values():
             free = self._pool.free_for(lane.key.version)
             if not free:
                 continue  # a device freeing wakes the loop
             size = len(lane.queue)
             if size >= lane.max_batch:
-                count = lane.max_batch
+                count, reason = lane.max_batch, "full"
             else:
                 head = lane.queue.head(size)
                 view = QueueView(
@@ -427,7 +431,7 @@ class Batcher:
                 decision = lane.key.version.policy.decide(
                     now, view, free, self._pool.busy_since_of(lane.key)
                 )
-                count = min(decision.dispatch, lane.max_batch)
+                count, reason = min(decision.dispatch, lane.max_batch), decision.reason
                 if not count:
                     if decision.wake_at is not None:
                         wake_at = (
@@ -435,16 +439,16 @@ class Batcher:
                         )
                     continue
             if best is None and len(self._lanes) == 1:
-                return lane, count, None
+                return lane, count, None, reason
             rank = (max(lane.tag, self._virtual_time), lane.queue.head(1)[0].deadline)
             if best is None or rank < best[:2]:
-                best = (*rank, lane, count)
+                best = (*rank, lane, count, reason)
         if best is None:
-            return None, 0, wake_at
-        start, _, lane, count = best
+            return None, 0, wake_at, "policy"
+        start, _, lane, count, reason = best
         self._virtual_time = start
         lane.tag = start + (lane.predicted_s(count) or 1.0) / lane.queue.weight
-        return lane, count, None
+        return lane, count, None, reason
 
     def _device_share(self, version: ModelVersion, now: float) -> float | None:
         """The devices `version`'s partial batches may spread over where other versions

@@ -23,6 +23,7 @@ from .doors.uds import UnixSocketPath
 from .engine.core import Engine
 from .errors import StartupError
 from .live_config import read_config_file
+from .observability.tracing import otlp_provider
 from .server import AppRunner, create_app
 
 log = logging.getLogger("batchserve")
@@ -349,9 +350,14 @@ def main(argv: Sequence[str] | None = None, prog: str = "batchserve") -> int:
             level=log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s"
         )
         _route_access_log_to_stdout()
-        engine = Engine(config)
-        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-            return runner.run(serve(engine, functools.partial(config_from_args, argv, prog)))
+        provider = otlp_provider() if config.trace else None
+        try:
+            engine = Engine(config, tracer_provider=provider)
+            with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+                return runner.run(serve(engine, functools.partial(config_from_args, argv, prog)))
+        finally:
+            if provider is not None:
+                provider.shutdown()  # sends the spans not yet sent
     except StartupError as error:
         print(f"{prog}: error: {error}", file=sys.stderr)
         return 1

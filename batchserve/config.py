@@ -239,6 +239,13 @@ class Config:
         help="on: one JSON line per answered request on stdout (ids, status, timings, batch,"
         " device; never the input)",
     )
+    trace: bool = setting(
+        False,
+        help="on: OpenTelemetry traces, a span per request linked to the span of the batch"
+        " call that answered it (device, size, why it left), sent by OTLP/HTTP to"
+        " OTEL_EXPORTER_OTLP_ENDPOINT (default http://localhost:4318) and configured by the"
+        " other standard OTEL_* variables; needs the [otel] extra",
+    )
     result_ttl_s: float = setting(
         300.0,
         help="how long the status API keeps a finished request's answer (at most"

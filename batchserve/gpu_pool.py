@@ -20,9 +20,9 @@ import asyncio
 import functools
 import logging
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from .batching.faults import BatchFailure, FailureKind
 from .batching.request import QueuedRequest, Result
@@ -59,6 +59,21 @@ class PoolListener(Protocol):
 
     def health_changed(self) -> None:
         """A device went unhealthy or came back."""
+
+
+class BatchCall(NamedTuple):
+    """A batch call that returned, as the pool's `on_call` hears of it (its trace span)."""
+
+    batch: list[QueuedRequest]
+    batch_id: int
+    device: str
+    started: float
+    finished: float
+    reason: str
+    """Why the batch left (rules/policy.py's FlushReason)."""
+    error: str | None
+    """None: it answered its batch; else why not: the type of what it raised, or "hung"
+    (the watchdog handed the batch on; the call returned late)."""
 
 
 LOGGED_IDS = 5
@@ -115,6 +130,8 @@ class GpuPool:
             tasks=self._tasks,
             changed=self._health_changed,
         )
+        self.on_call: Callable[[BatchCall], None] | None = None
+        """Told of each batch call as it returns, before anyone is answered (tracing)."""
 
     def __repr__(self) -> str:
         return (
@@ -262,9 +279,11 @@ class GpuPool:
         for device in self._devices:
             device.thread.stop()
 
-    def dispatch(self, batch: list[QueuedRequest], batch_id: int, key: Key) -> None:
+    def dispatch(
+        self, batch: list[QueuedRequest], batch_id: int, key: Key, reason: str = "policy"
+    ) -> None:
         """Starts `batch` (every request of `key`) on a free device that runs its version;
-        the caller has checked that one is free."""
+        the caller has checked that one is free. `reason`: why it left, for `on_call`."""
         version = key.version
         device = next(d for d in self._devices if d.state is DeviceState.IDLE and version in d.fns)
         avoid = batch[-1].failed_on  # riding rescue groups, if any, come last
@@ -294,7 +313,7 @@ class GpuPool:
             started + budget_s, self._hung, device, batch, batch_id, budget_s
         )
         self._tasks.start(
-            self._finish(device, batch, batch_id, started, call, watchdog),
+            self._finish(device, batch, batch_id, started, call, watchdog, reason),
             name=f"batchserve-batch-{batch_id}",
         )
 
@@ -313,12 +332,17 @@ class GpuPool:
         started: float,
         call: asyncio.Future[list[Any]],
         watchdog: Timer,
+        reason: str,
     ) -> None:
         try:
             returned: list[Any] | Exception = await call
         except Exception as exc:
             returned = exc
         watchdog.cancel()
+        if self.on_call is not None:
+            error = "hung" if device.state is DeviceState.HUNG else _error_type(returned)
+            now = self._clock.time()
+            self.on_call(BatchCall(batch, batch_id, device.name, started, now, reason, error))
         if device.state is DeviceState.HUNG:  # the watchdog already handed the batch back
             await self._care.recover(device)
             return
@@ -483,3 +507,8 @@ class _NoListener:
 
 
 _NO_LISTENER = _NoListener()
+
+
+def _error_type(returned: list[Any] | Exception) -> str | None:
+    """What a call raised, by type only: its message may quote the inputs."""
+    return type(returned).__name__ if isinstance(returned, Exception) else None

@@ -14,6 +14,11 @@ has `batchserve.cli.tune_for_serving`, from 2026-11-24 on), overhead.py for the 
 
     python benchmarks/inprocess.py                          # bare and batchserve, 1 min
     python benchmarks/inprocess.py --tree before=/tmp/base  # and batchserve of another tree
+    python benchmarks/inprocess.py --traced                 # and batchserve with --trace on
+
+`--traced` adds this tree's batchserve with tracing on, its spans batched by the SDK's
+BatchSpanProcessor to an exporter that drops them: the spans' cost on the loop and on the
+processor's thread, without OTLP's encoding and sending (needs the [otel] extra).
 """
 
 from __future__ import annotations
@@ -118,9 +123,25 @@ async def _runner(kind: str, tree: str) -> Any:
     from batchserve.cli import config_from_args, tune_for_serving
     from batchserve.server import AppRunner, create_app
 
-    config, _ = config_from_args(["--devices", "sim:4", "--metrics", "on"])
+    traced = ["--trace", "on"] if kind == "traced" else []
+    config, _ = config_from_args(["--devices", "sim:4", "--metrics", "on", *traced])
     tune_for_serving()
-    return AppRunner(create_app(Engine(config)), handler_cancellation=True, access_log=None)
+    engine = Engine(config, tracer_provider=_dropping_provider()) if traced else Engine(config)
+    return AppRunner(create_app(engine), handler_cancellation=True, access_log=None)
+
+
+def _dropping_provider() -> Any:
+    """An SDK TracerProvider whose batches of spans go to an exporter that drops them."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+
+    class Dropped(SpanExporter):
+        def export(self, spans: Any) -> SpanExportResult:
+            return SpanExportResult.SUCCESS
+
+    provider = TracerProvider()
+    provider.add_span_processor(BatchSpanProcessor(Dropped()))
+    return provider
 
 
 async def _measure(kind: str, tree: str, rate: float, seconds: float) -> dict[str, float]:
@@ -204,6 +225,10 @@ def main() -> None:
         help="also batchserve as checked out in DIR (e.g. a git worktree of another commit,"
         " one with batchserve.cli.tune_for_serving) under NAME; repeat for more",
     )  # fmt: skip
+    parser.add_argument(
+        "--traced", action="store_true",
+        help="also this tree's batchserve with --trace on, its spans dropped by the exporter",
+    )  # fmt: skip
     parser.add_argument("--child", nargs=2, metavar=("KIND", "TREE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -221,6 +246,8 @@ def main() -> None:
                 " cli.tune_for_serving (serve's process settings, which each server here takes)"
             )
         servers[name] = ("batchserve", tree)
+    if args.traced:
+        servers["traced"] = ("traced", str(ROOT))
     ratios: dict[str, list[float]] = {name: [] for name in servers}
     costs: dict[str, list[float]] = {name: [] for name in servers}
     progress = Progress(args.repeats)

@@ -53,9 +53,7 @@ async def scraped(client) -> dict[str, float]:  # type: ignore[no-untyped-def]
     return picker_view(await response.text())
 
 
-async def test_a_burst_raises_waiting_bounds_running_and_saturates_utilization(
-    start_server, gated
-):
+async def test_a_burst_raises_waiting_bounds_running_and_saturates_utilization(start_server, gated):
     devices, max_batch = 2, 4
     client, engine = await start_server(
         gated, devices=devices, clock=FakeClock(), max_batch_size=max_batch

@@ -46,6 +46,22 @@ def test_a_partial_batch_leaves_at_once_when_the_last_start_is_a_spacing_ago():
     assert adaptive().decide(1.0, queue(3, 1.0), 3, [0.9]) == Decision(3)
 
 
+def test_each_batch_that_leaves_says_why():
+    """The reason a batch's trace span carries; not part of the decision's value."""
+    assert adaptive(max_batch_size=8).decide(1.0, queue(30, 1.0), 1, [0.99]).reason == "full"
+    assert adaptive().decide(1.0, queue(1, 1.0), 1, []).reason == "idle"  # no device busy
+    untimed = AdaptivePolicy(max_batch_size=100, max_linger_s=0.05, call_time=CallTime())
+    assert untimed.decide(1.0, queue(1, 1.0), 1, [0.99]).reason == "idle"  # nothing measured
+    assert adaptive().decide(1.0, queue(3, 1.0), 3, [0.9]).reason == "spacing"
+    assert adaptive().decide(1.0, queue(2, 0.95), 1, [0.99]).reason == "linger"
+    due = adaptive().decide(1.0, queue(1, 1.0, deadline=1.1), 1, [0.99])
+    assert due.reason == "deadline"
+    assert due == Decision(1, reason="full")  # the reason is not compared
+    fixed = FixedPolicy(max_batch_size=32, max_linger_s=0.05)
+    assert fixed.decide(1.05, queue(5, 1.0), 4, []).reason == "linger"
+    assert fixed.decide(1.0, queue(40, 1.0), 4, []).reason == "full"
+
+
 def test_a_partial_batch_waits_a_spacing_after_the_last_start_even_with_devices_free():
     # Three free, one started at 0.99: sending now would start two devices 10 ms apart.
     decision = adaptive().decide(1.0, queue(1, 1.0), 3, [0.99])

@@ -98,6 +98,9 @@ class QueuedRequest:
     part: bool = False
     """One input of a request of several (an embeddings call): its id is apart from the
     ids clients send."""
+    batch_span: object = None
+    """With tracing on, the span context of the batch call that answered it: its request
+    span's one link (observability/tracing.py)."""
 
     def expire(self) -> None:
         """Answers 504. The one rule for deadlines: the engine's timer calls it at the

@@ -225,7 +225,6 @@ def timeout_ms_of(in_body: object, request: web.BaseRequest) -> float | None:
     return None if requested is None else checked_timeout_ms(requested)
 
 
-
 def answer_body(request_id: str, result: Result, latency_s: float) -> dict[str, Any]:
     # Milliseconds to 3 decimals as round(s * 1e3, 3) gives them, at half its cost: a whole
     # number of microseconds over 1e3 is the nearest float to that decimal.

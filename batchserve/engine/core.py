@@ -32,7 +32,7 @@ import logging
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..batcher import Batcher, BatcherStats, length_bucket
 from ..batching.deadlines import Deadlines
@@ -54,6 +54,7 @@ from ..models.generators import Seq
 from ..models.registry import Key, Registry, build_version
 from ..models.specs import BatchFn, DeviceFactory, ModelSpec, default_spec, load_models_file
 from ..observability.metrics import Metrics
+from ..observability.tracing import Tracer, global_provider
 from ..rules.admission import Admission, stop_strings
 from ..rules.policy import Policy
 from ..rules.sampling_params import checked_params
@@ -61,6 +62,9 @@ from ..rules.tenants import Tenant
 from .intake import InFlightKey, Intake, Phase
 from .recorder import Recorder
 from .versions import Versions
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import TracerProvider
 
 log = logging.getLogger(__name__)
 
@@ -86,11 +90,13 @@ class Engine:
         clock: Clock | None = None,
         policy: Policy | None = None,
         models: list[ModelSpec] | None = None,
+        tracer_provider: TracerProvider | None = None,
     ) -> None:
         """The models of `config.models` (a models file) or of `models`; else one model,
         `default`, from `fn` or `fn_per_device` in Python, else `config`'s paths, else the
         simulated model, on `devices` (default `config.devices`). `clock` and `policy` (the
-        default model's) are for tests."""
+        default model's) are for tests. With `config.trace`, spans go to `tracer_provider`
+        (default: OpenTelemetry's global one; observability/tracing.py)."""
         self.config = config = config or Config()
         self.clock = clock or LoopClock()
         if models is None and config.models is not None:
@@ -159,6 +165,10 @@ class Engine:
         # Each scheduler's routing, bound once: `admit` runs for every request.
         self._batch_route = self._intake.batch_version
         self._generation_route = self._intake.generation_model
+        self._tracer: Tracer | None = None
+        if config.trace:
+            self._tracer = Tracer(tracer_provider or global_provider(), self.clock)
+            self._pool.on_call = self._tracer.batch_call
         self._stack = contextlib.AsyncExitStack()
         self._versions = Versions(
             self._registry,
@@ -353,6 +363,8 @@ class Engine:
                 self._no_generations.set()
             now = self.clock.time()
             self._recorder.record_generation(route, tenant, gen, now)
+            if self._tracer is not None:
+                self._tracer.generation(route, gen)
 
     def _generation(
         self,
@@ -498,6 +510,8 @@ class Engine:
             expiry.cancel()
         del self._intake.pending[request.tenant, request.request_id, request.part]
         self._batcher.discard(request)
+        if self._tracer is not None:
+            self._tracer.request(route, request, outcome)
         if outcome is not None:
             self.record(route, request.request_id, request.arrival, outcome, tenant)
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
 
 from ..config import PolicyName
 from .capacity import CallTime
@@ -35,6 +35,14 @@ class QueueView:
     proportion to its arrivals); None: all of them."""
 
 
+FlushReason = Literal["full", "idle", "spacing", "linger", "deadline", "policy", "rescue"]
+"""Why a batch left (a batch span's `batchserve.flush_reason`): full; idle (no device busy,
+or no batch time measured yet: nothing to wait for); spacing (S / D since the last start has
+passed); linger (the oldest request's linger budget ran out); deadline (holding longer would
+leave less than a batch time before a queued deadline); policy (a policy that names no
+reason); rescue (a failed batch's requests, run again: the batcher's, not a policy's)."""
+
+
 @dataclass(frozen=True, slots=True)
 class Decision:
     """Send the `dispatch` oldest requests now (0: none), else decide again at `wake_at`.
@@ -44,6 +52,8 @@ class Decision:
 
     dispatch: int
     wake_at: float | None = None
+    reason: FlushReason = field(default="policy", compare=False)
+    """Why the batch leaves now, for its trace span; not part of the decision's value."""
 
 
 WAIT = Decision(0)
@@ -103,10 +113,10 @@ class AdaptivePolicy:
         if queue.size == 0 or free_devices == 0:
             return WAIT
         if queue.size >= self.max_batch_size:
-            return Decision(self.max_batch_size)
+            return Decision(self.max_batch_size, reason="full")
         service = self._call_time.seconds if queue.service_s is None else queue.service_s
         if service is None or not busy_since:
-            return Decision(queue.size)
+            return Decision(queue.size, reason="idle")
         devices = float(free_devices + len(busy_since))
         if queue.device_share is not None:
             devices = min(devices, max(1.0, queue.device_share))
@@ -114,13 +124,14 @@ class AdaptivePolicy:
         linger_s = self.max_linger_s
         if linger_s is None:
             linger_s = max(0.0, (self.slo_s or 0.0) - service)
-        latest = min(
-            max(busy_since) + spacing,
-            queue.oldest_arrival + linger_s,
-            queue.earliest_deadline - service,
-        )
+        spaced = max(busy_since) + spacing
+        lingered = queue.oldest_arrival + linger_s
+        latest = min(spaced, lingered, queue.earliest_deadline - service)
         if latest - now < MIN_HOLD_S:
-            return Decision(queue.size)
+            why: FlushReason = "spacing" if latest == spaced else "linger"
+            if latest not in (spaced, lingered):
+                why = "deadline"
+            return Decision(queue.size, reason=why)
         return Decision(0, latest)
 
 
@@ -141,7 +152,8 @@ class FixedPolicy:
             return Decision(0, due)
         if free_devices == 0:
             return WAIT
-        return Decision(min(queue.size, self.max_batch_size))
+        full = queue.size >= self.max_batch_size
+        return Decision(min(queue.size, self.max_batch_size), reason="full" if full else "linger")
 
 
 class BatchLimits(Protocol):
