@@ -8,6 +8,15 @@ it needs; none holds another's object. The app's cleanup context starts the engi
 shutdown, drains and stops it. Every path or method that no route serves gets the same JSON
 error body and `X-Request-Id` as any other answer. `AppRunner` serves such an app with the
 inference door ahead of aiohttp's routing.
+
+The fast paths, both here and kept because a same-run A/B shows they pay (benchmarks/README.md,
+section 4c: server CPU a request in process, with each taken out in turn): `AppRunner` hands
+`POST /api/inference` to its door before aiohttp's router (7.7 % of the server's CPU a
+request), and `InferenceApi.inference` runs `Engine.infer` in its parts (admit, await,
+settle) so that no coroutine or parsed call outlives the admission (3 %). aiohttp has no
+public hook to choose a server's protocol (`doors/connections.py`'s deadlines and body
+budget need one) or to route before its router: `AppRunner._make_server` is the one
+private method overridden, with aiohttp pinned to its minor version.
 """
 
 from __future__ import annotations
