@@ -63,3 +63,32 @@ def test_loop_families_write_what_generate_latest_writes_and_show_each_change():
     histograms.remove_where(lambda values: values == ("plain",))
     assert exposition.render() == generate_latest(registry)
     assert b"plain" not in exposition.render()
+
+
+async def test_a_generation_server_renders_as_generate_latest_does_as_it_changes():
+    async with Engine(Config(generator="sim", devices="sim:2")) as engine:
+        assert engine.metrics is not None
+        registry = engine.metrics.registry
+        exposition = TextExposition(registry)
+        assert exposition.render() == generate_latest(registry)
+        for n in range(3):
+            async with engine.generate(f"prompt {n}", max_tokens=4) as gen:
+                await gen.result()
+            text = exposition.render()
+            assert text == generate_latest(registry)
+            assert "batchserve_generation_steps_total{" in text.decode()
+
+
+async def test_the_next_scrape_shows_each_new_batch_and_answer():
+    # The batch-size histogram's and the loop families' kept lines must not hide a change.
+    async with Engine(Config(devices="sim:2"), clock=FakeClock()) as engine:
+        assert engine.metrics is not None
+        registry = engine.metrics.registry
+        exposition = TextExposition(registry)
+        for n in range(1, 4):
+            await engine.infer(f"x{n}")
+            text = exposition.render()
+            assert text == generate_latest(registry)
+            assert f"batchserve_batch_size_count {n}.0\n".encode() in text
+            latency = 'batchserve_request_latency_seconds_count{model="default",version="1"}'
+            assert f"{latency} {n}.0\n".encode() in text

@@ -253,6 +253,35 @@ class HistogramText(FamilyText):
         return family
 
 
+class Families:
+    """A collector's writers, by family name, each made at its first scrape and kept."""
+
+    def __init__(self) -> None:
+        self._writers: dict[str, FamilyText] = {}
+        self._histograms: dict[str, HistogramText] = {}
+
+    def write(
+        self, kind: str, name: str, documentation: str, rows: list[Row], labels: Sequence[str] = ()
+    ) -> Written:
+        """A counter or gauge family of these series."""
+        writer = self._writers.get(name)
+        if writer is None:
+            writer = self._writers[name] = FamilyText(name, documentation, kind, labels)
+        return writer.write(rows)
+
+    def gauge(self, name: str, documentation: str, value: float) -> Written:
+        """An unlabelled gauge."""
+        return self.write("gauge", name, documentation, [((), value)])
+
+    def histogram(
+        self, name: str, documentation: str, bounds: Sequence[str], children: list[Child]
+    ) -> Written:
+        writer = self._histograms.get(name)
+        if writer is None:
+            writer = self._histograms[name] = HistogramText(name, documentation, (), bounds)
+        return writer.write_children(children)
+
+
 def _number(value: float) -> str:
     """`value` as the text format writes it (prometheus_client's floatToGoString), with a
     short way for the counts that most values are."""
