@@ -8,6 +8,7 @@ from batchserve.clock import FakeClock
 from batchserve.config import Config
 from batchserve.engine.core import Engine
 from batchserve.observability.exposition import TextExposition
+from batchserve.observability.loop_metrics import LoopCounters, LoopHistograms
 
 
 async def test_the_server_registry_renders_as_generate_latest_does():
@@ -33,3 +34,61 @@ def test_escapes_labels_and_drops_series_that_are_gone():
     counter.remove("plain")
     assert exposition.render() == generate_latest(registry)
     assert not [key for key in exposition._series if key[1] == (("label", "plain"),)]
+
+
+def test_loop_families_write_what_generate_latest_writes_and_show_each_change():
+    # Each family of ours writes its own lines and keeps a histogram child's until it counts
+    # something new: a count or a new series must show in the very next scrape.
+    registry = CollectorRegistry()
+    histograms = LoopHistograms("h_seconds", 'Odd \\ help\nhere "quoted".', ["model"], [0.1, 1.0])
+    counters = LoopCounters("c", "A counter.", ["model", "code"])
+    registry.register(histograms)
+    registry.register(counters)
+    exposition = TextExposition(registry)
+    assert exposition.render() == generate_latest(registry)  # no series yet
+    odd, plain = histograms.child('a"b\\c\nd'), histograms.child("plain")
+    histograms.observe(odd, 0.05)
+    counters.child("ünï", "200").value += 1
+    assert exposition.render() == generate_latest(registry)
+    histograms.observe(plain, 2.0, times=3)  # only this child changed
+    counters.child("ünï", "200").value += 1_000_000  # past the short way of writing counts
+    text = exposition.render()
+    assert text == generate_latest(registry)
+    assert b'h_seconds_bucket{le="+Inf",model="plain"} 3.0' in text
+    assert b'c_total{code="200",model="\xc3\xbcn\xc3\xaf"} 1.000001e+06' in text
+    histograms.observe(odd, 0.0)  # a count that leaves the sum as it was
+    text = exposition.render()
+    assert text == generate_latest(registry)
+    assert b'h_seconds_count{model="a\\"b\\\\c\\nd"} 2.0' in text
+    histograms.remove_where(lambda values: values == ("plain",))
+    assert exposition.render() == generate_latest(registry)
+    assert b"plain" not in exposition.render()
+
+
+async def test_a_generation_server_renders_as_generate_latest_does_as_it_changes():
+    async with Engine(Config(generator="sim", devices="sim:2")) as engine:
+        assert engine.metrics is not None
+        registry = engine.metrics.registry
+        exposition = TextExposition(registry)
+        assert exposition.render() == generate_latest(registry)
+        for n in range(3):
+            async with engine.generate(f"prompt {n}", max_tokens=4) as gen:
+                await gen.result()
+            text = exposition.render()
+            assert text == generate_latest(registry)
+            assert "batchserve_generation_steps_total{" in text.decode()
+
+
+async def test_the_next_scrape_shows_each_new_batch_and_answer():
+    # The batch-size histogram's and the loop families' kept lines must not hide a change.
+    async with Engine(Config(devices="sim:2"), clock=FakeClock()) as engine:
+        assert engine.metrics is not None
+        registry = engine.metrics.registry
+        exposition = TextExposition(registry)
+        for n in range(1, 4):
+            await engine.infer(f"x{n}")
+            text = exposition.render()
+            assert text == generate_latest(registry)
+            assert f"batchserve_batch_size_count {n}.0\n".encode() in text
+            latency = 'batchserve_request_latency_seconds_count{model="default",version="1"}'
+            assert f"{latency} {n}.0\n".encode() in text

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import random
 
 import pytest
 from aiohttp.test_utils import TestClient
@@ -162,10 +163,29 @@ def test_recent_window_forgets_old_answers_without_being_read():
 
 def test_busy_ratio_counts_the_last_window_and_the_running_call():
     device = Device("sim:0", thread=None)  # type: ignore[arg-type]
-    device.recent_calls.extend([(0.0, 1.0), (5.0, 6.0)])
+    device.call_ended(0.0, 1.0)
+    device.call_ended(5.0, 6.0)
     device.busy_since = 9.0
     assert device.busy_ratio(now=10.0) == pytest.approx((1.0 + 1.0 + 1.0) / BUSY_WINDOW_S)
     assert device.busy_ratio(now=15.5) == pytest.approx((0.5 + 6.5) / BUSY_WINDOW_S)
+
+
+def test_busy_ratio_kept_as_a_running_sum_matches_a_walk_of_the_window():
+    # The ratio is a running sum (a scrape 20 times a second must not walk the window): at
+    # every read it must be what summing the window's calls gives.
+    device = Device("sim:0", thread=None)  # type: ignore[arg-type]
+    rng = random.Random(7)
+    now = 0.0
+    for _ in range(2000):
+        started = now + rng.choice([0.0, rng.uniform(0, 0.3), rng.uniform(0, 12)])
+        now = started + rng.uniform(0.001, rng.choice([0.1, 3.0]))
+        device.call_ended(started, now)
+        read_at = now + rng.choice([0.0, rng.uniform(0, 0.5)])
+        since = read_at - BUSY_WINDOW_S
+        walked = sum(end - max(start, since) for start, end in device.recent_calls if end > since)
+        assert device.busy_ratio(read_at) == pytest.approx(min(1.0, walked / BUSY_WINDOW_S))
+        assert device.recent_busy_s >= -1e-9
+    assert len(device.recent_calls) < 2000
 
 
 def test_busy_window_forgets_old_calls_without_being_read():

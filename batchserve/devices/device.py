@@ -38,7 +38,12 @@ class Device(DeviceHealth):
     busy_total_s: float = 0.0
     """Time spent in finished batch calls, for the busy ratio."""
     recent_calls: deque[tuple[float, float]] = field(default_factory=deque)
-    """(start, end) of the calls that ended in the last BUSY_WINDOW_S."""
+    """(start, end) of the calls that ended in the last BUSY_WINDOW_S (add them by
+    `call_ended`)."""
+    recent_busy_s: float = 0.0
+    """The recent calls' durations summed, kept as calls come and go: the inference
+    gateway scrapes 20 times a second, and a walk of the window at each cost more than
+    the rest of the device's series."""
     turns: deque[asyncio.Future[bool]] = field(default_factory=deque)
     """Calls of the pool's own (a new version's warm-up) waiting for the device to be free:
     each takes it before the batcher can, once the call inside has returned."""
@@ -48,20 +53,31 @@ class Device(DeviceHealth):
         too, not only when the ratio is read (by a scrape that may never come)."""
         self.busy_total_s += finished - started
         self.recent_calls.append((started, finished))
+        self.recent_busy_s += finished - started
         self._forget_calls_before(finished - BUSY_WINDOW_S)
 
     def busy_ratio(self, now: float) -> float:
         """Share of the last BUSY_WINDOW_S spent inside batch calls."""
         since = now - BUSY_WINDOW_S
         self._forget_calls_before(since)
-        busy = sum(end - max(start, since) for start, end in self.recent_calls)
+        busy = self.recent_busy_s
+        for start, _ in self.recent_calls:
+            # A device runs one call at a time, so calls are in order of start too: only
+            # the first ones can have started before the window, and count from its start.
+            if start >= since:
+                break
+            busy -= since - start
         if self.busy_since is not None:
             busy += now - max(self.busy_since, since)
         return min(1.0, busy / BUSY_WINDOW_S)
 
     def _forget_calls_before(self, since: float) -> None:
-        while self.recent_calls and self.recent_calls[0][1] <= since:
-            self.recent_calls.popleft()
+        calls = self.recent_calls
+        while calls and calls[0][1] <= since:
+            start, end = calls.popleft()
+            self.recent_busy_s -= end - start
+        if not calls:
+            self.recent_busy_s = 0.0  # no rounding left over from the sums
 
     async def take_turn(self) -> bool:
         """Takes the device (busy, holding no batch) for a call of the pool's own as soon

@@ -5,7 +5,8 @@ scans its buckets), since any thread may observe; the hot path's observations al
 the loop, so a list of counts found by bisection and a running sum, or a plain number, do the
 same for a fraction of the cost (measured in benchmarks/README.md, "Cost of metrics"). A
 scrape reads them into the same exposition (`_bucket`, `_sum`, `_count`; `_total`) a
-Histogram or Counter would give.
+Histogram or Counter would give, written by `exposition.py`'s writers (the lines of a
+child that counted nothing since the last scrape are kept).
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Generic, TypeVar
 
-from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
+
+from .exposition import FamilyText, HistogramText
 
 Child = TypeVar("Child")
 
@@ -61,6 +64,8 @@ class LoopHistograms(_LoopFamily[LoopHistogram]):
     ) -> None:
         super().__init__(name, documentation, labels, lambda: LoopHistogram(len(bounds)))
         self._bounds = list(bounds)
+        les = [*map(_bound, self._bounds), "+Inf"]
+        self._text = HistogramText(name, documentation, labels, les)
 
     def observe(self, child: LoopHistogram, value: float, times: int = 1) -> None:
         """Counts `value`, `times` over (le bounds are inclusive, as Prometheus's)."""
@@ -75,14 +80,9 @@ class LoopHistograms(_LoopFamily[LoopHistogram]):
             child.sum += value
 
     def collect(self) -> Iterator[Metric]:
-        family = HistogramMetricFamily(self._name, self._documentation, labels=self._labels)
-        for values, child in self._children.items():
-            cumulative, buckets = 0, []
-            for bound, count in zip([*self._bounds, float("inf")], child.counts, strict=True):
-                cumulative += count
-                buckets.append((_bound(bound), cumulative))
-            family.add_metric(list(values), buckets, child.sum)
-        yield family
+        yield self._text.write_children(
+            [(values, child.counts, child.sum) for values, child in self._children.items()]
+        )
 
 
 class LoopCount:
@@ -98,12 +98,10 @@ class LoopCounters(_LoopFamily[LoopCount]):
 
     def __init__(self, name: str, documentation: str, labels: Sequence[str]) -> None:
         super().__init__(name, documentation, labels, LoopCount)
+        self._text = FamilyText(name, documentation, "counter", labels)
 
     def collect(self) -> Iterator[Metric]:
-        family = CounterMetricFamily(self._name, self._documentation, labels=self._labels)
-        for values, child in self._children.items():
-            family.add_metric(list(values), child.value)
-        yield family
+        yield self._text.write([(values, child.value) for values, child in self._children.items()])
 
 
 def _bound(bound: float) -> str:

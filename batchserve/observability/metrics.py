@@ -20,12 +20,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import (
-    CounterMetricFamily,
-    GaugeMetricFamily,
-    HistogramMetricFamily,
-    Metric,
-)
+from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
 from ..batcher import Batcher, BatcherSnapshot
@@ -34,8 +29,9 @@ from ..clock import Clock
 from ..devices.health import HEALTHY, DeviceState
 from ..generation.models import GenerationStats, Generators
 from ..generation.request import Generation
-from ..gpu_pool import GpuPool, PoolStats
+from ..gpu_pool import DeviceStats, GpuPool, PoolStats
 from ..models.registry import Registry
+from .exposition import Families
 from .loop_metrics import LoopCount, LoopCounters, LoopHistogram, LoopHistograms
 
 LATENCY_BUCKETS = (
@@ -300,6 +296,7 @@ class _StateCollector(Collector):
         self._clock = clock
         self._slo_s = slo_s
         self._started = time.time()
+        self._families = Families()
 
     def summary(self, now: float) -> dict[str, Any]:
         return self._summary(now, self._batcher.snapshot(now), self._pool.stats(now))
@@ -343,107 +340,119 @@ class _StateCollector(Collector):
         }
 
     def collect(self) -> Iterator[Metric]:
+        """The same numbers as `summary`, read from one snapshot of each (the dashboard's
+        per-version rows, which no family shows, left out)."""
         now = self._clock.time()
         batcher, pool = self._batcher.snapshot(now), self._pool.stats(now)
-        state = self._summary(now, batcher, pool)
         generation = [model.stats(now) for model in self._generators]
+        families = self._families
         yield from _picker_families(
+            families,
             picker_load(batcher.queued, batcher.in_flight, pool.batch_slots, generation),
             self._started,
         )
 
-        def gauge(name: str, text: str, value: float | None) -> GaugeMetricFamily:
-            return GaugeMetricFamily(name, text, value=math.nan if value is None else value)
+        def gauge(name: str, text: str, value: float | None) -> Metric:
+            return families.gauge(name, text, math.nan if value is None else value)
 
-        yield gauge("batchserve_queue_depth", "Requests waiting for a batch.", state["queued"])
+        yield gauge("batchserve_queue_depth", "Requests waiting for a batch.", batcher.queued)
         yield gauge(
-            "batchserve_in_flight_requests", "Requests inside a batch call.", state["in_flight"]
+            "batchserve_in_flight_requests", "Requests inside a batch call.", batcher.in_flight
         )
-        busy = sum(d["state"] == DeviceState.BUSY.value for d in state["devices"])
+        busy = sum(device.state is DeviceState.BUSY for device in pool.devices)
         yield gauge("batchserve_in_flight_batches", "Batch calls running now.", busy)
         yield gauge(
             "batchserve_capacity_rps",
             "Requests a second the healthy devices can take in full batches, measured.",
-            state["capacity_rps"],
+            batcher.capacity_rps,
         )
-        yield gauge("batchserve_arrival_rps", "Recent arrivals a second.", state["arrival_rps"])
+        yield gauge("batchserve_arrival_rps", "Recent arrivals a second.", batcher.arrival_rps)
         yield gauge(
             "batchserve_predicted_queue_wait_seconds",
             "How long a request arriving now would wait for the queue ahead of it.",
-            state["predicted_wait_s"],
+            batcher.predicted_wait_s,
         )
         yield gauge("batchserve_slo_seconds", "The latency objective (--slo-ms).", self._slo_s)
         yield gauge(
             "batchserve_desired_replicas",
-            f"Replicas that would carry the recent arrivals at {TARGET_UTILIZATION:.0%} of"
-            " this replica's measured capacity.",
-            state["desired_replicas"],
+            _DESIRED_REPLICAS_HELP,
+            desired_replicas(batcher.arrival_rps, batcher.capacity_rps),
         )
-        yield from self._devices(state["devices"])
-        yield _batch_sizes(batcher.batch_sizes)
-        fill = CounterMetricFamily(
+        yield from self._devices(pool.devices)
+        yield _batch_sizes(families, batcher.batch_sizes)
+        yield families.write(
+            "counter",
             "batchserve_batch_fill",
             "Batches sent and requests in them, per model version: requests / batches is its"
             " mean batch size, which falls when traffic spreads over many keys (params,"
             " lengths). Never labelled with params.",
-            labels=["model", "version", "kind"],
+            sorted(batcher.batch_fill.items()),
+            ["model", "version", "kind"],
         )
-        for labels, count in sorted(batcher.batch_fill.items()):
-            fill.add_metric(list(labels), count)
-        yield fill
-        faults = CounterMetricFamily(
-            "batchserve_faults", "Device and batch faults, by kind.", labels=["kind"]
+        yield families.write(
+            "counter",
+            "batchserve_faults",
+            "Device and batch faults, by kind.",
+            [((kind,), count) for kind, count in sorted(pool.faults.items())],
+            ["kind"],
         )
-        for kind, count in sorted(pool.faults.items()):
-            faults.add_metric([kind], count)
-        yield faults
-        retries = CounterMetricFamily(
-            "batchserve_recoveries", "Requests retried or failed after a fault.", labels=["kind"]
+        yield families.write(
+            "counter",
+            "batchserve_recoveries",
+            "Requests retried or failed after a fault.",
+            [((kind,), count) for kind, count in sorted(batcher.recoveries.items())],
+            ["kind"],
         )
-        for kind, count in sorted(batcher.recoveries.items()):
-            retries.add_metric([kind], count)
-        yield retries
 
-    def _devices(self, devices: list[dict[str, Any]]) -> Iterator[Metric]:
-        """The gauges of each device, from the summary already taken at this scrape."""
-        ratio = GaugeMetricFamily(
+    def _devices(self, devices: Sequence[DeviceStats]) -> Iterator[Metric]:
+        """The gauges of each device, from the pool's snapshot already taken at this scrape."""
+        families, device = self._families, ["device"]
+        yield families.write(
+            "gauge",
             "batchserve_device_busy_ratio",
             "Share of the last 10 s each device spent in batch calls.",
-            labels=["device"],
+            [((d.name,), d.busy_ratio) for d in devices],
+            device,
         )
-        busy = CounterMetricFamily(
+        yield families.write(
+            "counter",
             "batchserve_device_busy_seconds",
             "Time each device spent in finished batch calls.",
-            labels=["device"],
+            [((d.name,), d.busy_seconds) for d in devices],
+            device,
         )
-        healthy = GaugeMetricFamily(
-            "batchserve_device_healthy", "1 while the device takes work.", labels=["device"]
+        yield families.write(
+            "gauge",
+            "batchserve_device_healthy",
+            "1 while the device takes work.",
+            [((d.name,), float(d.state in HEALTHY)) for d in devices],
+            device,
         )
-        state = GaugeMetricFamily(
+        yield families.write(
+            "gauge",
             "batchserve_device_state",
             "1 for each device's current state.",
-            labels=["device", "state"],
+            [((d.name, d.state.value), 1.0) for d in devices],
+            ["device", "state"],
         )
-        for device in devices:
-            ratio.add_metric([device["name"]], device["busy_ratio"])
-            busy.add_metric([device["name"]], device["busy_seconds"])
-            healthy.add_metric([device["name"]], float(DeviceState(device["state"]) in HEALTHY))
-            state.add_metric([device["name"], device["state"]], 1.0)
-        yield from (ratio, busy, healthy, state)
 
 
-def _batch_sizes(sizes: Mapping[int, int]) -> Metric:
-    cumulative = 0
-    buckets: list[tuple[str, float]] = []
-    for bound in BATCH_BUCKETS:
-        cumulative = sum(count for size, count in sizes.items() if size <= bound)
-        buckets.append((str(bound), cumulative))
-    buckets.append(("+Inf", sum(sizes.values())))
-    return HistogramMetricFamily(
+_DESIRED_REPLICAS_HELP = (
+    f"Replicas that would carry the recent arrivals at {TARGET_UTILIZATION:.0%} of"
+    " this replica's measured capacity."
+)
+_BATCH_BOUNDS = (*map(str, BATCH_BUCKETS), "+Inf")
+
+
+def _batch_sizes(families: Families, sizes: Mapping[int, int]) -> Metric:
+    counts = [0] * len(_BATCH_BOUNDS)
+    for size, count in sizes.items():
+        counts[bisect_left(BATCH_BUCKETS, size)] += count  # le bounds are inclusive
+    return families.histogram(
         "batchserve_batch_size",
         "Requests per batch call, retries included.",
-        buckets=buckets,
-        sum_value=sum(size * count for size, count in sizes.items()),
+        _BATCH_BOUNDS,
+        [((), counts, sum(size * count for size, count in sizes.items()))],
     )
 
 
@@ -453,6 +462,7 @@ class _GenerationCollector(Collector):
     def __init__(self, generators: Generators, clock: Clock) -> None:
         self._generators = generators
         self._clock = clock
+        self._families = Families()
 
     def summary(self, now: float) -> list[dict[str, Any]]:
         return [
@@ -461,10 +471,11 @@ class _GenerationCollector(Collector):
         ]
 
     def collect(self) -> Iterator[Metric]:
-        rows = self.summary(self._clock.time())
+        now = self._clock.time()
+        rows = [model.stats(now) for model in self._generators]
         labels = ["model", "version"]
-        gauge, counter = GaugeMetricFamily, CounterMetricFamily
-        families: list[tuple[str, str, str, type[GaugeMetricFamily | CounterMetricFamily]]] = [
+        gauge, counter = "gauge", "counter"
+        families: list[tuple[str, str, str, str]] = [
             ("running", "batchserve_sequences_running", "Sequences in steps now.", gauge),
             ("waiting", "batchserve_sequences_waiting", "Sequences waiting to run.", gauge),
             (
@@ -501,13 +512,12 @@ class _GenerationCollector(Collector):
             ),
         ]
         for key, name, text, kind in families:
-            family = kind(name, text, labels=labels)
-            for row in rows:
-                family.add_metric([row["model"], row["version"]], row[key])
-            yield family
+            yield self._families.write(
+                kind, name, text, [((r.model, r.version), getattr(r, key)) for r in rows], labels
+            )
 
 
-def _picker_families(load: PickerLoad, started: float) -> Iterator[Metric]:
+def _picker_families(families: Families, load: PickerLoad, started: float) -> Iterator[Metric]:
     """What the Kubernetes inference gateway's endpoint picker scrapes (its model server
     protocol): requests waiting, requests running and a utilisation in [0, 1], one
     unlabelled series each for the whole server, under batchserve's names and under the
@@ -535,15 +545,15 @@ def _picker_families(load: PickerLoad, started: float) -> Iterator[Metric]:
         ),
     ):
         for name in names:
-            yield GaugeMetricFamily(name, text, value=value)
-    lora = GaugeMetricFamily(
+            yield families.gauge(name, text, value)
+    yield families.write(
+        "gauge",
         "vllm:lora_requests_info",
         "No LoRA adapters (for the inference gateway's picker, which looks for this):"
         " the value is when the server started.",
-        labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+        [(("0", "", ""), started)],
+        ["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
     )
-    lora.add_metric(["0", "", ""], started)
-    yield lora
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
