@@ -21,7 +21,7 @@ from batchserve.batching.request import IDS_PER_DRAW, new_request_id
 from batchserve.clock import FakeClock
 from batchserve.errors import DeadlineExceeded, NotReady, RateLimited
 from batchserve.models.backends import simulate
-from batchserve.observability.metrics import WINDOW_S
+from batchserve.observability.window import WINDOW_S
 from batchserve.rules.policy import Decision, QueueView
 from batchserve.rules.tenants import Tenant
 

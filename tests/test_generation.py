@@ -31,7 +31,7 @@ from batchserve.errors import (
 from batchserve.generation import step_loop
 from batchserve.models.generators import Seq, SimulatedGenerator
 from batchserve.models.specs import ModelSpec
-from batchserve.observability.metrics import WINDOW_S
+from batchserve.observability.window import WINDOW_S
 from batchserve.server import create_app
 
 from .conftest import HANG_GUARD_S, real_server

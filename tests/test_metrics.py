@@ -15,12 +15,8 @@ from batchserve.batching.request import Result
 from batchserve.clock import FakeClock
 from batchserve.devices.device import BUSY_WINDOW_S, Device
 from batchserve.models.backends import POISON_MARKER, simulated_factory
-from batchserve.observability.metrics import (
-    WINDOW_S,
-    RecentWindow,
-    desired_replicas,
-    window_numbers,
-)
+from batchserve.observability.metrics import desired_replicas
+from batchserve.observability.window import WINDOW_S, RecentWindow, window_numbers
 
 from .conftest import hold_one_and_queue_one, reach
 

@@ -13,7 +13,6 @@ import dataclasses
 import itertools
 import math
 import time
-from array import array
 from bisect import bisect_left
 from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
@@ -27,12 +26,14 @@ from ..batcher import Batcher, BatcherSnapshot
 from ..batching.request import QueuedRequest, Result
 from ..clock import Clock
 from ..devices.health import HEALTHY, DeviceState
-from ..generation.models import GenerationStats, Generators
+from ..generation.models import Generators
 from ..generation.request import Generation
 from ..gpu_pool import DeviceStats, GpuPool, PoolStats
 from ..models.registry import Registry
 from .exposition import Families
 from .loop_metrics import LoopCount, LoopCounters, LoopHistogram, LoopHistograms
+from .picker import picker_families, picker_load
+from .window import ROW, RecentWindow, keep_recent, percentile_ms, window_numbers
 
 LATENCY_BUCKETS = (
     0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.125, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.75,
@@ -48,7 +49,6 @@ measured capacity: headroom for bursts, and for the batching policy to stagger d
 NO_TIER = "none"
 """The tier label until API keys exist."""
 REJECTIONS = frozenset({"OVERLOADED", "NOT_READY", "RATE_LIMITED"})
-WINDOW_S = 2.0
 
 
 class Metrics:
@@ -177,7 +177,7 @@ class Metrics:
         if first is not None:
             self._ttft.labels(gen.model, gen.version).observe(first - gen.arrival)
             self._first_tokens.append((now, first - gen.arrival, f"{gen.model}@{gen.version}"))
-            _keep_recent(self._first_tokens, now)
+            keep_recent(self._first_tokens, now)
             if tokens > 1:
                 self._tpot.labels(gen.model, gen.version).observe((now - first) / (tokens - 1))
 
@@ -198,83 +198,18 @@ class Metrics:
         state = self._state.summary(now)
         for row in state["models"]:
             row.update(window_numbers(answered.get(row["label"], [()] * ROW)))
-        _keep_recent(self._first_tokens, now)
+        keep_recent(self._first_tokens, now)
         generation = self._generation_state.summary(now)
         for row in generation:
             ttfts = tuple(t for _, t, label in self._first_tokens if label == row["label"])
-            row["ttft_p50_ms"] = _percentile_ms(ttfts, 0.50)
-            row["ttft_p99_ms"] = _percentile_ms(ttfts, 0.99)
+            row["ttft_p50_ms"] = percentile_ms(ttfts, 0.50)
+            row["ttft_p99_ms"] = percentile_ms(ttfts, 0.99)
         return {
             "time": time.time(),
             **window_numbers(everything),
             **state,
             "generation": generation,
         }
-
-
-ROW = 5
-"""The numbers a window keeps of an answer: time, latency, queue wait, compute, batch size."""
-
-
-class RecentWindow:
-    """A model version's answers of the last WINDOW_S, for live percentiles (Prometheus
-    keeps buckets).
-
-    An answer is ROW numbers in a flat array of doubles, not a tuple of objects: a window
-    keeps seconds of answers, and each object kept that long after its answer costs the
-    loop (benchmarks/README.md, section 4). Rows go in two generations of WINDOW_S each;
-    the add that finds the newer one over starts another and drops the older, so a window
-    that nobody reads holds at most two windows' worth."""
-
-    def __init__(self) -> None:
-        self._older: array[float] = array("d")
-        self._newer: array[float] = array("d")
-        self._turn_at = -math.inf
-
-    def __len__(self) -> int:
-        return (len(self._older) + len(self._newer)) // ROW
-
-    def add(self, now: float, latency_s: float, result: Result) -> None:
-        if now >= self._turn_at:
-            self._older, self._newer = self._newer, array("d")
-            self._turn_at = now + WINDOW_S
-        self._newer.extend((now, latency_s, result.queue_s, result.compute_s, result.batch_size))
-
-    def columns(self, now: float) -> list[array[float]]:
-        """The answers of the last WINDOW_S: a column for each of an answer's ROW numbers."""
-        rows = self._older + self._newer
-        first = bisect_left(rows[0::ROW], now - WINDOW_S)  # rows are added in time order
-        return [rows[field::ROW][first:] for field in range(ROW)]
-
-
-def _keep_recent(window: deque[Any], now: float) -> None:
-    """Drops the rows (time first) older than WINDOW_S. Adds drop them too, not only reads: a
-    window that only a dashboard reads would otherwise grow by a row an answer for as long as
-    nobody opens the page."""
-    cutoff = now - WINDOW_S
-    while window and window[0][0] < cutoff:
-        window.popleft()
-
-
-def window_numbers(columns: Sequence[Sequence[float]]) -> dict[str, float | None]:
-    """The dashboard's numbers of a window's columns (`RecentWindow.columns`, or several
-    windows' joined)."""
-    _, latencies, queue_waits, computes, batch_sizes = columns
-    return {
-        "throughput_rps": len(latencies) / WINDOW_S,
-        "p50_ms": _percentile_ms(latencies, 0.50),
-        "p99_ms": _percentile_ms(latencies, 0.99),
-        "queue_p50_ms": _percentile_ms(queue_waits, 0.50),
-        "compute_p50_ms": _percentile_ms(computes, 0.50),
-        "mean_batch": sum(batch_sizes) / len(batch_sizes) if batch_sizes else None,
-    }
-
-
-def _percentile_ms(values: Sequence[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return 1e3 * ordered[min(len(ordered) - 1, int(len(ordered) * q))]
 
 
 class _StateCollector(Collector):
@@ -346,7 +281,7 @@ class _StateCollector(Collector):
         batcher, pool = self._batcher.snapshot(now), self._pool.stats(now)
         generation = [model.stats(now) for model in self._generators]
         families = self._families
-        yield from _picker_families(
+        yield from picker_families(
             families,
             picker_load(batcher.queued, batcher.in_flight, pool.batch_slots, generation),
             self._started,
@@ -515,71 +450,6 @@ class _GenerationCollector(Collector):
             yield self._families.write(
                 kind, name, text, [((r.model, r.version), getattr(r, key)) for r in rows], labels
             )
-
-
-def _picker_families(families: Families, load: PickerLoad, started: float) -> Iterator[Metric]:
-    """What the Kubernetes inference gateway's endpoint picker scrapes (its model server
-    protocol): requests waiting, requests running and a utilisation in [0, 1], one
-    unlabelled series each for the whole server, under batchserve's names and under the
-    vLLM names the picker reads by default (docs/operating.md, "Kubernetes inference
-    gateway"), so that it routes and sheds on batchserve with no flags of its own."""
-    for names, text, value in (
-        (
-            ("batchserve_requests_waiting", "vllm:num_requests_waiting"),
-            "Requests accepted and not yet in a device call: queued for a batch, or"
-            " generations waiting for a place in the steps.",
-            load.waiting,
-        ),
-        (
-            ("batchserve_requests_running", "vllm:num_requests_running"),
-            "Requests inside device calls: batch calls running now, and generations in"
-            " the steps (at most each device's max batch size).",
-            load.running,
-        ),
-        (
-            ("batchserve_utilization", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
-            "0 to 1: the larger of (batch requests waiting and running) / (one full batch"
-            " on each healthy device) and, for generation models, the KV-cache budget in"
-            " use; 1 when the server holds more work than its devices take at once.",
-            load.utilization,
-        ),
-    ):
-        for name in names:
-            yield families.gauge(name, text, value)
-    yield families.write(
-        "gauge",
-        "vllm:lora_requests_info",
-        "No LoRA adapters (for the inference gateway's picker, which looks for this):"
-        " the value is when the server started.",
-        [(("0", "", ""), started)],
-        ["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
-    )
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class PickerLoad:
-    waiting: int
-    running: int
-    utilization: float
-
-
-def picker_load(
-    queued: int, in_flight: int, batch_slots: int, generation: Sequence[GenerationStats]
-) -> PickerLoad:
-    """The server's load as the endpoint picker reads it. A batch model's utilisation is
-    the work it holds over one round of full batches (`batch_slots`): below 1, a request
-    arriving now rides in the next call of some device; at 1, it waits behind whole
-    batches. A generation model's is its KV-cache budget in use, as vLLM's. The server's is
-    the busiest of these, at most 1."""
-    batch_work = queued + in_flight
-    # With no healthy device, whatever waits is stuck: full.
-    shares = [batch_work / batch_slots if batch_slots else float(batch_work > 0)]
-    shares += [g.kv_used_tokens / g.kv_budget_tokens for g in generation if g.kv_budget_tokens]
-    return PickerLoad(
-        waiting=queued + sum(g.waiting for g in generation),
-        running=in_flight + sum(g.running for g in generation),
-        utilization=min(1.0, max(shares)),
-    )
 
 
 def desired_replicas(arrival_rps: float, capacity_rps: float | None) -> int:

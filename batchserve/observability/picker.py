@@ -1,0 +1,78 @@
+"""The server's load as the Kubernetes inference gateway's endpoint picker reads it: requests
+waiting, requests running and a utilisation in [0, 1] (docs/operating.md, "Kubernetes
+inference gateway")."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Sequence
+
+from prometheus_client.core import Metric
+
+from ..generation.models import GenerationStats
+from .exposition import Families
+
+
+def picker_families(families: Families, load: PickerLoad, started: float) -> Iterator[Metric]:
+    """What the Kubernetes inference gateway's endpoint picker scrapes (its model server
+    protocol): requests waiting, requests running and a utilisation in [0, 1], one
+    unlabelled series each for the whole server, under batchserve's names and under the
+    vLLM names the picker reads by default (docs/operating.md, "Kubernetes inference
+    gateway"), so that it routes and sheds on batchserve with no flags of its own."""
+    for names, text, value in (
+        (
+            ("batchserve_requests_waiting", "vllm:num_requests_waiting"),
+            "Requests accepted and not yet in a device call: queued for a batch, or"
+            " generations waiting for a place in the steps.",
+            load.waiting,
+        ),
+        (
+            ("batchserve_requests_running", "vllm:num_requests_running"),
+            "Requests inside device calls: batch calls running now, and generations in"
+            " the steps (at most each device's max batch size).",
+            load.running,
+        ),
+        (
+            ("batchserve_utilization", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+            "0 to 1: the larger of (batch requests waiting and running) / (one full batch"
+            " on each healthy device) and, for generation models, the KV-cache budget in"
+            " use; 1 when the server holds more work than its devices take at once.",
+            load.utilization,
+        ),
+    ):
+        for name in names:
+            yield families.gauge(name, text, value)
+    yield families.write(
+        "gauge",
+        "vllm:lora_requests_info",
+        "No LoRA adapters (for the inference gateway's picker, which looks for this):"
+        " the value is when the server started.",
+        [(("0", "", ""), started)],
+        ["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+    )
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PickerLoad:
+    waiting: int
+    running: int
+    utilization: float
+
+
+def picker_load(
+    queued: int, in_flight: int, batch_slots: int, generation: Sequence[GenerationStats]
+) -> PickerLoad:
+    """The server's load as the endpoint picker reads it. A batch model's utilisation is
+    the work it holds over one round of full batches (`batch_slots`): below 1, a request
+    arriving now rides in the next call of some device; at 1, it waits behind whole
+    batches. A generation model's is its KV-cache budget in use, as vLLM's. The server's is
+    the busiest of these, at most 1."""
+    batch_work = queued + in_flight
+    # With no healthy device, whatever waits is stuck: full.
+    shares = [batch_work / batch_slots if batch_slots else float(batch_work > 0)]
+    shares += [g.kv_used_tokens / g.kv_budget_tokens for g in generation if g.kv_budget_tokens]
+    return PickerLoad(
+        waiting=queued + sum(g.waiting for g in generation),
+        running=in_flight + sum(g.running for g in generation),
+        utilization=min(1.0, max(shares)),
+    )
