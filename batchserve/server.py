@@ -115,7 +115,7 @@ class InferenceApi:
             self._engine.authenticate(request.headers.get("Authorization"))
         except BatchserveError as error:
             return error_response(error, request_id_of(request)[0])
-        return json_response(200, {"models": self._engine.models()})
+        return json_response(200, {"models": self._engine.view.models()})
 
     async def healthz(self, request: web.Request) -> web.Response:
         return json_response(200, {"status": "alive"})
@@ -209,7 +209,7 @@ def _live_models(engine: Engine) -> LiveModels:
         batch = kind if kind != "embedding" else "batch"
         named = [
             model["name"]
-            for model in engine.models()
+            for model in engine.view.models()
             if any(version["kind"] == batch for version in model["versions"])
         ]
         return named if kind != "embedding" else [n for n in named if _embeds(engine, n)]
@@ -219,7 +219,7 @@ def _live_models(engine: Engine) -> LiveModels:
 
 def _embeds(engine: Engine, model: str) -> bool:
     try:
-        engine.embedding_dim(model)
+        engine.view.embedding_dim(model)
     except BatchserveError:
         return False
     return True
@@ -249,7 +249,7 @@ def create_app(engine: Engine) -> web.Application:
         "batchserve",
         __version__,
         _live_models(engine),
-        lambda: [engine.embedding_dim(name) for name in _live_models(engine)("embedding")],
+        lambda: [engine.view.embedding_dim(name) for name in _live_models(engine)("embedding")],
     )
     routes.add("POST", INFERENCE_PATH, inference.inference, INFERENCE)
     routes.add("GET", "/api/models", inference.models, MODELS)

@@ -305,7 +305,7 @@ class OipApi:
         one); 404 for no such model or version, 401 for a caller without a key."""
         self._engine.authenticate(request.headers.get("Authorization"))
         name, version = request.match_info["model"], request.match_info.get("version")
-        for model in self._engine.models():
+        for model in self._engine.view.models():
             if model["name"] != name:
                 continue
             versions = {
