@@ -16,6 +16,8 @@ requests predicted to be late is `batching/shedding.py`'s: the batcher owns one 
 
 Batcher has about 26 methods: its public face (submit, discard, fail_queued, the pool's
 three callbacks, stats and capacity queries for the engine and metrics) plus the loop's.
+The module is over ~400 lines for that class, its lanes and the stats records it publishes;
+rescue and shedding are already in batching/.
 """
 
 from __future__ import annotations

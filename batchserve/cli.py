@@ -201,7 +201,7 @@ async def serve(engine: Engine, settings: Callable[[], tuple[Config, str]] | Non
         tune_for_serving()
         models = ",".join(
             f"{model['name']}@{version['version']}"
-            for model in engine.models()
+            for model in engine.view.models()
             for version in model["versions"]
         )
         print(

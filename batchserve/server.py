@@ -17,6 +17,9 @@ settle) so that no coroutine or parsed call outlives the admission (3 %). aiohtt
 public hook to choose a server's protocol (`doors/connections.py`'s deadlines and body
 budget need one) or to route before its router: `AppRunner._make_server` is the one
 private method overridden, with aiohttp pinned to its minor version.
+
+Over 400 lines because the app is assembled here, every door mounted in one place with its
+OpenAPI operation, beside the fast door and the runner that the fast paths need.
 """
 
 from __future__ import annotations
@@ -124,7 +127,7 @@ class InferenceApi:
             self._engine.authenticate(request.headers.get("Authorization"))
         except BatchserveError as error:
             return error_response(error, request_id_of(request)[0])
-        return json_response(200, {"models": self._engine.models()})
+        return json_response(200, {"models": self._engine.view.models()})
 
     async def healthz(self, request: web.Request) -> web.Response:
         return json_response(200, {"status": "alive"})
@@ -218,7 +221,7 @@ def _live_models(engine: Engine) -> LiveModels:
         batch = kind if kind != "embedding" else "batch"
         named = [
             model["name"]
-            for model in engine.models()
+            for model in engine.view.models()
             if any(version["kind"] == batch for version in model["versions"])
         ]
         return named if kind != "embedding" else [n for n in named if _embeds(engine, n)]
@@ -228,7 +231,7 @@ def _live_models(engine: Engine) -> LiveModels:
 
 def _embeds(engine: Engine, model: str) -> bool:
     try:
-        engine.embedding_dim(model)
+        engine.view.embedding_dim(model)
     except BatchserveError:
         return False
     return True
@@ -258,7 +261,7 @@ def create_app(engine: Engine) -> web.Application:
         "batchserve",
         __version__,
         _live_models(engine),
-        lambda: [engine.embedding_dim(name) for name in _live_models(engine)("embedding")],
+        lambda: [engine.view.embedding_dim(name) for name in _live_models(engine)("embedding")],
     )
     routes.add("POST", INFERENCE_PATH, inference.inference, INFERENCE)
     routes.add("GET", "/api/models", inference.models, MODELS)

@@ -161,10 +161,10 @@ the suite; no test relies on it as a timing."""
 
 
 async def reach(engine: Engine, predicate: Callable[[EngineStats], bool]) -> None:
-    """`engine.wait_until`, bounded: fails with the engine's state if it never holds."""
+    """`engine.view.wait_until`, bounded: fails with the engine's state if it never holds."""
     try:
         async with asyncio.timeout(HANG_GUARD_S):
-            await engine.wait_until(predicate)
+            await engine.view.wait_until(predicate)
     except TimeoutError:
         pytest.fail(f"the engine never reached the state; it is {engine.stats()}")
 

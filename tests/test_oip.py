@@ -87,7 +87,7 @@ async def test_health_metadata_and_readiness_per_version(served: Served) -> None
     sample_models.LOAD_GATE.clear()
     loading = ModelSpec(name="ab", version="3", fn_per_device=sample_models.slow_to_load,
                         devices="sim:1")  # fmt: skip
-    assert engine.add_version(loading)["state"] == "loading"
+    assert engine.versions.add(loading, engine.config)["state"] == "loading"
 
     def probe(c: triton.InferenceServerClient) -> dict[str, Any]:
         return {
@@ -129,7 +129,7 @@ async def test_health_metadata_and_readiness_per_version(served: Served) -> None
     unknown = await with_triton(url, refusal(lambda c: c.get_model_metadata("nope")))
     assert (unknown.status(), "no model 'nope'" in unknown.message()) == ("404", True)
     sample_models.LOAD_GATE.set()
-    await engine.settled()
+    await engine.versions.settled()
     assert await with_triton(url, lambda c: c.is_model_ready("ab", "3"))
     await engine.drain()
     assert not await with_triton(url, lambda c: c.is_server_ready() or c.is_model_ready("ab"))

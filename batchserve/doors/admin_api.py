@@ -65,7 +65,7 @@ class AdminApi:
             spec = spec_from_fields(fields, self._engine.config)
         except SpecError as exc:
             raise InvalidInput(str(exc)) from None
-        return {"name": name, **self._engine.add_version(spec)}
+        return {"name": name, **self._engine.versions.add(spec, self._engine.config)}
 
     async def _patch(self, request: web.Request, name: str, version: str) -> dict[str, Any]:
         fields = await read_json(request, self._engine.config.max_body_bytes)
@@ -74,10 +74,10 @@ class AdminApi:
             raise InvalidInput("PATCH takes one field, 'weight'")
         if isinstance(weight, bool) or not isinstance(weight, int | float) or not weight > 0:
             raise InvalidInput("field 'weight' must be a number more than 0")
-        return {"name": name, **self._engine.set_weight(name, version, float(weight))}
+        return {"name": name, **self._engine.versions.set_weight(name, version, float(weight))}
 
     async def _delete(self, request: web.Request, name: str, version: str) -> dict[str, Any]:
-        return {"name": name, **self._engine.remove_version(name, version)}
+        return {"name": name, **self._engine.versions.remove(name, version)}
 
 
 def authorize(authorization: str | None, key: bytes) -> None:

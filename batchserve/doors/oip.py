@@ -13,9 +13,8 @@ everyone else's, answered in order in an output of the request's shape. An outpu
 not a string goes out as its JSON text. Health answers 200 for true and 400 for false (the
 protocol's 4xx). Errors are the protocol's `{"error": message}` with our status codes and
 headers, plus `code` and `request_id`. Triton's binary tensor extension (tritonclient's
-default) is read and written: a body of an `Inference-Header-Content-Length`-byte JSON
-header, then each binary tensor's bytes, a BYTES element being a 4-byte little-endian length
-and that many bytes.
+default) is read and written (`oip_binary.py`); the bodies' JSON Schemas, for /openapi.json,
+are `oip_schemas.py`'s.
 """
 
 from __future__ import annotations
@@ -29,6 +28,16 @@ from .. import __version__
 from ..engine.core import MAX_INPUTS_PER_CALL, Engine
 from ..errors import BatchserveError, InvalidInput, ModelNotFound
 from ..models.specs import MAX_NAME
+from .oip_binary import binary_response, read_with_binary
+from .oip_schemas import (
+    ERROR_SCHEMA,
+    INFER_REQUEST_SCHEMA,
+    INFER_RESPONSE_SCHEMA,
+    INPUT,
+    METADATA_SCHEMA,
+    OUTPUT,
+    SERVER_METADATA_SCHEMA,
+)
 from .openapi import (
     REQUEST_ID,
     TIMEOUT,
@@ -41,11 +50,8 @@ from .openapi import (
 )
 from .wire import (
     error_response,
-    json_object,
     json_response,
-    read_bytes,
     read_call,
-    read_json,
     refuse_unknown_fields,
     request_id_of,
     timeout_ms_of,
@@ -53,121 +59,11 @@ from .wire import (
 
 ROUTE = "oip"
 """The route's name in metrics and the access log."""
-INPUT, OUTPUT = "input", "output"
-HEADER_LENGTH = "Inference-Header-Content-Length"
 EXTENSIONS = ["binary_tensor_data"]
 _REQUEST_FIELDS = frozenset({"id", "parameters", "inputs", "outputs"})
 _INPUT_FIELDS = frozenset({"name", "shape", "datatype", "parameters", "data"})
 _OUTPUT_FIELDS = frozenset({"name", "parameters"})
 _NUMPY = orjson.OPT_SERIALIZE_NUMPY
-
-_TENSOR: dict[str, Any] = {
-    "type": "object",
-    "required": ["name", "datatype", "shape"],
-    "properties": {
-        "name": {"type": "string"},
-        "datatype": {"type": "string"},
-        "shape": {"type": "array", "items": {"type": "integer"}},
-    },
-}
-_PARAMETERS: dict[str, Any] = {
-    "type": "object",
-    "additionalProperties": {"type": ["string", "number", "boolean"]},
-}
-_STRINGS: dict[str, Any] = {
-    "type": "array",
-    "items": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]},
-}
-SERVER_METADATA_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "required": ["name", "version", "extensions"],
-    "properties": {
-        "name": {"type": "string"},
-        "version": {"type": "string"},
-        "extensions": {"type": "array", "items": {"type": "string"}},
-    },
-}
-METADATA_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "required": ["name", "platform", "inputs", "outputs"],
-    "properties": {
-        "name": {"type": "string"},
-        "versions": {"type": "array", "items": {"type": "string"}},
-        "platform": {"type": "string"},
-        "inputs": {"type": "array", "items": _TENSOR},
-        "outputs": {"type": "array", "items": _TENSOR},
-    },
-}
-INFER_REQUEST_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "required": ["inputs"],
-    "additionalProperties": False,
-    "properties": {
-        "id": {"type": "string"},
-        "parameters": _PARAMETERS,
-        "inputs": {
-            "type": "array",
-            "minItems": 1,
-            "maxItems": 1,
-            "items": {
-                "type": "object",
-                "required": ["name", "shape", "datatype", "data"],
-                "additionalProperties": False,
-                "properties": {
-                    "name": {"const": INPUT},
-                    "shape": {
-                        "type": "array",
-                        "minItems": 1,
-                        "maxItems": 2,
-                        "prefixItems": [
-                            {"type": "integer", "minimum": 1, "maximum": MAX_INPUTS_PER_CALL},
-                            {"const": 1},
-                        ],
-                        "description": "[N] or [N, 1]: N must be the number of strings in"
-                        " data (400 otherwise), a rule JSON Schema cannot state",
-                    },
-                    "datatype": {"const": "BYTES"},
-                    "parameters": _PARAMETERS,
-                    "data": _STRINGS,
-                },
-            },
-        },
-        "outputs": {
-            "type": "array",
-            "items": {
-                "type": "object",
-                "required": ["name"],
-                "additionalProperties": False,
-                "properties": {"name": {"const": OUTPUT}, "parameters": _PARAMETERS},
-            },
-        },
-    },
-}
-INFER_RESPONSE_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "required": ["model_name", "outputs"],
-    "properties": {
-        "model_name": {"type": "string"},
-        "model_version": {"type": "string"},
-        "id": {"type": "string"},
-        "outputs": {
-            "type": "array",
-            "items": {**_TENSOR, "properties": {
-                **_TENSOR["properties"], "parameters": _PARAMETERS, "data": _STRINGS,
-            }},
-        },
-    },
-}  # fmt: skip
-ERROR_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "required": ["error"],
-    "properties": {
-        "error": {"type": "string"},
-        "code": {"type": "string"},
-        "request_id": {"type": "string"},
-        "retry_after_ms": {"type": "integer"},
-    },
-}
 
 
 def _answers(ok: Answer, *statuses: int) -> dict[int, Answer]:
@@ -305,7 +201,7 @@ class OipApi:
         one); 404 for no such model or version, 401 for a caller without a key."""
         self._engine.authenticate(request.headers.get("Authorization"))
         name, version = request.match_info["model"], request.match_info.get("version")
-        for model in self._engine.models():
+        for model in self._engine.view.models():
             if model["name"] != name:
                 continue
             versions = {
@@ -364,11 +260,7 @@ class OipApi:
         if not asked.binary:
             output["data"] = outputs
             return json_response(200, head, headers)
-        blob = b"".join(_packed(text.encode()) for text in outputs)
-        output["parameters"] = {"binary_data_size": len(blob)}
-        header = orjson.dumps(head)
-        headers |= {"Content-Type": "application/octet-stream", HEADER_LENGTH: str(len(header))}
-        return web.Response(body=header + blob, headers=headers)
+        return binary_response(head, output, outputs, headers)
 
 
 def _not_ready(why: str) -> web.Response:
@@ -378,55 +270,6 @@ def _not_ready(why: str) -> web.Response:
 def _as_text(output: Any) -> str:
     """A BYTES element: the output if it is a string, else its JSON text."""
     return output if isinstance(output, str) else orjson.dumps(output, option=_NUMPY).decode()
-
-
-def _packed(data: bytes) -> bytes:
-    return len(data).to_bytes(4, "little") + data
-
-
-async def read_with_binary(request: web.BaseRequest, limit: int) -> dict[str, Any]:
-    """The body's JSON object; with the binary extension, its JSON header, each binary
-    input's strings put in its "data" as if they had been sent as JSON."""
-    declared = request.headers.get(HEADER_LENGTH)
-    if declared is None:
-        return await read_json(request, limit)
-    body = await read_bytes(request, limit)
-    if not declared.isdigit() or int(declared) > len(body):
-        raise InvalidInput(f"{HEADER_LENGTH} must be a length within the body")
-    offset = int(declared)
-    payload = json_object(body[:offset])
-    inputs = payload.get("inputs")
-    for tensor in inputs if isinstance(inputs, list) else []:
-        parameters = tensor.get("parameters") if isinstance(tensor, dict) else None
-        size = parameters.get("binary_data_size") if isinstance(parameters, dict) else None
-        if size is None:
-            continue
-        if type(size) is not int or not 0 <= size <= len(body) - offset:
-            raise InvalidInput('"binary_data_size" must be a length within the body')
-        if "data" in tensor:
-            raise InvalidInput('an input has both "data" and "binary_data_size"')
-        if tensor.get("datatype") == "BYTES":  # others are refused by their datatype
-            tensor["data"] = _unpacked(body[offset : offset + size])
-        offset += size
-    if offset != len(body):
-        raise InvalidInput(f"the body has {len(body) - offset} bytes past its tensors' data")
-    return payload
-
-
-def _unpacked(blob: bytes) -> list[str]:
-    """BYTES elements: each a 4-byte little-endian length, then that many UTF-8 bytes."""
-    texts: list[str] = []
-    at = 0
-    while at < len(blob) and len(texts) <= MAX_INPUTS_PER_CALL:
-        size = int.from_bytes(blob[at : at + 4], "little")
-        if at + 4 + size > len(blob):
-            raise InvalidInput("binary BYTES data ends inside an element")
-        try:
-            texts.append(blob[at + 4 : at + 4 + size].decode())
-        except UnicodeDecodeError:
-            raise InvalidInput(f"string {len(texts)} of the input is not UTF-8") from None
-        at += 4 + size
-    return texts
 
 
 def read_tensors_request(payload: dict[str, Any], request: web.Request) -> Tensors:

@@ -61,7 +61,7 @@ class OpenAIApi:
             )
         except BatchserveError as error:
             return error_response(error, request_id, openai_shape=True)
-        tokens = sum(engine.count_tokens(r, t) for r, t in zip(results, texts, strict=True))
+        tokens = sum(engine.view.count_tokens(r, t) for r, t in zip(results, texts, strict=True))
         body = {
             "object": "list",
             "data": [
@@ -84,7 +84,7 @@ class OpenAIApi:
             self._engine.authenticate(request.headers.get("Authorization"))
         except BatchserveError as error:
             return error_response(error, request_id_of(request)[0], openai_shape=True)
-        data = [_model_object(model["name"]) for model in self._engine.models()]
+        data = [_model_object(model["name"]) for model in self._engine.view.models()]
         return json_response(200, {"object": "list", "data": data})
 
     async def model(self, request: web.Request) -> web.Response:
@@ -96,7 +96,7 @@ class OpenAIApi:
         except BatchserveError as error:
             return error_response(error, request_id, openai_shape=True)
         name = request.match_info["model"]
-        if any(model["name"] == name for model in self._engine.models()):
+        if any(model["name"] == name for model in self._engine.view.models()):
             return json_response(200, _model_object(name))
         unknown = ModelNotFound(f"no model {name[:MAX_NAME]!r} (GET /v1/models lists them)")
         return error_response(unknown, request_id, openai_shape=True)
@@ -106,7 +106,7 @@ class OpenAIApi:
     ) -> tuple[str, list[str], bool]:
         """The model (one that returns vectors), the inputs and whether base64 is wanted."""
         model, texts, base64_wanted = _embeddings_request(payload)
-        dim = self._engine.embedding_dim(model)
+        dim = self._engine.view.embedding_dim(model)
         if payload.get("dimensions") not in (None, dim):
             raise InvalidInput(f"model {model} returns {dim} dimensions, not others")
         return model, texts, base64_wanted

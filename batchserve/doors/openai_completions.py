@@ -70,7 +70,7 @@ class OpenAICompletionsApi:
             body = _read_completion(payload, request, chat=chat)
             if body.messages is None:
                 return body
-            return body._replace(prompt=engine.chat_prompt(body.model, body.messages))
+            return body._replace(prompt=engine.generation.chat_prompt(body.model, body.messages))
 
         call = await read_call(request, engine, route, arrival, parse, openai_shape=True)
         if isinstance(call, web.Response):

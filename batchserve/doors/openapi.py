@@ -14,6 +14,9 @@ document, an `enum` of the models of its kind that run when the document is aske
 model of the other kind is refused with 400, an unknown name with 404); a body's field that
 may name none is required where several run. `/v1/embeddings`' `dimensions` is likewise the
 live embedding models' one vector length where they share one.
+
+It is about 400 lines as the one place the document is built: each route only declares its
+`Operation` beside its handler.
 """
 
 from __future__ import annotations

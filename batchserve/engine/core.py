@@ -5,78 +5,61 @@
         ticket = engine.submit("later")       # poll ticket.status, or await ticket
 
 The HTTP server, the status API and the dashboard are doors onto one engine; a Python
-program embeds it the same way. The engine owns, each in one place: admission (`intake.py`,
-one order for batch requests and generations, over the pure rules of `rules/admission.py`),
-the pending requests and their deadlines, the versions changed while serving (`versions.py`),
-the device pool and the batcher (the pool starts first and stops last), the one batch-time
-estimate, the metrics, and drain. Everything reads time from one injected clock. Its tasks
-are supervised: if one crashes, the engine fails what it holds, turns not-ready and sets
-`failed`, which makes the server exit non-zero rather than serve into a dead batcher.
+program embeds it the same way. The engine owns its parts and starts and stops them in one
+place (the pool first in, last out); each job is a module of its own beside this one:
+admission for both schedulers (`intake.py`), the generation request path (`generating.py`),
+the versions changed while serving (`versions.py`), drain and crash (`drain.py`), the
+read-only views (`views.py`, as `engine.view`) and the access record (`recorder.py`).
+Everything reads time from one injected clock. Its tasks are supervised: if one crashes,
+the engine fails what it holds, turns not-ready and sets `failed`, which makes the server
+exit non-zero rather than serve into a dead batcher.
 
-Why `Engine` is over the house's ~25 methods and this module over ~400 lines: it is the
-one facade that every door, test and library caller holds, so its public surface (infer,
-submit, generate, admit/settle, the admin and reload calls, the read-only views) is about
-30 methods, most a few lines handing over to `intake.py`, `versions.py`, the batcher, the
-pool or the generation models. The batch request path (`admit`, `_queue`, `settle`) stays
-inline here because each further call is paid by every request (benchmarks/README.md,
-section 4). The pool's listener methods go once the batcher takes the pool's callbacks.
+What stays here, and why this module is a little over the house's ~400 lines: the owner's
+construction and lifecycle, a live reconfigure (it touches every part), and the batch
+request path (`infer`, `admit`, `_queue`, `settle`), kept inline because each further call
+is paid by every request (benchmarks/README.md, section 4); the rest are one-line
+hand-offs that the documented library API names (docs/operating.md).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import functools
-import logging
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ..batcher import Batcher, BatcherStats, length_bucket
+from ..batcher import Batcher, length_bucket
 from ..batching.deadlines import Deadlines
 from ..batching.faults import RetryBudget
 from ..batching.request import Ask, QueuedRequest, Result, Ticket, new_request_id
-from ..clock import Clock, LoopClock, Timer, wait_until
+from ..clock import Clock, LoopClock, Timer
 from ..config import Config
-from ..errors import (
-    BatchserveError,
-    InvalidInput,
-    ModelNotFound,
-    NotReady,
-)
-from ..generation.models import GenerationModel, Generators, build_generation_model
-from ..generation.request import Generation
+from ..errors import BatchserveError
+from ..generation.models import Generators, build_generation_model
 from ..gpu_pool import GpuPool
 from ..live_config import LiveChanges, live_changes
-from ..models.generators import Seq
-from ..models.registry import Key, Registry, build_version
-from ..models.specs import BatchFn, DeviceFactory, ModelSpec, default_spec, load_models_file
+from ..models.registry import Key, Registry
+from ..models.specs import BatchFn, DeviceFactory, ModelSpec
 from ..observability.metrics import Metrics
 from ..observability.tracing import Tracer, global_provider
-from ..rules.admission import Admission, stop_strings
+from ..rules.admission import Admission
 from ..rules.policy import Policy
-from ..rules.sampling_params import checked_params
 from ..rules.tenants import Tenant
-from .intake import InFlightKey, Intake, Phase
+from .drain import Drain
+from .generating import GenerationPath
+from .intake import Intake, Phase
 from .recorder import Recorder
-from .versions import Versions
+from .versions import Versions, starting_models
+from .views import EngineStats, EngineView
 
 if TYPE_CHECKING:
     from opentelemetry.trace import TracerProvider
 
-log = logging.getLogger(__name__)
-
 MAX_INPUTS_PER_CALL = 2048
 """The most inputs a door takes in one request for `infer_all` (an embeddings list, an Open
 Inference Protocol tensor): OpenAI's own limit on inputs per embeddings request."""
-
-
-@dataclass(frozen=True, slots=True)
-class EngineStats(BatcherStats):
-    pending: int
-    """Accepted and not yet released by whoever waits for them."""
 
 
 class Engine:
@@ -99,37 +82,19 @@ class Engine:
         (default: OpenTelemetry's global one; observability/tracing.py)."""
         self.config = config = config or Config()
         self.clock = clock or LoopClock()
-        if models is None and config.models is not None:
-            models = load_models_file(config.models, config)
-        from_flags = models is None
-        if models is None:
-            spec = default_spec(config)
-            if devices is not None:
-                spec = dataclasses.replace(spec, devices=devices)
-            models = [spec]
-        versions = [
-            build_version(config, spec, fn=fn, fn_per_device=fn_per_device, policy=policy)
-            if from_flags
-            else build_version(config, spec)
-            for spec in models
-            if spec.generator is None
-        ]
+        versions, generating = starting_models(
+            config, models, fn=fn, fn_per_device=fn_per_device, devices=devices, policy=policy
+        )
         self._registry = Registry(versions)
         self._generators = Generators(
             [
                 build_generation_model(config, spec, clock=self.clock, on_crash=self._crashed)
-                for spec in models
-                if spec.generator is not None
+                for spec in generating
             ]
         )
         self.started = asyncio.Event()
         """Set once every device has loaded and the engine takes requests."""
-        self.failed = asyncio.Event()
-        """Set when one of the engine's tasks crashed; `failure` says which and why."""
-        self.failure: str | None = None
         self._deadlines = Deadlines(self.clock)
-        self._no_generations = asyncio.Event()
-        self._no_generations.set()
         self._pool = GpuPool(versions, clock=self.clock, on_crash=self._crashed)
         self.device_names = [device.name for device in self._pool.devices]
         self._batcher = Batcher(
@@ -162,15 +127,35 @@ class Engine:
         self._intake = Intake(
             config, self._registry, self._generators, self._pool, self._batcher.capacity_rps
         )
-        # Each scheduler's routing, bound once: `admit` runs for every request.
+        # The batch scheduler's routing, bound once: `admit` runs for every request.
         self._batch_route = self._intake.batch_version
-        self._generation_route = self._intake.generation_model
         self._tracer: Tracer | None = None
         if config.trace:
             self._tracer = Tracer(tracer_provider or global_provider(), self.clock)
             self._pool.on_call = self._tracer.batch_call
+        self.generation = GenerationPath(
+            self.clock, self._intake, self._generators, self._recorder, self._tracer
+        )
+        """The generation request path (generating.py)."""
+        self.generate = self.generation.generate
+        """`async with engine.generate(prompt, ...) as gen:` one generation; see
+        GenerationPath.generate."""
+        self.view = EngineView(
+            self._intake, self._registry, self._generators, self._pool, self._batcher
+        )
+        """The read-only views, for doors, operators and tests (views.py)."""
+        self._drain = Drain(
+            self.clock,
+            self._intake,
+            self._batcher,
+            self._pool,
+            self._generators,
+            self.generation.idle,
+        )
+        self.failed = self._drain.failed
+        """Set when one of the engine's tasks crashed; `failure` says which and why."""
         self._stack = contextlib.AsyncExitStack()
-        self._versions = Versions(
+        self.versions = Versions(
             self._registry,
             self._pool,
             self._batcher,
@@ -178,7 +163,8 @@ class Engine:
             require_ready=self._intake.require_ready,
             on_crash=self._crashed,
         )
-        self._drained: asyncio.Task[None] | None = None
+        """The batch model versions added, reweighted and removed while serving (the admin
+        API; versions.py)."""
 
     def __repr__(self) -> str:
         return f"<Engine {self._intake!r} {self._pool!r}>"
@@ -192,7 +178,7 @@ class Engine:
             await stack.enter_async_context(self._batcher)
             await stack.enter_async_context(self._generators)
             self._stack = stack.pop_all()
-        self._versions.all_ready()
+        self.versions.all_ready()
         self._intake.phase = Phase.READY
         self.started.set()
         return self
@@ -204,7 +190,7 @@ class Engine:
             await self.drain()
         finally:
             self._deadlines.close()
-        await self._versions.aclose()
+        await self.versions.aclose()
         await self._stack.aclose()
 
     # Requests
@@ -308,111 +294,6 @@ class Engine:
         ticket = Ticket(request)
         ticket.add_done_callback(functools.partial(self._submitted_done, request, expiry, tenant))
         return ticket
-
-    @contextlib.asynccontextmanager
-    async def generate(
-        self,
-        prompt: str,
-        *,
-        model: str | None = None,
-        version: str | None = None,
-        max_tokens: int | None = None,
-        stop: str | list[str] | None = None,
-        params: Mapping[str, Any] | None = None,
-        timeout_ms: float | None = None,
-        request_id: str | None = None,
-        tenant: Tenant | None = None,
-        arrival: float | None = None,
-        route: str = "generate",
-    ) -> AsyncIterator[Generation]:
-        """Starts one generation; read its text as it comes with `gen.pieces()`, or whole
-        with `await gen.result()`:
-
-            async with engine.generate("Once upon", max_tokens=50) as gen:
-                async for piece in gen.pieces():
-                    print(piece, end="")
-
-        A refusal raises on entry (`errors.py`'s, like `infer`'s), among them `params` that
-        break `rules/sampling_params.py`'s rules, so the generator never sees them. `timeout_ms`
-        bounds the wait for the first token; the sequence then runs to its end. Leaving the
-        block before it ends cancels it: its sequence is released before the next step.
-        """
-        arrival = self.clock.time() if arrival is None else arrival
-        request_id = request_id or new_request_id()
-        try:
-            generation_model, gen, in_flight = self._generation(
-                prompt, model, version, max_tokens, stop, params, timeout_ms,
-                request_id, tenant, arrival,
-            )  # fmt: skip
-        except BatchserveError as error:
-            self.record(route, request_id, arrival, error, tenant)
-            raise
-        self._no_generations.clear()
-        self._intake.generating[in_flight] = gen
-        generation_model.submit(gen)
-        expiry = self.clock.call_at(gen.deadline, self._expire, generation_model, gen)
-        try:
-            yield gen
-        finally:
-            expiry.cancel()
-            if not gen.done:
-                gen.cancel()
-                generation_model.discard(gen)
-            del self._intake.generating[in_flight]
-            if not self._intake.generating:
-                self._no_generations.set()
-            now = self.clock.time()
-            self._recorder.record_generation(route, tenant, gen, now)
-            if self._tracer is not None:
-                self._tracer.generation(route, gen)
-
-    def _generation(
-        self,
-        prompt: str,
-        model: str | None,
-        version: str | None,
-        max_tokens: int | None,
-        stop: str | list[str] | None,
-        params: Mapping[str, Any] | None,
-        timeout_ms: float | None,
-        request_id: str,
-        tenant: Tenant | None,
-        arrival: float,
-    ) -> tuple[GenerationModel, Generation, InFlightKey]:
-        """Admits a generation as `_queue` admits a batch request (intake.py), then checks
-        its tokens: a prompt that can never fit a device's budget is refused at once (413)."""
-        generation_model, deadline, in_flight = self._intake.admit(
-            self._generation_route, model, version, prompt, timeout_ms, request_id, tenant, arrival
-        )
-        prompt_tokens = generation_model.count_tokens(prompt)
-        rules = self._intake.rules
-        limit = rules.new_tokens(prompt_tokens, max_tokens, generation_model.kv_budget)
-        sampling = checked_params(params, limit)
-        gen = Generation(
-            # The sequence's id is the generator's handle, unique across tenants.
-            Seq(_seq_id(tenant, request_id), prompt, params=sampling),
-            request_id=request_id,
-            prompt_tokens=prompt_tokens,
-            max_tokens=limit,
-            stops=stop_strings(stop),
-            arrival=arrival,
-            deadline=deadline,
-            model=generation_model.spec.name,
-            version=generation_model.spec.version,
-        )
-        if tenant is not None:
-            gen.tenant, gen.tier_rank = tenant.name, tenant.rank
-            gen.tenant_weight = tenant.weight
-        return generation_model, gen, in_flight
-
-    def chat_prompt(self, model: str | None, messages: list[dict[str, str]]) -> str:
-        """A chat's messages as one prompt, in the template of `model`'s generator."""
-        return self._generators.route(model, None, "").chat_prompt(messages)
-
-    def _expire(self, generation_model: GenerationModel, gen: Generation) -> None:
-        gen.expire(self.clock.time())
-        if gen.cancelled:
-            generation_model.discard(gen)
 
     def authenticate(self, authorization: str | None) -> Tenant | None:
         """The caller's tenant from `Authorization: Bearer <key>`; None when the engine runs
@@ -520,25 +401,6 @@ class Engine:
     ) -> None:
         self.settle("requests", request, expiry, tenant, ticket.outcome())
 
-    # Versions added, reweighted and removed while serving (the admin API): see versions.py
-
-    def add_version(self, spec: ModelSpec) -> dict[str, Any]:
-        """Loads a new version in the background (beside what serves); it takes traffic
-        once every device has loaded it and answered a warm-up batch."""
-        return self._versions.add(spec, self.config)
-
-    def set_weight(self, name: str, version_name: str, weight: float) -> dict[str, Any]:
-        return self._versions.set_weight(name, version_name, weight)
-
-    def remove_version(self, name: str, version_name: str) -> dict[str, Any]:
-        """Stops new traffic to a version at once; what it holds finishes, then it unloads
-        and its devices' memory is freed."""
-        return self._versions.remove(name, version_name)
-
-    async def settled(self) -> None:
-        """Returns once the loads and unloads under way have finished."""
-        await self._versions.settled()
-
     def reconfigure(self, wanted: Config) -> LiveChanges:
         """Applies what a running server can change of `wanted` (see live_config.py), or
         nothing: a keys or models file that does not load raises StartupError first.
@@ -550,12 +412,12 @@ class Engine:
         changes = live_changes(self.config, wanted)
         config = changes.config
         admission = Admission(config)
-        models = self._versions.plan(config)
+        models = self.versions.plan(config)
         self.config = config
         self._intake.configure(admission, config)
         self._batcher.max_queue = config.max_queue
-        self._recorder = Recorder(self.metrics, config.access_log)
-        self._versions.apply(models, config)
+        self._recorder.access_log_on = config.access_log
+        self.versions.apply(models, config)
         return LiveChanges(config, changes.changed, [*changes.kept, *models.kept])
 
     # Lifecycle
@@ -563,117 +425,39 @@ class Engine:
     async def drain(self, *, refuse_new: bool = True) -> None:
         """Turns readiness off, stops taking requests and answers every accepted one; safe
         to call twice. What has not run `drain_timeout_s` after the drain began is answered
-        503.
+        503 (drain.py).
 
         `refuse_new=False` is for a server that has already closed its doors (listeners
         closed, each connection closing after the request in hand): what still arrives was
         sent before the drain began, at most one request per connection, and is served
         rather than answered 503 (nginx does not retry a 503)."""
-        if self._drained is None:
-            # Readiness turns off now, not when the task first runs.
-            if self._intake.phase is not Phase.FAILED:
-                self._intake.phase = Phase.DRAINING
-            self._intake.takes_stragglers = not refuse_new
-            deadline = self.clock.time() + self.config.drain_timeout_s
-            self._drained = asyncio.create_task(self._drain(deadline), name="batchserve-drain")
-        await asyncio.shield(self._drained)
-
-    async def _drain(self, deadline: float) -> None:
-        idle = asyncio.gather(
-            self._batcher.wait_until(lambda s: s.queued == 0 and s.in_flight == 0),
-            self._no_generations.wait(),
-        )
-        if not await wait_until(self.clock, idle, deadline):
-            idle.cancel()
-            log.warning("drain timed out: answering %d requests 503", len(self._intake.pending))
-            self._fail_everything(NotReady("the server shut down before this request could run"))
-        await asyncio.gather(idle, return_exceptions=True)
+        await self._drain.drain(self.config.drain_timeout_s, refuse_new=refuse_new)
 
     def _crashed(self, task_name: str, error: BaseException) -> None:
-        """A supervised task died: nothing can be served any more, so say so everywhere."""
-        log.critical(
-            "%s crashed (%s: %s): the engine is failed and stops serving",
-            task_name,
-            type(error).__name__,
-            error,
-            exc_info=error,
-        )
-        self._intake.phase = Phase.FAILED
-        self.failure = f"{task_name} crashed: {type(error).__name__}: {error}"
-        self._fail_everything(NotReady(f"the server failed ({self.failure})"))
-        self.failed.set()
-
-    def _fail_everything(self, error: BatchserveError) -> None:
-        self._batcher.fail_queued(error)
-        self._pool.fail_in_flight(error)
-        self._generators.fail_all(error, self.clock.time())
-
-    # Read-only views, for doors, operators and tests
-
-    def readiness(self) -> tuple[bool, str]:
-        """Ready while serving with at least one healthy device; else why not."""
-        phase = self._intake.phase
-        if phase is Phase.READY and self._pool.devices and not self._pool.healthy:
-            return False, "no healthy device"
-        return phase is Phase.READY, phase.value
-
-    def device_states(self) -> dict[str, str]:
-        """Each batch device's state, and each generation device's (busy while it steps)."""
-        return self._pool.states() | self._generators.states()
-
-    def stats(self) -> EngineStats:
-        return self._with_pending(self._batcher.stats())
-
-    async def wait_until(self, predicate: Callable[[EngineStats], bool]) -> None:
-        """Returns once `predicate(stats())` holds; checked whenever the state changes."""
-        await self._batcher.wait_until(lambda stats: predicate(self._with_pending(stats)))
-
-    def _with_pending(self, stats: BatcherStats) -> EngineStats:
-        return EngineStats(**asdict(stats), pending=len(self._intake.pending))
+        # The parts are built with this callback before the Drain that handles it.
+        self._drain.crashed(task_name, error)
 
     @property
-    def call_time_s(self) -> float | None:
-        """The first model version's measured batch time: what its spacing, watchdog and
-        shedding use (None without batch models)."""
-        first = next(iter(self._registry), None)
-        return None if first is None else first.estimate.seconds
+    def failure(self) -> str | None:
+        """Which task crashed and why, once `failed` is set."""
+        return self._drain.failure
 
-    def capacity_rps(self) -> float | None:
-        return self._batcher.capacity_rps()
+    # The read-only views that the library API documents (docs/operating.md); the rest
+    # are on `engine.view` (views.py).
 
-    def models(self) -> list[dict[str, Any]]:
-        """Each model, its versions, their devices, weights and state; batch models first."""
-        return self._registry.describe() + self._generators.describe()
+    def readiness(self) -> tuple[bool, str]:
+        return self.view.readiness()
 
-    def embedding_dim(self, model: str) -> int:
-        """The length of the vectors `model` returns; InvalidInput if it returns none."""
-        try:
-            return self._registry.embedding_dim(model)
-        except ModelNotFound:
-            if model in self._generators:
-                raise InvalidInput(
-                    f"model {model} generates text, not embedding vectors: POST /v1/completions"
-                ) from None
-            raise
+    def device_states(self) -> dict[str, str]:
+        return self.view.device_states()
 
-    def count_tokens(self, result: Result, text: str) -> int:
-        """`text`'s length in the tokens of the version that answered `result`."""
-        version = self._registry.get(result.model, result.version)
-        return len(text) if version is None else version.tokens(text)
+    def stats(self) -> EngineStats:
+        return self.view.stats()
 
     @property
     def faults(self) -> Counter[str]:
-        """Device and batch faults by kind (read-only)."""
-        return Counter(self._pool.faults)
+        return self.view.faults
 
     @property
     def recoveries(self) -> Counter[str]:
-        """Requests retried or failed after a fault, by kind (read-only)."""
-        return Counter(self._batcher.recoveries)
-
-
-def _seq_id(tenant: Tenant | None, request_id: str) -> str:
-    """A generation's id for its generator: the request's, made unique across tenants."""
-    if tenant is None:
-        return request_id
-    return f"{len(tenant.name)}:{tenant.name}:{request_id}"
+        return self.view.recoveries

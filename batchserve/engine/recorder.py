@@ -24,7 +24,8 @@ access_log = logging.getLogger("batchserve.access")
 class Recorder:
     def __init__(self, metrics: Metrics | None, access_log_on: bool) -> None:
         self._metrics = metrics
-        self._access_log_on = access_log_on
+        self.access_log_on = access_log_on
+        """Whether each answer is logged; a live reconfigure changes it."""
 
     def record(
         self,
@@ -44,7 +45,7 @@ class Recorder:
             status, code = outcome.status, outcome.code
             if self._metrics is not None:
                 self._metrics.failed(route, tier, status, code)
-        if self._access_log_on:
+        if self.access_log_on:
             access_log.info(
                 _access_line(route, request_id, tenant, status, code, latency_s, outcome)
             )
@@ -60,7 +61,7 @@ class Recorder:
         if self._metrics is not None:
             tier = NO_TIER if tenant is None else tenant.tier
             self._metrics.generated(route, tier, now, gen)
-        if self._access_log_on:
+        if self.access_log_on:
             line = _access_line(route, gen.request_id, tenant, 200, None, now - gen.arrival, gen)
             access_log.info(line)
 

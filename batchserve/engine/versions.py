@@ -23,12 +23,47 @@ from ..errors import BatchserveError, Conflict, InvalidInput, ModelNotFound, Sta
 from ..gpu_pool import GpuPool
 from ..live_config import ModelChanges, model_changes
 from ..models.registry import ModelVersion, Registry, VersionState, build_version
-from ..models.specs import ModelSpec, load_models_file
+from ..models.specs import (
+    BatchFn,
+    DeviceFactory,
+    ModelSpec,
+    default_spec,
+    load_models_file,
+)
 from ..observability.metrics import Metrics
-from ..rules.policy import make_policy
+from ..rules.policy import Policy, make_policy
 from ..tasks import CrashHandler, TaskSet
 
 log = logging.getLogger(__name__)
+
+
+def starting_models(
+    config: Config,
+    models: list[ModelSpec] | None,
+    *,
+    fn: BatchFn | None,
+    fn_per_device: DeviceFactory | None,
+    devices: str | None,
+    policy: Policy | None,
+) -> tuple[list[ModelVersion], list[ModelSpec]]:
+    """What an engine starts with (see Engine's arguments): its batch versions, built, and
+    its generation models' specs."""
+    if models is None and config.models is not None:
+        models = load_models_file(config.models, config)
+    from_flags = models is None
+    if models is None:
+        spec = default_spec(config)
+        if devices is not None:
+            spec = dataclasses.replace(spec, devices=devices)
+        models = [spec]
+    versions = [
+        build_version(config, spec, fn=fn, fn_per_device=fn_per_device, policy=policy)
+        if from_flags
+        else build_version(config, spec)
+        for spec in models
+        if spec.generator is None
+    ]
+    return versions, [spec for spec in models if spec.generator is not None]
 
 
 class Versions:

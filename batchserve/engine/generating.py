@@ -1,0 +1,161 @@
+"""The generation request path: admit a prompt, hand it to its generation model, and release
+and record it when its caller is done; no HTTP.
+
+The engine holds one and hands `generate` on (`engine.generate(...)`). Admission is the one
+of batch requests (`intake.py`); what is particular to generation follows it: the prompt's
+tokens against the device's budget, the sampling parameters' rules, the first-token deadline,
+and cancelling a sequence whose caller left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+from ..batching.request import new_request_id
+from ..clock import Clock
+from ..errors import BatchserveError
+from ..generation.models import GenerationModel, Generators
+from ..generation.request import Generation
+from ..models.generators import Seq
+from ..observability.tracing import Tracer
+from ..rules.admission import stop_strings
+from ..rules.sampling_params import checked_params
+from ..rules.tenants import Tenant
+from .intake import InFlightKey, Intake
+from .recorder import Recorder
+
+
+class GenerationPath:
+    def __init__(
+        self,
+        clock: Clock,
+        intake: Intake,
+        generators: Generators,
+        recorder: Recorder,
+        tracer: Tracer | None,
+    ) -> None:
+        self._clock = clock
+        self._intake = intake
+        self._generators = generators
+        self._recorder = recorder
+        self._tracer = tracer
+        self._route = intake.generation_model
+        self.idle = asyncio.Event()
+        """Set while no generation is in flight: what a drain waits for."""
+        self.idle.set()
+
+    @contextlib.asynccontextmanager
+    async def generate(
+        self,
+        prompt: str,
+        *,
+        model: str | None = None,
+        version: str | None = None,
+        max_tokens: int | None = None,
+        stop: str | list[str] | None = None,
+        params: Mapping[str, Any] | None = None,
+        timeout_ms: float | None = None,
+        request_id: str | None = None,
+        tenant: Tenant | None = None,
+        arrival: float | None = None,
+        route: str = "generate",
+    ) -> AsyncIterator[Generation]:
+        """Starts one generation; read its text as it comes with `gen.pieces()`, or whole
+        with `await gen.result()`:
+
+            async with engine.generate("Once upon", max_tokens=50) as gen:
+                async for piece in gen.pieces():
+                    print(piece, end="")
+
+        A refusal raises on entry (`errors.py`'s, like `infer`'s), among them `params` that
+        break `rules/sampling_params.py`'s rules, so the generator never sees them. `timeout_ms`
+        bounds the wait for the first token; the sequence then runs to its end. Leaving the
+        block before it ends cancels it: its sequence is released before the next step.
+        """
+        arrival = self._clock.time() if arrival is None else arrival
+        request_id = request_id or new_request_id()
+        try:
+            generation_model, gen, in_flight = self._admit(
+                prompt, model, version, max_tokens, stop, params, timeout_ms,
+                request_id, tenant, arrival,
+            )  # fmt: skip
+        except BatchserveError as error:
+            now = self._clock.time()
+            self._recorder.record(route, request_id, tenant, now - arrival, error, now)
+            raise
+        self.idle.clear()
+        self._intake.generating[in_flight] = gen
+        generation_model.submit(gen)
+        expiry = self._clock.call_at(gen.deadline, self._expire, generation_model, gen)
+        try:
+            yield gen
+        finally:
+            expiry.cancel()
+            if not gen.done:
+                gen.cancel()
+                generation_model.discard(gen)
+            del self._intake.generating[in_flight]
+            if not self._intake.generating:
+                self.idle.set()
+            now = self._clock.time()
+            self._recorder.record_generation(route, tenant, gen, now)
+            if self._tracer is not None:
+                self._tracer.generation(route, gen)
+
+    def _admit(
+        self,
+        prompt: str,
+        model: str | None,
+        version: str | None,
+        max_tokens: int | None,
+        stop: str | list[str] | None,
+        params: Mapping[str, Any] | None,
+        timeout_ms: float | None,
+        request_id: str,
+        tenant: Tenant | None,
+        arrival: float,
+    ) -> tuple[GenerationModel, Generation, InFlightKey]:
+        """Admits a generation as the engine admits a batch request (intake.py), then checks
+        its tokens: a prompt that can never fit a device's budget is refused at once (413)."""
+        generation_model, deadline, in_flight = self._intake.admit(
+            self._route, model, version, prompt, timeout_ms, request_id, tenant, arrival
+        )
+        prompt_tokens = generation_model.count_tokens(prompt)
+        rules = self._intake.rules
+        limit = rules.new_tokens(prompt_tokens, max_tokens, generation_model.kv_budget)
+        sampling = checked_params(params, limit)
+        gen = Generation(
+            # The sequence's id is the generator's handle, unique across tenants.
+            Seq(_seq_id(tenant, request_id), prompt, params=sampling),
+            request_id=request_id,
+            prompt_tokens=prompt_tokens,
+            max_tokens=limit,
+            stops=stop_strings(stop),
+            arrival=arrival,
+            deadline=deadline,
+            model=generation_model.spec.name,
+            version=generation_model.spec.version,
+        )
+        if tenant is not None:
+            gen.tenant, gen.tier_rank = tenant.name, tenant.rank
+            gen.tenant_weight = tenant.weight
+        return generation_model, gen, in_flight
+
+    def chat_prompt(self, model: str | None, messages: list[dict[str, str]]) -> str:
+        """A chat's messages as one prompt, in the template of `model`'s generator."""
+        return self._generators.route(model, None, "").chat_prompt(messages)
+
+    def _expire(self, generation_model: GenerationModel, gen: Generation) -> None:
+        gen.expire(self._clock.time())
+        if gen.cancelled:
+            generation_model.discard(gen)
+
+
+def _seq_id(tenant: Tenant | None, request_id: str) -> str:
+    """A generation's id for its generator: the request's, made unique across tenants."""
+    if tenant is None:
+        return request_id
+    return f"{len(tenant.name)}:{tenant.name}:{request_id}"
