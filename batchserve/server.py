@@ -35,7 +35,14 @@ from .config import Config
 from .doors.admin_api import ADMIN_DELETE, ADMIN_PATCH, ADMIN_PUT, AdminApi, authorize
 from .doors.admin_api import ROUTE as ADMIN_ROUTE
 from .doors.connections import Connection, ConnectionServer
-from .doors.dashboard import PAGE, SCRAPE, STATS, Dashboard, vendor_file_operation
+from .doors.dashboard import (
+    PAGE,
+    SCRAPE,
+    SCRAPE_PICKER,
+    STATS,
+    Dashboard,
+    vendor_file_operation,
+)
 from .doors.generate_api import GenerateApi, generate_operation
 from .doors.oip import OipApi
 from .doors.openai_api import EMBEDDINGS, OPENAI_MODEL, OPENAI_MODELS, OpenAIApi
@@ -297,6 +304,7 @@ def create_app(engine: Engine) -> web.Application:
         routes.add("GET", "/", dashboard.page, PAGE)
         routes.add("GET", "/api/stats", dashboard.stats, STATS)
         routes.add("GET", "/metrics", dashboard.scrape, SCRAPE)
+        routes.add("GET", "/metrics/picker", dashboard.scrape_picker, SCRAPE_PICKER)
         for name, kind in dashboard.vendor_files.items():
             file = vendor_file_operation(name, kind)
             routes.add("GET", f"/static/vendor/{name}", dashboard.vendor_file, file)

@@ -10,6 +10,7 @@ ten times over the noise, for the cost of one scrape). The server's CPU time is 
 over repeats; the cost of scraping is (CPU with - CPU without) / window, in cores.
 
     flock /tmp/bench.lock python benchmarks/scrape_cost.py          # 3 repeats, about 1.5 min
+    flock /tmp/bench.lock python benchmarks/scrape_cost.py --path /metrics/picker
 """
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / TICKS  # utime + stime
 
 
-def scrape_for(seconds: float, rate: float) -> int:
-    """GET /metrics `rate` times a second for `seconds`, on schedule, over one kept-alive
+def scrape_for(seconds: float, rate: float, path: str) -> int:
+    """GET `path` `rate` times a second for `seconds`, on schedule, over one kept-alive
     connection as the picker's HTTP client keeps it; the scrapes made."""
     if rate <= 0:
         time.sleep(seconds)
@@ -47,7 +48,7 @@ def scrape_for(seconds: float, rate: float) -> int:
     try:
         while (due := start + done / rate) < start + seconds:
             time.sleep(max(0.0, due - time.monotonic()))
-            connection.request("GET", "/metrics")
+            connection.request("GET", path)
             answer = connection.getresponse()
             answer.read()
             assert answer.status == 200, answer.status
@@ -63,6 +64,12 @@ def main() -> None:
     parser.add_argument("--scrapes", type=float, default=20.0, help="scrapes a second")
     parser.add_argument("--window-s", type=float, default=8.0)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--path",
+        default="/metrics",
+        help="what is scraped: /metrics, or the picker's"
+        " /metrics/picker (the path deploy/k8s/gateway/epp.yaml gives it)",
+    )
     args = parser.parse_args()
     os.sched_setaffinity(0, {1})
     rates = (0.0, args.scrapes, 10 * args.scrapes)
@@ -84,7 +91,7 @@ def main() -> None:
             order = rates if repeat % 2 == 0 else rates[::-1]
             for rate in order:
                 before, started = cpu_seconds(server.pid), time.monotonic()
-                made = scrape_for(args.window_s, rate)
+                made = scrape_for(args.window_s, rate, args.path)
                 elapsed = time.monotonic() - started
                 cores[rate].append((cpu_seconds(server.pid) - before) / elapsed)
                 print(f"repeat {repeat} scrapes/s {made / elapsed:6.1f}: server"

@@ -48,9 +48,16 @@ def picker_view(text: str) -> dict[str, float]:
 
 
 async def scraped(client) -> dict[str, float]:  # type: ignore[no-untyped-def]
-    response = await client.get("/metrics")
-    assert response.status == 200
-    return picker_view(await response.text())
+    """The picker's view from /metrics, which /metrics/picker (its gauges alone) matches."""
+    whole, alone = await client.get("/metrics"), await client.get("/metrics/picker")
+    assert whole.status == alone.status == 200
+    view, picker_text = picker_view(await whole.text()), await alone.text()
+    assert picker_view(picker_text) == view
+    served = {family.name for family in text_string_to_metric_families(picker_text)}
+    assert served == {name for names in PICKER_NAMES.values() for name in names} | {
+        "vllm:lora_requests_info"
+    }
+    return view
 
 
 async def test_a_burst_raises_waiting_bounds_running_and_saturates_utilization(start_server, gated):

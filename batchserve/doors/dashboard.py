@@ -39,6 +39,7 @@ class Dashboard:
         self._metrics = metrics
         self._authorize = authorize
         self._exposition = TextExposition(metrics.registry)
+        self._picker_exposition = TextExposition(metrics.picker_registry)
 
     async def page(self, request: web.Request) -> web.FileResponse:
         return web.FileResponse(STATIC_DIR / "dashboard.html")
@@ -58,6 +59,13 @@ class Dashboard:
         if (refused := self._refused(request)) is not None:
             return refused
         body = self._exposition.render()
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def scrape_picker(self, request: web.Request) -> web.Response:
+        """The inference gateway picker's gauges alone (its `--model-server-metrics-path`)."""
+        if (refused := self._refused(request)) is not None:
+            return refused
+        body = self._picker_exposition.render()
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     def _refused(self, request: web.Request) -> web.Response | None:
@@ -97,6 +105,20 @@ SCRAPE = Operation(
     answers={
         200: Answer(
             description="the exposition", schema={"type": "string"}, media_type="text/plain"
+        ),
+        **errors(401),
+    },
+    auth="operator",
+)
+SCRAPE_PICKER = Operation(
+    summary="The inference gateway picker's gauges (Prometheus text)",
+    tag="operator",
+    answers={
+        200: Answer(
+            description="requests waiting and running, and utilisation, under batchserve's"
+            " and vLLM's names",
+            schema={"type": "string"},
+            media_type="text/plain",
         ),
         **errors(401),
     },

@@ -35,7 +35,7 @@ from ..gpu_pool import DeviceStats, GpuPool, PoolStats
 from ..models.registry import Registry
 from .exposition import Families
 from .loop_metrics import LoopCount, LoopCounters, LoopHistogram, LoopHistograms
-from .picker import picker_families, picker_load
+from .picker import PickerCollector, picker_families, picker_load
 from .window import ROW, RecentWindow, keep_recent, percentile_ms, window_numbers
 
 LATENCY_BUCKETS = (
@@ -134,6 +134,10 @@ class Metrics:
         self.registry.register(self._state)
         self._generation_state = _GenerationCollector(generators, clock)
         self.registry.register(self._generation_state)
+        self.picker_registry = CollectorRegistry(auto_describe=False)
+        """The gateway picker's gauges alone, for /metrics/picker (they are in `registry`
+        too)."""
+        self.picker_registry.register(PickerCollector(batcher, pool, generators, clock))
         self._first_tokens: deque[tuple[float, float, str]] = deque()
         """(time, time to first token, model label) of recent generations, for the page."""
 
