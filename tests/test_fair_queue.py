@@ -40,6 +40,22 @@ def test_higher_tiers_first_and_tenants_take_turns_within_a_tier():
     assert len(queue) == 0
 
 
+def test_one_tenants_requests_in_two_tiers_each_wait_in_their_own():
+    # The inference gateway's objective header gives each request its tier: a tenant's
+    # critical request must not queue at the rank of its sheddable one that came first.
+    queue = FairQueue()
+    for r in [request("gw-free", "gateway", "free", 0.0), request("other", "o", "paid", 0.1),
+              request("gw-ent", "gateway", "enterprise", 0.2)]:  # fmt: skip
+        queue.push(r)
+    assert names(queue.take(3)) == ["gw-ent", "other", "gw-free"]
+    assert len(queue) == 0
+    queue.push(request("again", "gateway", "paid"))
+    assert queue.only("gateway")
+    assert not queue.only("o")
+    assert queue.discard(queue.head(1)[0])
+    assert len(queue) == 0
+
+
 @given(
     flood=st.integers(1, 3000), batch=st.integers(2, 100), tier=st.sampled_from(list(TIER_RANKS))
 )

@@ -39,6 +39,13 @@ class Waiting(Protocol):
 
 
 Request = TypeVar("Request", bound=Waiting)
+Turn = tuple[str, int]
+"""Who takes turns: a tenant in a tier. A tenant's requests may come in several tiers (the
+inference gateway's objective header sets each request's), and each waits in its own."""
+
+
+def _turn(request: Waiting) -> Turn:
+    return request.tenant, request.tier_rank
 
 
 class FairQueue(Generic[Request]):
@@ -47,12 +54,11 @@ class FairQueue(Generic[Request]):
         # Keyed by the requests themselves, not their ids: ids are the tenants' own, so two
         # tenants' requests (or a request and an embedding's part) may share one.
         self._by_arrival: dict[Request, None] = {}
-        self._tenants: dict[str, dict[Request, None]] = {}
-        self._turns: list[deque[str]] = [deque() for _ in range(len(TIER_RANKS))]
+        self._tenants: dict[Turn, dict[Request, None]] = {}
+        self._turns: list[deque[Turn]] = [deque() for _ in range(len(TIER_RANKS))]
         """Per tier rank, the tenants with requests waiting, in round-robin order."""
-        self._rank_of: dict[str, int] = {}
-        self._weight: dict[str, float] = {}
-        self._credit: dict[str, float] = {}
+        self._weight: dict[Turn, float] = {}
+        self._credit: dict[Turn, float] = {}
         self.weight = 0.0
         """The weights of the tenants waiting here, summed: the queue's claim on device
         time against other queues, so fairness between tenants counts device time."""
@@ -68,14 +74,14 @@ class FairQueue(Generic[Request]):
 
     def push(self, request: Request) -> None:
         self._by_arrival[request] = None
-        waiting = self._tenants.get(request.tenant)
+        turn = _turn(request)
+        waiting = self._tenants.get(turn)
         if waiting is None:
-            waiting = self._tenants[request.tenant] = {}
-            self._rank_of[request.tenant] = request.tier_rank
-            self._weight[request.tenant] = request.tenant_weight
+            waiting = self._tenants[turn] = {}
+            self._weight[turn] = request.tenant_weight
             self.weight += request.tenant_weight
-            self._credit[request.tenant] = 0.0
-            self._turns[request.tier_rank].append(request.tenant)
+            self._credit[turn] = 0.0
+            self._turns[request.tier_rank].append(turn)
         waiting[request] = None
 
     def discard(self, request: Request) -> bool:
@@ -89,7 +95,6 @@ class FairQueue(Generic[Request]):
     def clear(self) -> None:
         self._by_arrival.clear()
         self._tenants.clear()
-        self._rank_of.clear()
         self._weight.clear()
         self._credit.clear()
         self.weight = 0.0
@@ -98,7 +103,7 @@ class FairQueue(Generic[Request]):
 
     def only(self, tenant: str) -> bool:
         """Whether every request waiting here is `tenant`'s (True when none waits)."""
-        return all(name == tenant for name in self._tenants)
+        return all(name == tenant for name, _ in self._tenants)
 
     def head(self, count: int) -> list[Request]:
         """The oldest `count` requests: what the policy judges urgency by."""
@@ -139,12 +144,12 @@ class FairQueue(Generic[Request]):
         if waiting:
             self._credit[tenant] = 0.0
         else:
-            self._turns[self._rank_of[tenant]].clear()
+            self._turns[tenant[1]].clear()
             self._drop_tenant(tenant)
         return batch
 
-    def _next_tier(self) -> deque[str] | None:
-        best: tuple[float, deque[str]] | None = None
+    def _next_tier(self) -> deque[Turn] | None:
+        best: tuple[float, deque[Turn]] | None = None
         for rank, turns in enumerate(self._turns):
             if not turns:
                 continue
@@ -158,23 +163,23 @@ class FairQueue(Generic[Request]):
         """How many queued requests a new one from `tenant` would wait behind: every higher
         tier's, and in its own tier each other tenant's share of the turns until its own."""
         ahead = sum(len(self._tenants[t]) for rank in range(tier_rank) for t in self._turns[rank])
-        turns_needed = (len(self._tenants.get(tenant, ())) + 1) / weight
+        turns_needed = (len(self._tenants.get((tenant, tier_rank), ())) + 1) / weight
         return ahead + sum(
             min(len(self._tenants[t]), math.ceil(turns_needed * self._weight[t]))
             for t in self._turns[tier_rank]
         )
 
     def _forget(self, request: Request) -> None:
-        waiting = self._tenants[request.tenant]
+        turn = _turn(request)
+        waiting = self._tenants[turn]
         del waiting[request]
         if not waiting:
-            self._turns[self._rank_of[request.tenant]].remove(request.tenant)
-            self._drop_tenant(request.tenant)
+            self._turns[request.tier_rank].remove(turn)
+            self._drop_tenant(turn)
 
-    def _drop_tenant(self, tenant: str) -> None:
-        self.weight -= self._weight[tenant]
-        del self._tenants[tenant], self._rank_of[tenant], self._weight[tenant]
-        del self._credit[tenant]
+    def _drop_tenant(self, turn: Turn) -> None:
+        self.weight -= self._weight[turn]
+        del self._tenants[turn], self._weight[turn], self._credit[turn]
 
 
 def predicted_wait_s(ahead: int, capacity_rps: float, call_s: float) -> float:
