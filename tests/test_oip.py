@@ -263,6 +263,12 @@ async def test_tritonclient_sees_bad_input_unknown_models_and_broken_binary_bodi
             headers={"Inference-Header-Content-Length": str(len(header))},
         )
         assert (sent.status, problem in (await sent.json())["error"]) == (400, True), tail
+    for length in ("\u00b2", "0" * 5000, "-1"):  # digits int() refuses, or no length
+        sent = await client.post(
+            "/v2/models/ab/infer", data=header, headers={"Inference-Header-Content-Length": length}
+        )
+        assert sent.status == 400, length
+        assert "must be a length within the body" in (await sent.json())["error"]
 
 
 async def test_api_keys_apply(aiohttp_client, tmp_path: Path) -> None:

@@ -42,7 +42,11 @@ async def read_with_binary(request: web.BaseRequest, limit: int) -> dict[str, An
     if declared is None:
         return await read_json(request, limit)
     body = await read_bytes(request, limit)
-    if not declared.isdigit() or int(declared) > len(body):
+    # isdigit() alone takes "²" and digits past int()'s limit: ASCII, and no longer than
+    # any body's length can be written.
+    if not (declared.isascii() and declared.isdigit() and len(declared) <= 12) or int(
+        declared
+    ) > len(body):
         raise InvalidInput(f"{HEADER_LENGTH} must be a length within the body")
     offset = int(declared)
     payload = json_object(body[:offset])
