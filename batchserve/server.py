@@ -223,6 +223,16 @@ def _security(config: Config) -> Security:
     )
 
 
+def _may_see_models(engine: Engine, authorization: str | None) -> bool:
+    """Whether a caller may see the model names in /openapi.json: as /api/models shows
+    them, to anyone on a server without keys, else with a key (or the anonymous tier)."""
+    try:
+        engine.authenticate(authorization)
+    except BatchserveError:
+        return False
+    return True
+
+
 def _live_models(engine: Engine) -> LiveModels:
     def names(kind: Kind) -> list[str]:
         batch = kind if kind != "embedding" else "batch"
@@ -269,6 +279,7 @@ def create_app(engine: Engine) -> web.Application:
         __version__,
         _live_models(engine),
         lambda: [engine.view.embedding_dim(name) for name in _live_models(engine)("embedding")],
+        functools.partial(_may_see_models, engine),
     )
     routes.add("POST", INFERENCE_PATH, inference.inference, INFERENCE)
     routes.add("GET", "/api/models", inference.models, MODELS)

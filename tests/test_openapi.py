@@ -12,6 +12,7 @@ import asyncio
 import sys
 from pathlib import Path
 
+import orjson
 import pytest
 
 from batchserve.config import Config
@@ -182,6 +183,25 @@ async def test_a_model_field_lists_the_live_models_its_route_serves(tmp_path):
     assert dimensions["enum"] == [3, None]  # tiny_embedder's one vector length
     infer = paths["/v2/models/{model}/infer"]["post"]["parameters"][0]
     assert (infer["name"], infer["schema"]["enum"]) == ("model", ["embedder", "reverse"])
+
+
+async def test_with_keys_only_a_caller_with_one_sees_the_model_names(aiohttp_client, tmp_path):
+    """/api/models shows the names only to a caller with a key: so does the document."""
+    keys = tmp_path / "keys.toml"
+    keys.write_text(TWO_TENANT_KEYS)
+    client = await aiohttp_client(
+        BatchserveTestServer(create_app(_engine(tmp_path, keys_file=str(keys))))
+    )
+    assert (await client.get("/api/models")).status == 401
+    unseen = await client.get("/openapi.json")
+    assert unseen.status == 200
+    text = await unseen.text()
+    assert "reverse" not in text
+    assert "writer" not in text
+    model = orjson.loads(text)["components"]["schemas"]["InferenceRequest"]["properties"]
+    assert model["model"]["type"] == ["string", "null"]
+    seen = await client.get("/openapi.json", headers={"Authorization": "Bearer sk-alice"})
+    assert "reverse" in await seen.text()
 
 
 def test_the_admin_put_body_names_the_fields_a_batch_version_takes(tmp_path):

@@ -53,9 +53,13 @@ class ModelName:
     description: str = ""
     nullable: bool = False
 
-    def schema(self, names: list[str]) -> dict[str, Any]:
-        nullable = self.nullable and len(names) == 1
-        named: dict[str, Any] = {"enum": [*names, None] if nullable else names}
+    def schema(self, names: list[str] | None) -> dict[str, Any]:
+        named: dict[str, Any]
+        if names is None:  # not shown to this caller: any name
+            named = {"type": ["string", "null"] if self.nullable else "string"}
+        else:
+            nullable = self.nullable and len(names) == 1
+            named = {"enum": [*names, None] if nullable else names}
         if self.description:
             named["description"] = self.description
         return named
@@ -79,8 +83,12 @@ class Dimensions:
 class _Live:
     """What the document says of the running models, built anew when it changes."""
 
-    names: Mapping[Kind, list[str]]
+    names: Mapping[Kind, list[str]] | None
+    """None: the caller may not see which models run (API keys, and none it holds)."""
     dimensions: list[int]
+
+
+_UNSEEN = _Live(None, [])
 
 
 ERROR: Schema = {
@@ -247,14 +255,19 @@ class Routes:
         version: str,
         live_models: LiveModels = lambda kind: [],
         live_dimensions: LiveDimensions = lambda: [],
+        may_see_models: Callable[[str | None], bool] = lambda authorization: True,
     ) -> None:
         self._app = app
         self._security = security
         self._info = {"title": title, "version": version}
         self._live_models = live_models
         self._live_dimensions = live_dimensions
+        self._may_see_models = may_see_models
+        """Whether a caller (its Authorization header) may see the live model names: those
+        only /api/models shows; other callers get the document without them."""
         self.operations: dict[tuple[str, str], Operation] = {}
         self._document: tuple[object, bytes] | None = None
+        self._unseen_document: bytes | None = None
 
     def add(self, method: str, path: str, handler: Handler, operation: Operation) -> None:
         """Mounts `handler` at `method path` (a GET answers HEAD too) and records what it
@@ -308,6 +321,10 @@ class Routes:
     async def serve(self, request: web.Request) -> web.Response:
         """GET /openapi.json: built for the models that run now (an admin may have added or
         removed one since the last ask), and kept until they change."""
+        if not self._may_see_models(request.headers.get("Authorization")):
+            if self._unseen_document is None:
+                self._unseen_document = orjson.dumps(self._build(_UNSEEN))
+            return web.Response(body=self._unseen_document, content_type="application/json")
         live = self._now()
         if self._document is None or self._document[0] != live:
             self._document = (live, orjson.dumps(self._build(live)))
@@ -385,7 +402,7 @@ def _live(schema: Any, live: _Live) -> Any:
     required where it may be left out only while one runs), and each `Dimensions` the live
     vector lengths."""
     if isinstance(schema, ModelName):
-        return schema.schema(live.names[schema.kind])
+        return schema.schema(None if live.names is None else live.names[schema.kind])
     if isinstance(schema, Dimensions):
         return schema.schema(live.dimensions)
     if isinstance(schema, Mapping):
@@ -398,6 +415,7 @@ def _live(schema: Any, live: _Live) -> Any:
                 for name, value in properties.items()
                 if isinstance(value, ModelName)
                 and value.nullable
+                and live.names is not None
                 and len(live.names[value.kind]) != 1
                 and name not in required
             ]
