@@ -249,3 +249,22 @@ async def test_with_keys_only_an_operator_key_may_name_the_tenant(
         if sample.name == "batchserve_requests_total"
     }
     assert by_tier == {"paid": 3, "free": 1}  # bob's critical stayed paid; sheddable went down
+
+
+async def test_a_request_submitted_through_the_gateway_is_polled_as_the_same_tenant(
+    start_server, gated
+):
+    client, _ = await start_server(gated, trust_gateway_headers=True)
+    gated.gate.set()
+    for headers in ({OBJECTIVE: "standard"}, {FAIRNESS_ID: "team-7", OBJECTIVE: "critical"}):
+        submitted = await client.post("/api/requests", json={"input": "x"}, headers=headers)
+        assert submitted.status == 202
+        polled = await client.get(
+            submitted.headers["Location"], params={"wait_ms": "5000"}, headers=headers
+        )
+        assert polled.status == 200, await polled.text()
+        assert (await polled.json())["status"] == "completed"
+        other = await client.get(
+            submitted.headers["Location"], headers={FAIRNESS_ID: "someone-else"}
+        )
+        assert other.status == 404  # another tenant's ids look unknown

@@ -155,6 +155,8 @@ class StatusApi:
             return error_response(NotFound("no such request"), request_id_of(request)[0])
         try:
             tenant = self._engine.authenticate(request.headers.get("Authorization"))
+            if self._engine.config.trust_gateway_headers:  # the tenant it was submitted as
+                tenant = self._engine.gateway_tenant(request.headers, tenant)
             wait_s = _wait_s(request.query.get("wait_ms"))
         except BatchserveError as refused:
             return error_response(refused, request_id)
