@@ -172,6 +172,25 @@ def slow_to_load(device: str):
     return key_echo_a2
 
 
+HOLD_ENTERED = threading.Event()
+"""Set once `held_a2` has a batch holding the input "hold" inside a device."""
+HOLD_RELEASE = threading.Event()
+"""Lets that batch finish; a test sets it (and clears both before it holds another)."""
+
+
+def held_a2(device: str):
+    """`key_echo_a2`, except that a batch holding the input "hold" stays inside the device
+    until HOLD_RELEASE is set: a test sees a request in flight and decides when it ends."""
+
+    def run(inputs: list[str], **params: object) -> list[str]:
+        if "hold" in inputs:
+            HOLD_ENTERED.set()
+            assert HOLD_RELEASE.wait(60), "the test never let the held batch finish"
+        return key_echo_a2(inputs, **params)
+
+    return run
+
+
 def cold_on_sim1(device: str):
     """Loads everywhere, but its first call (the warm-up of a version added live) raises on
     sim:1, and every call raises on a device named in BATCHSERVE_TEST_COLD (all: "*")."""

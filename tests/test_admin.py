@@ -13,6 +13,7 @@ from batchserve.engine.core import Engine
 from batchserve.server import create_app
 
 from . import raw_http, sample_models
+from .conftest import HANG_GUARD_S
 
 KEY = "admin-s3cret"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -169,6 +170,34 @@ async def test_deleted_versions_leave_no_metric_series(served):
     assert len(after) == len(before)
     assert not [line for line in after if 'version="v' in line]
     assert len(after) == len(set(after))  # no series twice (Prometheus refuses that scrape)
+
+
+async def test_a_version_deleted_with_a_request_in_flight_leaves_no_metric_series(served):
+    """The unload waits for the batch inside the device and forgets the version's series
+    as soon as that batch is done, before its handler records the answer (the batcher wakes
+    its watchers ahead of the request futures); the recording must then drop the answer of
+    a version no longer registered rather than bring its series back, one set per version
+    deleted while it served."""
+    client, engine = served
+    sample_models.HOLD_ENTERED.clear()
+    sample_models.HOLD_RELEASE.clear()
+    held = {"fn_per_device": "tests.sample_models:held_a2", "devices": "sim:2"}
+    assert (await client.put(ROUTE, json=held, headers=AUTH)).status == 202
+    await engine.versions.settled()
+    pinned = {"model": "a", "version": "2"}
+    answer = await client.post("/api/inference", json={"input": "x"} | pinned)
+    assert (await answer.json())["output"] == "a@2||x"
+    hold = client.post("/api/inference", json={"input": "hold"} | pinned)
+    in_flight = asyncio.ensure_future(hold)
+    assert await asyncio.to_thread(sample_models.HOLD_ENTERED.wait, HANG_GUARD_S)
+    removed = await client.delete(ROUTE, headers=AUTH)
+    assert (removed.status, (await removed.json())["state"]) == (202, "draining")
+    sample_models.HOLD_RELEASE.set()
+    assert (await (await in_flight).json())["output"] == "a@2||hold"
+    await engine.versions.settled()
+    assert list(await versions(client)) == ["1"]
+    scrape = await (await client.get("/metrics")).text()
+    assert [line for line in scrape.splitlines() if 'version="2"' in line] == []
 
 
 async def test_a_version_whose_warm_up_fails_serves_only_where_it_passed(
