@@ -44,10 +44,6 @@ Turn = tuple[str, int]
 inference gateway's objective header sets each request's), and each waits in its own."""
 
 
-def _turn(request: Waiting) -> Turn:
-    return request.tenant, request.tier_rank
-
-
 class FairQueue(Generic[Request]):
     def __init__(self, aging_s: float = 1.0) -> None:
         self.aging_s = aging_s
@@ -74,7 +70,7 @@ class FairQueue(Generic[Request]):
 
     def push(self, request: Request) -> None:
         self._by_arrival[request] = None
-        turn = _turn(request)
+        turn = request.tenant, request.tier_rank  # inline: every request's push
         waiting = self._tenants.get(turn)
         if waiting is None:
             waiting = self._tenants[turn] = {}
@@ -170,7 +166,7 @@ class FairQueue(Generic[Request]):
         )
 
     def _forget(self, request: Request) -> None:
-        turn = _turn(request)
+        turn = request.tenant, request.tier_rank
         waiting = self._tenants[turn]
         del waiting[request]
         if not waiting:
