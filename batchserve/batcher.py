@@ -187,13 +187,14 @@ class Batcher:
             queued[key.version.name, key.version.version] += len(lane.queue)
         for key, group in self._rescue.groups():
             queued[key.version.name, key.version.version] += len(group)
+        capacity = self.capacity_rps()  # read once: it walks every device's versions
         return BatcherSnapshot(
             queued=stats.queued,
             in_flight=stats.in_flight,
             healthy_devices=stats.healthy_devices,
-            capacity_rps=self.capacity_rps(),
+            capacity_rps=capacity,
             arrival_rps=self.arrival_rps(now),
-            predicted_wait_s=self.predicted_queue_wait_s(stats.queued),
+            predicted_wait_s=_queue_wait_s(stats.queued, capacity),
             queued_by_version=dict(queued),
             batch_sizes=dict(self.batch_sizes),
             batch_fill=dict(self.batch_fill),
@@ -353,10 +354,7 @@ class Batcher:
 
     def predicted_queue_wait_s(self, queued: int) -> float:
         """How long a request arriving now would wait for the `queued` ahead of it to drain."""
-        capacity = self.capacity_rps()
-        if not queued:
-            return 0.0
-        return queued / capacity if capacity else math.inf
+        return _queue_wait_s(queued, self.capacity_rps())
 
     def _drain_time_s(self) -> float:
         rate = self._drain_rate.at(self._clock.time())
@@ -478,3 +476,10 @@ class Batcher:
 def _full_batch_rps(version: ModelVersion) -> float | None:
     call_s = version.estimate.seconds
     return version.spec.max_batch_size / call_s if call_s else None
+
+
+def _queue_wait_s(queued: int, capacity_rps: float | None) -> float:
+    """How long `queued` requests take to drain at `capacity_rps` (forever at none)."""
+    if not queued:
+        return 0.0
+    return queued / capacity_rps if capacity_rps else math.inf

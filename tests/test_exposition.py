@@ -92,3 +92,19 @@ async def test_the_next_scrape_shows_each_new_batch_and_answer():
             assert f"batchserve_batch_size_count {n}.0\n".encode() in text
             latency = 'batchserve_request_latency_seconds_count{model="default",version="1"}'
             assert f"{latency} {n}.0\n".encode() in text
+
+
+def test_histogram_counts_past_the_short_way_and_braces_in_labels_render_as_generate_latest():
+    # A child's bucket and count lines are written from a template while its counts are
+    # small: a label value with braces must not break it, nor counts past a million.
+    registry = CollectorRegistry()
+    histograms = LoopHistograms("h_seconds", "A histogram.", ["model"], [0.1, 1.0])
+    registry.register(histograms)
+    exposition = TextExposition(registry)
+    braced = histograms.child("{0}{}")
+    histograms.observe(braced, 0.05)
+    assert exposition.render() == generate_latest(registry)
+    histograms.observe(braced, 0.5, times=1_500_000)
+    text = exposition.render()
+    assert text == generate_latest(registry)
+    assert b'h_seconds_count{model="{0}{}"} 1.500001e+06' in text

@@ -11,12 +11,16 @@ batchserve's own families go further (`FamilyText`, `HistogramText`): each write
 lines, its header and each series' `name{labels}` kept from scrape to scrape and a
 histogram child's lines kept until it counts something new, and hands the scrape a
 `Written` family whose sample objects are made only if something asks for them
-(`generate_latest`, a test's `get_sample_value`).
+(`generate_latest`, a test's `get_sample_value`). A `TextCollector` (every collector of
+batchserve's own) writes its families once, in `scrape`: straight into /metrics' text,
+which then makes no family object and skips `CollectorRegistry.collect()`, or as those
+`Written` families for `collect()`; `Gauges` writes unlabelled gauges from one template.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import math
+from collections.abc import Callable, Iterator, Sequence
 from itertools import accumulate
 from typing import cast
 
@@ -27,7 +31,7 @@ from prometheus_client.core import (
     Metric,
 )
 from prometheus_client.exposition import generate_latest
-from prometheus_client.registry import CollectorRegistry
+from prometheus_client.registry import Collector, CollectorRegistry
 from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
 
@@ -48,41 +52,63 @@ class TextExposition:
         self._registry = registry
         self._series: dict[_SeriesKey, str] = {}
         """Each series seen at the last scrape: its `name{labels}` as written."""
+        self._text_types: dict[type, bool] = {}
+        """Per type of collector, whether it is a `TextCollector` (an ABC's isinstance is
+        slow)."""
 
     def render(self) -> bytes:
+        registry = self._registry
+        with registry._lock:  # as registry.collect() reads them
+            collectors = list(registry._collector_to_names)
+            target_info = bool(registry._target_info)
+        if target_info:
+            return generate_latest(registry)
         kept: dict[_SeriesKey, str] = {}
         output: list[str] = []
-        for metric in self._registry.collect():
-            if isinstance(metric, Written):
-                output.append(metric.text)
+        for collector in collectors:
+            is_text = self._text_types.get(type(collector))
+            if is_text is None:
+                is_text = self._text_types[type(collector)] = isinstance(collector, TextCollector)
+            if is_text:
+                output.append(cast(TextCollector, collector).text())  # no family objects
                 continue
-            name, kind = metric.name, metric.type
-            if kind == "counter":
-                name += "_total"
-            elif kind == "info":
-                name += "_info"
-            kind = _PROMETHEUS_TYPE.get(kind, kind)
-            text = metric.documentation.replace("\\", r"\\").replace("\n", r"\n")
-            if not _plain(name):
-                return generate_latest(self._registry)  # names to escape: its own way
-            output.append(f"# HELP {name} {text}\n# TYPE {name} {kind}\n")
-            moved: dict[str, list[str]] = {}
-            for sample in metric.samples:
-                line = self._line(sample, kept)
-                if line is None:
-                    return generate_latest(self._registry)
-                suffix = sample.name[len(metric.name) :]
-                if suffix in _OM_SUFFIXES and sample.name.startswith(metric.name):
-                    moved.setdefault(suffix, []).append(line)
-                else:
-                    output.append(line)
-            for suffix, lines in sorted(moved.items()):
-                output.append(
-                    f"# HELP {metric.name}{suffix} {text}\n# TYPE {metric.name}{suffix} gauge\n"
-                )
-                output.extend(lines)
+            for metric in collector.collect():
+                if not self._metric(metric, kept, output):
+                    return generate_latest(registry)  # names to escape: its own way
         self._series = kept
         return "".join(output).encode()
+
+    def _metric(self, metric: Metric, kept: dict[_SeriesKey, str], output: list[str]) -> bool:
+        """Writes `metric` to `output`; False if it has names that the text format escapes."""
+        if isinstance(metric, Written):
+            output.append(metric.text)
+            return True
+        name, kind = metric.name, metric.type
+        if kind == "counter":
+            name += "_total"
+        elif kind == "info":
+            name += "_info"
+        kind = _PROMETHEUS_TYPE.get(kind, kind)
+        text = metric.documentation.replace("\\", r"\\").replace("\n", r"\n")
+        if not _plain(name):
+            return False
+        output.append(f"# HELP {name} {text}\n# TYPE {name} {kind}\n")
+        moved: dict[str, list[str]] = {}
+        for sample in metric.samples:
+            line = self._line(sample, kept)
+            if line is None:
+                return False
+            suffix = sample.name[len(metric.name) :]
+            if suffix in _OM_SUFFIXES and sample.name.startswith(metric.name):
+                moved.setdefault(suffix, []).append(line)
+            else:
+                output.append(line)
+        for suffix, lines in sorted(moved.items()):
+            output.append(
+                f"# HELP {metric.name}{suffix} {text}\n# TYPE {metric.name}{suffix} gauge\n"
+            )
+            output.extend(lines)
+        return True
 
     def _line(self, sample: Sample, kept: dict[_SeriesKey, str]) -> str | None:
         key = (sample.name, tuple(sample.labels.items()))
@@ -169,6 +195,10 @@ class FamilyText:
 
     def write(self, rows: list[Row]) -> Written:
         """The family of these series (label values in `labels`' order), for this scrape."""
+        return Written(self, self.text(rows), lambda: self._family(rows))
+
+    def text(self, rows: list[Row]) -> str:
+        """The lines of these series, for this scrape."""
         old, kept = self._series, {}
         lines = [self._header]
         for values, value in rows:
@@ -178,7 +208,7 @@ class FamilyText:
             kept[values] = series
             lines.append(f"{series} {_number(value)}\n")
         self._series = kept
-        return Written(self, "".join(lines), lambda: self._family(rows))
+        return "".join(lines)
 
     def _braced(self, values: Sequence[str], extra: tuple[tuple[str, str], ...] = ()) -> str:
         pairs = sorted([*zip(self.labels, values, strict=True), *extra])
@@ -209,41 +239,54 @@ class HistogramText(FamilyText):
         """`bounds`: each bucket's `le` as written, +Inf last."""
         super().__init__(name, documentation, "histogram", labels)
         self._bounds = tuple(bounds)
-        self._children: dict[tuple[str, ...], tuple[tuple[str, ...], int, float, str]] = {}
-        """Per label values: the lines' `name{labels}` (each bucket's, then _count's and
-        _sum's), and the count, sum and text of the child's last writing."""
+        self._children: dict[tuple[str, ...], _Lines] = {}
+        """Per label values: how the child's lines are written, and its last writing."""
 
     def write_children(self, children: list[Child]) -> Written:
+        written = [(values, list(accumulate(counts)), s) for values, counts, s in children]
+        return Written(self, self.text_children(children), lambda: self._histograms(written))
+
+    def text_children(self, children: list[Child]) -> str:
+        """The lines of these children, for this scrape."""
         old, kept = self._children, {}
         lines = [self._header]
-        written: list[tuple[tuple[str, ...], list[int], float]] = []
         for values, counts, sum_value in children:
-            cumulative = list(accumulate(counts))
-            written.append((values, cumulative, sum_value))
+            total = sum(counts)
             known = old.get(values)
             if known is None:
-                series = (
-                    *(f"{self.name}_bucket{self._braced(values, (('le', bound),))}"
-                      for bound in self._bounds),
-                    f"{self.name}_count{self._braced(values)}",
-                    f"{self.name}_sum{self._braced(values)}",
-                )  # fmt: skip
-            elif known[1] == cumulative[-1] and known[2] == sum_value:
+                known = self._lines(values)
+            elif known.count == total and known.sum == sum_value:
                 kept[values] = known
-                lines.append(known[3])
+                lines.append(known.text)
                 continue
+            cumulative = list(accumulate(counts))
+            if type(total) is int and 0 <= total < 1_000_000:  # counts: the short way
+                text = known.counts.format(*cumulative, total)
             else:
-                series = known[0]
-            buckets = series[:-2]  # as many as the counts
-            text = "".join(
-                [*(f"{name} {_number(n)}\n" for name, n in zip(buckets, cumulative, strict=True)),
-                 f"{series[-2]} {_number(cumulative[-1])}\n",
-                 f"{series[-1]} {_number(sum_value)}\n"]
-            )  # fmt: skip
-            kept[values] = (series, cumulative[-1], sum_value, text)
-            lines.append(text)
+                buckets = known.series[:-2]  # as many as the counts
+                text = "".join(
+                    [*(f"{name} {_number(n)}\n"
+                       for name, n in zip(buckets, cumulative, strict=True)),
+                     f"{known.series[-2]} {_number(total)}\n"]
+                )  # fmt: skip
+            known.text = f"{text}{known.series[-1]} {_number(sum_value)}\n"
+            known.count, known.sum = total, sum_value
+            kept[values] = known
+            lines.append(known.text)
         self._children = kept
-        return Written(self, "".join(lines), lambda: self._histograms(written))
+        return "".join(lines)
+
+    def _lines(self, values: tuple[str, ...]) -> _Lines:
+        series = (
+            *(f"{self.name}_bucket{self._braced(values, (('le', bound),))}"
+              for bound in self._bounds),
+            f"{self.name}_count{self._braced(values)}",
+            f"{self.name}_sum{self._braced(values)}",
+        )  # fmt: skip
+        counts = "".join(
+            name.replace("{", "{{").replace("}", "}}") + " {}.0\n" for name in series[:-1]
+        )
+        return _Lines(series, counts)
 
     def _histograms(self, written: list[tuple[tuple[str, ...], list[int], float]]) -> Metric:
         family = HistogramMetricFamily(self.name, self.documentation, labels=self.labels)
@@ -253,33 +296,82 @@ class HistogramText(FamilyText):
         return family
 
 
-class Families:
-    """A collector's writers, by family name, each made at its first scrape and kept."""
+class _Lines:
+    """A histogram child's lines: each one's `name{labels}` (each bucket's, then _count's
+    and _sum's), a template of the bucket and count lines for counts written the short way,
+    and the count, sum and text of its last writing."""
 
-    def __init__(self) -> None:
-        self._writers: dict[str, FamilyText] = {}
-        self._histograms: dict[str, HistogramText] = {}
+    __slots__ = ("count", "counts", "series", "sum", "text")
 
-    def write(
-        self, kind: str, name: str, documentation: str, rows: list[Row], labels: Sequence[str] = ()
-    ) -> Written:
-        """A counter or gauge family of these series."""
-        writer = self._writers.get(name)
-        if writer is None:
-            writer = self._writers[name] = FamilyText(name, documentation, kind, labels)
-        return writer.write(rows)
+    def __init__(self, series: tuple[str, ...], counts: str) -> None:
+        self.series, self.counts = series, counts
+        self.count = -1
+        self.sum = math.nan
+        self.text = ""
 
-    def gauge(self, name: str, documentation: str, value: float) -> Written:
-        """An unlabelled gauge."""
-        return self.write("gauge", name, documentation, [((), value)])
 
-    def histogram(
-        self, name: str, documentation: str, bounds: Sequence[str], children: list[Child]
-    ) -> Written:
-        writer = self._histograms.get(name)
-        if writer is None:
-            writer = self._histograms[name] = HistogramText(name, documentation, (), bounds)
-        return writer.write_children(children)
+class Gauges:
+    """Unlabelled gauges in a fixed order, written as one template: only the values are
+    formatted at a scrape."""
+
+    def __init__(self, gauges: Sequence[tuple[str, str]]) -> None:
+        """`gauges`: each one's name and help."""
+        self._writers = tuple(FamilyText(name, text, "gauge") for name, text in gauges)
+        self._heads = tuple(f"{w._header}{w.name} " for w in self._writers)
+
+    def text(self, values: Sequence[float]) -> str:
+        return "".join(
+            [f"{head}{_number(value)}\n" for head, value in zip(self._heads, values, strict=True)]
+        )
+
+    def write(self, values: Sequence[float]) -> list[Metric]:
+        return [w.write([((), v)]) for w, v in zip(self._writers, values, strict=True)]
+
+
+class Scrape:
+    """What a `TextCollector` writes at one scrape: its text alone (for `TextExposition`),
+    or its `Written` families (for `collect()`, which `generate_latest` and tests read)."""
+
+    def __init__(self, as_text: bool) -> None:
+        self.as_text = as_text
+        self.parts: list[str] = []
+        self.families: list[Metric] = []
+
+    def gauges(self, gauges: Gauges, values: Sequence[float]) -> None:
+        if self.as_text:
+            self.parts.append(gauges.text(values))
+        else:
+            self.families.extend(gauges.write(values))
+
+    def family(self, writer: FamilyText, rows: list[Row]) -> None:
+        if self.as_text:
+            self.parts.append(writer.text(rows))
+        else:
+            self.families.append(writer.write(rows))
+
+    def histogram(self, writer: HistogramText, children: list[Child]) -> None:
+        if self.as_text:
+            self.parts.append(writer.text_children(children))
+        else:
+            self.families.append(writer.write_children(children))
+
+
+class TextCollector(Collector):
+    """A collector of batchserve's own families: `scrape` writes them once for both ways of
+    reading them, `text()` (a scrape of /metrics, no family objects made) and `collect()`."""
+
+    def scrape(self, out: Scrape) -> None:
+        raise NotImplementedError
+
+    def collect(self) -> Iterator[Metric]:
+        out = Scrape(as_text=False)
+        self.scrape(out)
+        return iter(out.families)
+
+    def text(self) -> str:
+        out = Scrape(as_text=True)
+        self.scrape(out)
+        return "".join(out.parts)
 
 
 def _number(value: float) -> str:

@@ -12,13 +12,10 @@ child that counted nothing since the last scrape are kept).
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Generic, TypeVar
 
-from prometheus_client.core import Metric
-from prometheus_client.registry import Collector
-
-from .exposition import FamilyText, HistogramText
+from .exposition import FamilyText, HistogramText, Scrape, TextCollector
 
 Child = TypeVar("Child")
 
@@ -32,7 +29,7 @@ class LoopHistogram:
         self.sum = 0.0
 
 
-class _LoopFamily(Collector, Generic[Child]):
+class _LoopFamily(TextCollector, Generic[Child]):
     """A family of children, one per label values, each made on first use by `make_child`."""
 
     def __init__(
@@ -79,9 +76,10 @@ class LoopHistograms(_LoopFamily[LoopHistogram]):
             counts[bisect_left(bounds, value)] += 1
             child.sum += value
 
-    def collect(self) -> Iterator[Metric]:
-        yield self._text.write_children(
-            [(values, child.counts, child.sum) for values, child in self._children.items()]
+    def scrape(self, out: Scrape) -> None:
+        out.histogram(
+            self._text,
+            [(values, child.counts, child.sum) for values, child in self._children.items()],
         )
 
 
@@ -100,8 +98,8 @@ class LoopCounters(_LoopFamily[LoopCount]):
         super().__init__(name, documentation, labels, LoopCount)
         self._text = FamilyText(name, documentation, "counter", labels)
 
-    def collect(self) -> Iterator[Metric]:
-        yield self._text.write([(values, child.value) for values, child in self._children.items()])
+    def scrape(self, out: Scrape) -> None:
+        out.family(self._text, [(values, child.value) for values, child in self._children.items()])
 
 
 def _bound(bound: float) -> str:

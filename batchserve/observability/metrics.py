@@ -18,12 +18,10 @@ import math
 import time
 from bisect import bisect_left
 from collections import deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import Metric
-from prometheus_client.registry import Collector
 
 from ..batcher import Batcher, BatcherSnapshot
 from ..batching.request import QueuedRequest, Result
@@ -31,11 +29,11 @@ from ..clock import Clock
 from ..devices.health import HEALTHY, DeviceState
 from ..generation.models import Generators
 from ..generation.request import Generation
-from ..gpu_pool import DeviceStats, GpuPool, PoolStats
+from ..gpu_pool import GpuPool, PoolStats
 from ..models.registry import Registry
-from .exposition import Families
+from .exposition import Child, FamilyText, Gauges, HistogramText, Scrape, TextCollector
 from .loop_metrics import LoopCount, LoopCounters, LoopHistogram, LoopHistograms
-from .picker import PickerCollector, picker_families, picker_load
+from .picker import PickerCollector, PickerFamilies, picker_load
 from .window import ROW, RecentWindow, keep_recent, percentile_ms, window_numbers
 
 LATENCY_BUCKETS = (
@@ -219,7 +217,7 @@ class Metrics:
         }
 
 
-class _StateCollector(Collector):
+class _StateCollector(TextCollector):
     """Reads the batcher's and the pool's snapshots at scrape time."""
 
     def __init__(
@@ -238,7 +236,13 @@ class _StateCollector(Collector):
         self._clock = clock
         self._slo_s = slo_s
         self._started = time.time()
-        self._families = Families()
+        self._picker = PickerFamilies()
+        self._device_writers = _device_writers()
+        self._batch_size = HistogramText(
+            "batchserve_batch_size", "Requests per batch call, retries included.", (),
+            _BATCH_BOUNDS,
+        )  # fmt: skip
+        self._count_writers = _count_writers()
 
     def summary(self, now: float) -> dict[str, Any]:
         return self._summary(now, self._batcher.snapshot(now), self._pool.stats(now))
@@ -281,101 +285,37 @@ class _StateCollector(Collector):
             ],
         }
 
-    def collect(self) -> Iterator[Metric]:
+    def scrape(self, out: Scrape) -> None:
         """The same numbers as `summary`, read from one snapshot of each (the dashboard's
         per-version rows, which no family shows, left out)."""
         now = self._clock.time()
         batcher, pool = self._batcher.snapshot(now), self._pool.stats(now)
         generation = [model.stats(now) for model in self._generators]
-        families = self._families
-        yield from picker_families(
-            families,
-            picker_load(batcher.queued, batcher.in_flight, pool.batch_slots, generation),
-            self._started,
-        )
-
-        def gauge(name: str, text: str, value: float | None) -> Metric:
-            return families.gauge(name, text, math.nan if value is None else value)
-
-        yield gauge("batchserve_queue_depth", "Requests waiting for a batch.", batcher.queued)
-        yield gauge(
-            "batchserve_in_flight_requests", "Requests inside a batch call.", batcher.in_flight
-        )
-        busy = sum(device.state is DeviceState.BUSY for device in pool.devices)
-        yield gauge("batchserve_in_flight_batches", "Batch calls running now.", busy)
-        yield gauge(
-            "batchserve_capacity_rps",
-            "Requests a second the healthy devices can take in full batches, measured.",
+        load = picker_load(batcher.queued, batcher.in_flight, pool.batch_slots, generation)
+        self._picker.scrape(out, load, self._started)
+        devices = pool.devices
+        values: list[float | None] = [
+            batcher.queued,
+            batcher.in_flight,
+            sum(device.state is DeviceState.BUSY for device in devices),
             batcher.capacity_rps,
-        )
-        yield gauge("batchserve_arrival_rps", "Recent arrivals a second.", batcher.arrival_rps)
-        yield gauge(
-            "batchserve_predicted_queue_wait_seconds",
-            "How long a request arriving now would wait for the queue ahead of it.",
+            batcher.arrival_rps,
             batcher.predicted_wait_s,
-        )
-        yield gauge("batchserve_slo_seconds", "The latency objective (--slo-ms).", self._slo_s)
-        yield gauge(
-            "batchserve_desired_replicas",
-            _DESIRED_REPLICAS_HELP,
+            self._slo_s,
             desired_replicas(batcher.arrival_rps, batcher.capacity_rps),
-        )
-        yield from self._devices(pool.devices)
-        yield _batch_sizes(families, batcher.batch_sizes)
-        yield families.write(
-            "counter",
-            "batchserve_batch_fill",
-            "Batches sent and requests in them, per model version: requests / batches is its"
-            " mean batch size, which falls when traffic spreads over many keys (params,"
-            " lengths). Never labelled with params.",
-            sorted(batcher.batch_fill.items()),
-            ["model", "version", "kind"],
-        )
-        yield families.write(
-            "counter",
-            "batchserve_faults",
-            "Device and batch faults, by kind.",
-            [((kind,), count) for kind, count in sorted(pool.faults.items())],
-            ["kind"],
-        )
-        yield families.write(
-            "counter",
-            "batchserve_recoveries",
-            "Requests retried or failed after a fault.",
-            [((kind,), count) for kind, count in sorted(batcher.recoveries.items())],
-            ["kind"],
-        )
-
-    def _devices(self, devices: Sequence[DeviceStats]) -> Iterator[Metric]:
-        """The gauges of each device, from the pool's snapshot already taken at this scrape."""
-        families, device = self._families, ["device"]
-        yield families.write(
-            "gauge",
-            "batchserve_device_busy_ratio",
-            "Share of the last 10 s each device spent in batch calls.",
-            [((d.name,), d.busy_ratio) for d in devices],
-            device,
-        )
-        yield families.write(
-            "counter",
-            "batchserve_device_busy_seconds",
-            "Time each device spent in finished batch calls.",
-            [((d.name,), d.busy_seconds) for d in devices],
-            device,
-        )
-        yield families.write(
-            "gauge",
-            "batchserve_device_healthy",
-            "1 while the device takes work.",
-            [((d.name,), float(d.state in HEALTHY)) for d in devices],
-            device,
-        )
-        yield families.write(
-            "gauge",
-            "batchserve_device_state",
-            "1 for each device's current state.",
-            [((d.name, d.state.value), 1.0) for d in devices],
-            ["device", "state"],
+        ]
+        out.gauges(_STATE_GAUGES, [math.nan if v is None else v for v in values])
+        busy_ratio, busy_seconds, healthy, state = self._device_writers
+        out.family(busy_ratio, [((d.name,), d.busy_ratio) for d in devices])
+        out.family(busy_seconds, [((d.name,), d.busy_seconds) for d in devices])
+        out.family(healthy, [((d.name,), float(d.state in HEALTHY)) for d in devices])
+        out.family(state, [((d.name, d.state.value), 1.0) for d in devices])
+        out.histogram(self._batch_size, _batch_sizes(batcher.batch_sizes))
+        fill, faults, recoveries = self._count_writers
+        out.family(fill, sorted(batcher.batch_fill.items()))
+        out.family(faults, [((kind,), count) for kind, count in sorted(pool.faults.items())])
+        out.family(
+            recoveries, [((kind,), count) for kind, count in sorted(batcher.recoveries.items())]
         )
 
 
@@ -383,28 +323,89 @@ _DESIRED_REPLICAS_HELP = (
     f"Replicas that would carry the recent arrivals at {TARGET_UTILIZATION:.0%} of"
     " this replica's measured capacity."
 )
+_STATE_GAUGES = Gauges(
+    [
+        ("batchserve_queue_depth", "Requests waiting for a batch."),
+        ("batchserve_in_flight_requests", "Requests inside a batch call."),
+        ("batchserve_in_flight_batches", "Batch calls running now."),
+        (
+            "batchserve_capacity_rps",
+            "Requests a second the healthy devices can take in full batches, measured.",
+        ),
+        ("batchserve_arrival_rps", "Recent arrivals a second."),
+        (
+            "batchserve_predicted_queue_wait_seconds",
+            "How long a request arriving now would wait for the queue ahead of it.",
+        ),
+        ("batchserve_slo_seconds", "The latency objective (--slo-ms)."),
+        ("batchserve_desired_replicas", _DESIRED_REPLICAS_HELP),
+    ]
+)
+"""Shared by every collector: a template holds no state of a scrape."""
 _BATCH_BOUNDS = (*map(str, BATCH_BUCKETS), "+Inf")
 
 
-def _batch_sizes(families: Families, sizes: Mapping[int, int]) -> Metric:
-    counts = [0] * len(_BATCH_BOUNDS)
-    for size, count in sizes.items():
-        counts[bisect_left(BATCH_BUCKETS, size)] += count  # le bounds are inclusive
-    return families.histogram(
-        "batchserve_batch_size",
-        "Requests per batch call, retries included.",
-        _BATCH_BOUNDS,
-        [((), counts, sum(size * count for size, count in sizes.items()))],
+def _device_writers() -> tuple[FamilyText, FamilyText, FamilyText, FamilyText]:
+    """The gauges of each device, from the pool's snapshot already taken at a scrape."""
+    device = ["device"]
+    return (
+        FamilyText(
+            "batchserve_device_busy_ratio",
+            "Share of the last 10 s each device spent in batch calls.",
+            "gauge",
+            device,
+        ),
+        FamilyText(
+            "batchserve_device_busy_seconds",
+            "Time each device spent in finished batch calls.",
+            "counter",
+            device,
+        ),
+        FamilyText("batchserve_device_healthy", "1 while the device takes work.", "gauge", device),
+        FamilyText(
+            "batchserve_device_state",
+            "1 for each device's current state.",
+            "gauge",
+            ["device", "state"],
+        ),
     )
 
 
-class _GenerationCollector(Collector):
+def _count_writers() -> tuple[FamilyText, FamilyText, FamilyText]:
+    return (
+        FamilyText(
+            "batchserve_batch_fill",
+            "Batches sent and requests in them, per model version: requests / batches is its"
+            " mean batch size, which falls when traffic spreads over many keys (params,"
+            " lengths). Never labelled with params.",
+            "counter",
+            ["model", "version", "kind"],
+        ),
+        FamilyText("batchserve_faults", "Device and batch faults, by kind.", "counter", ["kind"]),
+        FamilyText(
+            "batchserve_recoveries", "Requests retried or failed after a fault.", "counter",
+            ["kind"],
+        ),
+    )  # fmt: skip
+
+
+def _batch_sizes(sizes: Mapping[int, int]) -> list[Child]:
+    counts = [0] * len(_BATCH_BOUNDS)
+    for size, count in sizes.items():
+        counts[bisect_left(BATCH_BUCKETS, size)] += count  # le bounds are inclusive
+    return [((), counts, sum(size * count for size, count in sizes.items()))]
+
+
+class _GenerationCollector(TextCollector):
     """Reads the generation models' snapshots at scrape time."""
 
     def __init__(self, generators: Generators, clock: Clock) -> None:
         self._generators = generators
         self._clock = clock
-        self._families = Families()
+        self._writers = [
+            (key, FamilyText(name, text, kind, ["model", "version"]))
+            for key, name, text, kind in _GENERATION_FAMILIES
+        ]
 
     def summary(self, now: float) -> list[dict[str, Any]]:
         return [
@@ -412,51 +413,49 @@ class _GenerationCollector(Collector):
             for stats in (model.stats(now) for model in self._generators)
         ]
 
-    def collect(self) -> Iterator[Metric]:
+    def scrape(self, out: Scrape) -> None:
         now = self._clock.time()
         rows = [model.stats(now) for model in self._generators]
-        labels = ["model", "version"]
-        gauge, counter = "gauge", "counter"
-        families: list[tuple[str, str, str, str]] = [
-            ("running", "batchserve_sequences_running", "Sequences in steps now.", gauge),
-            ("waiting", "batchserve_sequences_waiting", "Sequences waiting to run.", gauge),
-            (
-                "kv_used_tokens",
-                "batchserve_kv_used_tokens",
-                "KV-cache tokens the running sequences hold, over all devices.",
-                gauge,
-            ),
-            (
-                "kv_budget_tokens",
-                "batchserve_kv_budget_tokens",
-                "KV-cache tokens the devices can hold at once, summed.",
-                gauge,
-            ),
-            ("steps", "batchserve_generation_steps", "Decoding steps run.", counter),
-            (
-                "preemptions",
-                "batchserve_preemptions",
-                "Sequences put back in line because the running ones outgrew the budget.",
-                counter,
-            ),
-            (
-                "step_failures",
-                "batchserve_step_failures",
-                "Steps that raised or answered badly (each is retried in halves).",
-                counter,
-            ),
-            (
-                "hung_steps",
-                "batchserve_hung_steps",
-                "Device calls (steps, releases) that ran past their budget (their sequences"
-                " went on elsewhere).",
-                counter,
-            ),
-        ]
-        for key, name, text, kind in families:
-            yield self._families.write(
-                kind, name, text, [((r.model, r.version), getattr(r, key)) for r in rows], labels
-            )
+        for key, writer in self._writers:
+            out.family(writer, [((r.model, r.version), getattr(r, key)) for r in rows])
+
+
+_GENERATION_FAMILIES: list[tuple[str, str, str, str]] = [
+    ("running", "batchserve_sequences_running", "Sequences in steps now.", "gauge"),
+    ("waiting", "batchserve_sequences_waiting", "Sequences waiting to run.", "gauge"),
+    (
+        "kv_used_tokens",
+        "batchserve_kv_used_tokens",
+        "KV-cache tokens the running sequences hold, over all devices.",
+        "gauge",
+    ),
+    (
+        "kv_budget_tokens",
+        "batchserve_kv_budget_tokens",
+        "KV-cache tokens the devices can hold at once, summed.",
+        "gauge",
+    ),
+    ("steps", "batchserve_generation_steps", "Decoding steps run.", "counter"),
+    (
+        "preemptions",
+        "batchserve_preemptions",
+        "Sequences put back in line because the running ones outgrew the budget.",
+        "counter",
+    ),
+    (
+        "step_failures",
+        "batchserve_step_failures",
+        "Steps that raised or answered badly (each is retried in halves).",
+        "counter",
+    ),
+    (
+        "hung_steps",
+        "batchserve_hung_steps",
+        "Device calls (steps, releases) that ran past their budget (their sequences"
+        " went on elsewhere).",
+        "counter",
+    ),
+]
 
 
 def desired_replicas(arrival_rps: float, capacity_rps: float | None) -> int:

@@ -7,19 +7,16 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Iterator, Sequence
-
-from prometheus_client.core import Metric
-from prometheus_client.registry import Collector
+from collections.abc import Sequence
 
 from ..batcher import Batcher
 from ..clock import Clock
 from ..generation.models import GenerationStats, Generators
 from ..gpu_pool import GpuPool
-from .exposition import Families
+from .exposition import FamilyText, Gauges, Scrape, TextCollector
 
 
-class PickerCollector(Collector):
+class PickerCollector(TextCollector):
     """The picker's gauges alone, from the cheapest reads of the batcher, the pool and the
     generation models (not the snapshots a full scrape takes)."""
 
@@ -31,55 +28,63 @@ class PickerCollector(Collector):
         self._generators = generators
         self._clock = clock
         self._started = time.time()
-        self._families = Families()
+        self._families = PickerFamilies()
 
-    def collect(self) -> Iterator[Metric]:
+    def scrape(self, out: Scrape) -> None:
         now = self._clock.time()
         batcher = self._batcher.stats()
         generation = [model.stats(now) for model in self._generators]
         load = picker_load(
             batcher.queued, batcher.in_flight, self._pool.stats(now).batch_slots, generation
         )
-        yield from picker_families(self._families, load, self._started)
+        self._families.scrape(out, load, self._started)
 
 
-def picker_families(families: Families, load: PickerLoad, started: float) -> Iterator[Metric]:
+_PICKER_GAUGES = (
+    (
+        ("batchserve_requests_waiting", "vllm:num_requests_waiting"),
+        "Requests accepted and not yet in a device call: queued for a batch, or"
+        " generations waiting for a place in the steps.",
+    ),
+    (
+        ("batchserve_requests_running", "vllm:num_requests_running"),
+        "Requests inside device calls: batch calls running now, and generations in"
+        " the steps (at most each device's max batch size).",
+    ),
+    (
+        ("batchserve_utilization", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+        "0 to 1: the larger of (batch requests waiting and running) / (one full batch"
+        " on each healthy device) and, for generation models, the KV-cache budget in"
+        " use; 1 when the server holds more work than its devices take at once.",
+    ),
+)
+
+
+class PickerFamilies:
     """What the Kubernetes inference gateway's endpoint picker scrapes (its model server
     protocol): requests waiting, requests running and a utilisation in [0, 1], one
     unlabelled series each for the whole server, under batchserve's names and under the
     vLLM names the picker reads by default (docs/operating.md, "Kubernetes inference
     gateway"), so that it routes and sheds on batchserve with no flags of its own."""
-    for names, text, value in (
-        (
-            ("batchserve_requests_waiting", "vllm:num_requests_waiting"),
-            "Requests accepted and not yet in a device call: queued for a batch, or"
-            " generations waiting for a place in the steps.",
-            load.waiting,
-        ),
-        (
-            ("batchserve_requests_running", "vllm:num_requests_running"),
-            "Requests inside device calls: batch calls running now, and generations in"
-            " the steps (at most each device's max batch size).",
-            load.running,
-        ),
-        (
-            ("batchserve_utilization", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
-            "0 to 1: the larger of (batch requests waiting and running) / (one full batch"
-            " on each healthy device) and, for generation models, the KV-cache budget in"
-            " use; 1 when the server holds more work than its devices take at once.",
-            load.utilization,
-        ),
-    ):
-        for name in names:
-            yield families.gauge(name, text, value)
-    yield families.write(
-        "gauge",
-        "vllm:lora_requests_info",
-        "No LoRA adapters (for the inference gateway's picker, which looks for this):"
-        " the value is when the server started.",
-        [(("0", "", ""), started)],
-        ["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
-    )
+
+    def __init__(self) -> None:
+        self._gauges = Gauges([(name, text) for names, text in _PICKER_GAUGES for name in names])
+        self._lora = FamilyText(
+            "vllm:lora_requests_info",
+            "No LoRA adapters (for the inference gateway's picker, which looks for this):"
+            " the value is when the server started.",
+            "gauge",
+            ["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+        )
+
+    def scrape(self, out: Scrape, load: PickerLoad, started: float) -> None:
+        values = (load.waiting, load.running, load.utilization)
+        out.gauges(
+            self._gauges,
+            [value for (names, _), value in zip(_PICKER_GAUGES, values, strict=True)
+             for _ in names],
+        )  # fmt: skip
+        out.family(self._lora, [(("0", "", ""), started)])
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
