@@ -58,9 +58,15 @@ class TextExposition:
 
     def render(self) -> bytes:
         registry = self._registry
-        with registry._lock:  # as registry.collect() reads them
-            collectors = list(registry._collector_to_names)
-            target_info = bool(registry._target_info)
+        # prometheus_client's own fields, read as registry.collect() reads them (it has no
+        # public list of collectors); were they to move, generate_latest stays correct.
+        lock = getattr(registry, "_lock", None)
+        names = getattr(registry, "_collector_to_names", None)
+        if lock is None or not isinstance(names, dict):
+            return generate_latest(registry)
+        with lock:
+            collectors = list(names)
+            target_info = bool(getattr(registry, "_target_info", None))
         if target_info:
             return generate_latest(registry)
         kept: dict[_SeriesKey, str] = {}
