@@ -11,7 +11,8 @@ from collections.abc import Callable
 
 from ..errors import Overloaded
 from ..rules.capacity import DecayedRate
-from ..rules.fair_queue import TIER_RANKS, predicted_wait_s
+from ..rules.fair_queue import predicted_wait_s
+from ..rules.tenants import TIER_RANKS
 from .request import QueuedRequest
 
 ADMISSION_UTILIZATION = 0.9

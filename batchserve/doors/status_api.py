@@ -47,6 +47,7 @@ from .wire import (
     INFERENCE_BODY,
     MAX_REQUEST_ID,
     answer_body,
+    caller_tenant,
     error_body,
     error_response,
     json_response,
@@ -154,9 +155,7 @@ class StatusApi:
         if len(request_id) > MAX_REQUEST_ID or not request_id.isprintable():
             return error_response(NotFound("no such request"), request_id_of(request)[0])
         try:
-            tenant = self._engine.authenticate(request.headers.get("Authorization"))
-            if self._engine.config.trust_gateway_headers:  # the tenant it was submitted as
-                tenant = self._engine.gateway_tenant(request.headers, tenant)
+            tenant = caller_tenant(request, self._engine)  # the tenant it was submitted as
             wait_s = _wait_s(request.query.get("wait_ms"))
         except BatchserveError as refused:
             return error_response(refused, request_id)

@@ -75,16 +75,26 @@ async def read_call(
     try:
         if problem is not None:
             raise problem
-        if engine.config.keys_file:  # else it runs open: no key to look for
-            tenant = engine.authenticate(request.headers.get("Authorization"))
-        if engine.config.trust_gateway_headers:
-            tenant = engine.gateway_tenant(request.headers, tenant)
+        tenant = caller_tenant(request, engine)
         payload = await (read or read_json)(request, engine.config.max_body_bytes)
         body = parse_body(payload, request)
     except BatchserveError as error:
         engine.record(route, request_id, arrival, error, tenant)
         return error_response(error, request_id, openai_shape=openai_shape, shape=shape)
     return Call(request_id, tenant, body)
+
+
+def caller_tenant(request: web.BaseRequest, engine: Engine) -> Tenant | None:
+    """Who is asking: the key's tenant (None on a server without keys), then, with
+    --trust-gateway-headers, the tenant the inference gateway's headers name. Every door
+    that files or finds a request by tenant asks this, so a request submitted through the
+    gateway is found again the same way."""
+    tenant = None
+    if engine.config.keys_file:  # else it runs open: no key to look for
+        tenant = engine.authenticate(request.headers.get("Authorization"))
+    if engine.config.trust_gateway_headers:
+        tenant = engine.gateway_tenant(request.headers, tenant)
+    return tenant
 
 
 def request_id_of(request: web.BaseRequest) -> tuple[str, InvalidInput | None]:

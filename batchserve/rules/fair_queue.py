@@ -19,8 +19,7 @@ from collections import deque
 from collections.abc import Iterator
 from typing import Generic, Protocol, TypeVar
 
-# The tiers and their ranks are tenants.py's; re-exported for the modules that order by them.
-from .tenants import TIER_RANKS as TIER_RANKS
+from .tenants import TIER_RANKS
 
 
 class Waiting(Protocol):

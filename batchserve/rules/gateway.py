@@ -30,8 +30,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 
 from ..errors import InvalidInput
-from .fair_queue import TIER_RANKS
-from .tenants import TIERS, Tenant
+from .tenants import TIER_RANKS, TIERS, Tenant
 
 FAIRNESS_ID = "x-gateway-inference-fairness-id"
 OBJECTIVE = "x-gateway-inference-objective"
