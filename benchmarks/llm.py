@@ -7,7 +7,8 @@ CPU, against transformers' own batched `generate` of the same prompts, measured 
 
 The server (`--generator batchserve.models.causal_lm:load --devices cpu`) runs pinned to core
 0 with the threads it sets itself (one, on two cores); this script sends from core 1. The
-baselines run in a child process pinned to core 0 at one torch thread, like the server:
+baselines run in a child process pinned to core 0 at one torch thread, like the server, once
+before the server's window and once after (their mean is the baseline of the repeat):
 
 - `streams`: C concurrent streams of 64 tokens (`ignore_eos`), each client sending its next
   request when one ends; tokens/s over the window, TTFT and inter-token gaps p50/p99.
@@ -184,15 +185,20 @@ def baselines(levels: list[int], dtype: str) -> dict[int, dict[str, float]]:
 def streams(levels: list[int], seconds: float, repeats: int, dtype: str) -> None:
     rows: dict[int, list[dict[str, float]]] = {level: [] for level in levels}
     for repeat in range(repeats):
+        # The baselines bracket the server's window, so that this machine's drift from
+        # minute to minute moves both sides of each ratio alike.
+        before = baselines(levels, dtype)
         server = serve("--dtype", dtype)
         try:
             asyncio.run(closed_loop(2, 6))  # warm-up
             served = {level: asyncio.run(closed_loop(level, seconds)) for level in levels}
         finally:
             stop_server(server)
-        measured = baselines(levels, dtype)
+        after = baselines(levels, dtype)
         for level in levels:
-            base = measured[level]
+            base = {key: (before[level][key] + value) / 2 for key, value in after[level].items()}
+            print(f"  repeat {repeat} C={level}: generate before {before[level]['generate']:.1f},"
+                  f" after {after[level]['generate']:.1f}", file=sys.stderr)  # fmt: skip
             row = {**served[level], **base}
             row["vs_generate"] = row["tokens_per_s"] / base["generate"]
             row["of_direct"] = row["tokens_per_s"] / base["direct"]
