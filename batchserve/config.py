@@ -229,6 +229,14 @@ class Config:
         help="with --keys-file: on lets anyone read /metrics and /api/stats; off (the default)"
         ' needs an operator key (role = "operator" in the keys file) or the admin key',
     )
+    metrics_max_age_ms: float = setting(
+        500.0,
+        help="how old /metrics' counters, histograms and slower gauges may be: a scrape"
+        " reuses the last full render of them while it is younger than this, and writes"
+        " only the gateway picker's gauges (requests waiting and running, utilisation)"
+        " afresh, so a picker scraping every 50 ms costs little; a deleted model version's"
+        " series leave within it. 0 renders everything at every scrape",
+    )
     trust_gateway_headers: bool = setting(
         False,
         help="on: the Kubernetes inference gateway's headers pick each request's tenant"
@@ -359,6 +367,7 @@ class Config:
             (self.max_input_bytes >= 1, "max_input_bytes must be 1 or more"),
             (self.drain_timeout_s >= 0, "drain_timeout_s must be 0 or more"),
             (self.slo_ms > 0, "slo_ms must be more than 0"),
+            (self.metrics_max_age_ms >= 0, "metrics_max_age_ms must be 0 or more"),
             (
                 self.anonymous_tier is None or self.keys_file is not None,
                 "--anonymous-tier needs --keys-file",

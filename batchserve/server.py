@@ -311,7 +311,12 @@ def create_app(engine: Engine) -> web.Application:
     routes.add("POST", "/api/requests", status_api.submit, SUBMIT)
     routes.add("GET", "/api/requests/{request_id}", status_api.poll, POLL)
     if engine.metrics is not None:
-        dashboard = Dashboard(engine.metrics, engine.authorize_operator)
+        dashboard = Dashboard(
+            engine.metrics,
+            engine.authorize_operator,
+            now=lambda: engine.clock.time(),
+            max_age_s=lambda: engine.config.metrics_max_age_ms / 1e3,
+        )
         routes.add("GET", "/", dashboard.page, PAGE)
         routes.add("GET", "/api/stats", dashboard.stats, STATS)
         routes.add("GET", "/metrics", dashboard.scrape, SCRAPE)

@@ -9,7 +9,15 @@ ten times over the noise, for the cost of one scrape). The server's CPU time is 
 /proc/PID/stat at each window's edges; the scraper and this script run on core 1. Medians
 over repeats; the cost of scraping is (CPU with - CPU without) / window, in cores.
 
+With a --metrics-max-age-ms above 0 (`--max-age-ms`; the server's default, 500, if not
+given), /metrics renders everything once per max age and reuses that render but for the
+picker's gauges in between: the 10x window then spreads one full render over ten times the
+scrapes, so its per-scrape figure is the cost of a reused scrape, not of the average one at
+`--scrapes`. Combine it with a run at `--max-age-ms 0` (every scrape a full render): at S
+scrapes a second, 1000 / max age full renders and the rest reused.
+
     flock /tmp/bench.lock python benchmarks/scrape_cost.py          # 3 repeats, about 1.5 min
+    flock /tmp/bench.lock python benchmarks/scrape_cost.py --max-age-ms 0
     flock /tmp/bench.lock python benchmarks/scrape_cost.py --path /metrics/picker
 """
 
@@ -70,13 +78,18 @@ def main() -> None:
         help="what is scraped: /metrics, or the picker's"
         " /metrics/picker (the path deploy/k8s/gateway/epp.yaml gives it)",
     )
+    parser.add_argument(
+        "--max-age-ms", type=float, default=None,
+        help="the server's --metrics-max-age-ms (default: the server's own default)",
+    )  # fmt: skip
     args = parser.parse_args()
     os.sched_setaffinity(0, {1})
+    max_age = [] if args.max_age_ms is None else ["--metrics-max-age-ms", f"{args.max_age_ms:g}"]
     rates = (0.0, args.scrapes, 10 * args.scrapes)
     total_s = WARMUP_S + args.repeats * len(rates) * args.window_s + 2
     server = start_server(
         [sys.executable, "-m", "batchserve", "--devices", "sim:4", "--log-level", "WARNING",
-         "--port", str(PORT)], "scrape_cost.log",
+         "--port", str(PORT), *max_age], "scrape_cost.log",
     )  # fmt: skip
     load = subprocess.Popen(
         ["taskset", "-c", "1", sys.executable, "benchmarks/loadgen.py",
@@ -106,6 +119,8 @@ def main() -> None:
         (with_ - base) / rates[2] for with_, base in zip(cores[rates[2]], cores[0.0], strict=True)
     )
     result = {
+        "path": args.path,
+        "metrics_max_age_ms": args.max_age_ms,
         "rate": args.rate,
         "achieved_rps": summary["achieved_rps"],
         "success": summary["success"],

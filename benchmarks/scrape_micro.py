@@ -9,9 +9,16 @@ loop thread's CPU time). The median of `--repeats` runs of `--scrapes` scrapes, 
 scrape. `--profile` prints cProfile's top entries over one run instead. scrape_cost.py
 measures the whole cost from outside, aiohttp's request handling included.
 
-    python benchmarks/scrape_micro.py              # about 40 s
+The server runs with `--max-age-ms` as its --metrics-max-age-ms (default: the server's, 500):
+at 50 ms apart, one scrape in about ten renders everything and the others reuse that render
+but for the picker's gauges, so the mean is what a picker at 20/s costs. `--max-age-ms 0`
+renders everything at every scrape (as before the setting existed).
+
+    python benchmarks/scrape_micro.py                    # about 40 s
+    python benchmarks/scrape_micro.py --max-age-ms 0     # every scrape a full render
+    python benchmarks/scrape_micro.py --path /metrics/picker  # the picker's gauges alone
     python benchmarks/scrape_micro.py --profile
-    python benchmarks/scrape_micro.py --gap-s 0    # back to back, as a tight loop measures
+    python benchmarks/scrape_micro.py --gap-s 0          # back to back, as a tight loop measures
 """
 
 from __future__ import annotations
@@ -65,7 +72,8 @@ async def main(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as folder:
         models = Path(folder) / "models.toml"
         models.write_text(MODELS)
-        app = create_app(Engine(Config(models=str(models))))
+        config = Config(models=str(models), metrics_max_age_ms=args.max_age_ms)
+        app = create_app(Engine(config))
         async with TestClient(TestServer(app)) as client:
             sent = itertools.count()
 
@@ -102,9 +110,9 @@ async def measure(app: object, args: argparse.Namespace) -> None:
         route.handler
         for route in app.router.routes()  # type: ignore[attr-defined]
         if route.method == "GET" and route.resource is not None
-        and route.resource.canonical == "/metrics"
+        and route.resource.canonical == args.path
     )  # fmt: skip
-    request = make_mocked_request("GET", "/metrics", app=app)  # type: ignore[arg-type]
+    request = make_mocked_request("GET", args.path, app=app)  # type: ignore[arg-type]
     body = (await scrape(request)).body
     print(f"{len(body.splitlines())} lines, {len(body)} bytes a scrape", file=sys.stderr)
     profile = cProfile.Profile() if args.profile else None
@@ -126,7 +134,10 @@ async def measure(app: object, args: argparse.Namespace) -> None:
         pstats.Stats(profile).sort_stats("cumulative").print_stats(40)
         pstats.Stats(profile).sort_stats("tottime").print_stats(25)
         return
-    print(f"ms a scrape: median {statistics.median(runs):.3f} of {len(runs)} runs")
+    print(
+        f"ms a scrape: median {statistics.median(runs):.3f} of {len(runs)} runs"
+        f" ({args.path}, --metrics-max-age-ms {args.max_age_ms:g}, {args.gap_s * 1e3:g} ms apart)"
+    )
 
 
 if __name__ == "__main__":
@@ -135,6 +146,11 @@ if __name__ == "__main__":
     parser.add_argument("--scrapes", type=int, default=200, help="scrapes a run")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--path", default="/metrics", help="/metrics or /metrics/picker")
+    parser.add_argument(
+        "--max-age-ms", type=float, default=Config().metrics_max_age_ms,
+        help="the server's --metrics-max-age-ms; 0: every scrape renders everything",
+    )  # fmt: skip
     parser.add_argument(
         "--gap-s", type=float, default=0.05,
         help="between scrapes; 0: back to back (warm caches, the loop barely serving)",

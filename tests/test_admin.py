@@ -28,7 +28,9 @@ async def served(aiohttp_client, tmp_path) -> AsyncIterator[tuple[TestClient, En
         '[[model]]\nname = "a"\nversion = "1"\nfn = "tests.sample_models:key_echo_a1"\n'
         'devices = "sim:2"\n'
     )
-    engine = Engine(Config(models=str(models), admin_key=KEY, sim_latency_ms=0))
+    # Every /metrics scrape renders all (no reuse): these tests read series just deleted.
+    config = Config(models=str(models), admin_key=KEY, sim_latency_ms=0, metrics_max_age_ms=0)
+    engine = Engine(config)
     yield await aiohttp_client(create_app(engine)), engine
     sample_models.LOAD_GATE.set()
 

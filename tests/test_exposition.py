@@ -1,13 +1,16 @@
-"""/metrics' text format: byte for byte prometheus_client's, and nothing kept of old series."""
+"""/metrics' text format: byte for byte prometheus_client's, nothing kept of old series, and
+a kept render reused for at most its max age, the live collectors written afresh."""
 
 from __future__ import annotations
+
+import re
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from batchserve.clock import FakeClock
 from batchserve.config import Config
 from batchserve.engine.core import Engine
-from batchserve.observability.exposition import TextExposition
+from batchserve.observability.exposition import Gauges, Scrape, TextCollector, TextExposition
 from batchserve.observability.loop_metrics import LoopCounters, LoopHistograms
 
 
@@ -108,3 +111,66 @@ def test_histogram_counts_past_the_short_way_and_braces_in_labels_render_as_gene
     text = exposition.render()
     assert text == generate_latest(registry)
     assert b'h_seconds_count{model="{0}{}"} 1.500001e+06' in text
+
+
+class LiveGauge(TextCollector):
+    """A live collector, as the picker's is: written at every scrape of a kept render."""
+
+    live = True
+
+    def __init__(self) -> None:
+        self.value = 0.0
+        self._gauges = Gauges([("live_now", "A gauge a router reads between scrapes.")])
+
+    def scrape(self, out: Scrape) -> None:
+        out.gauges(self._gauges, [self.value])
+
+
+def test_a_kept_render_serves_until_max_age_with_the_live_collectors_written_afresh():
+    registry = CollectorRegistry()
+    counters = LoopCounters("c", "A counter.", ["model"])
+    registry.register(counters)
+    live = LiveGauge()
+    registry.register(live)
+    theirs = Counter("p", "prometheus_client's own.", registry=registry)
+    max_age_s = [0.5]  # read at each render, as a reload changes it
+    exposition = TextExposition(registry, lambda: max_age_s[0])
+    counters.child("a").value += 1
+    first = exposition.render(now=10.0)
+    assert first == generate_latest(registry)
+    counters.child("a").value += 1
+    theirs.inc()
+    live.value = 3.0
+    # Younger than the max age: the counters as they were, the live gauge as it is now.
+    kept = exposition.render(now=10.499)
+    assert kept == first.replace(b"live_now 0.0", b"live_now 3.0")
+    assert kept != generate_latest(registry)
+    assert exposition.render(now=10.5) == generate_latest(registry)  # as old as allowed: anew
+    counters.remove_where(lambda values: values == ("a",))  # a deleted version's series
+    assert b'c_total{model="a"} 2.0' in exposition.render(now=10.999)  # within the max age
+    assert exposition.render(now=11.0) == generate_latest(registry)  # and gone after it
+    assert b'model="a"' not in exposition.render(now=11.0)
+    counters.child("b").value += 1
+    max_age_s[0] = 0.0  # reloaded to 0: every render anew
+    assert exposition.render(now=11.0) == generate_latest(registry)
+    max_age_s[0] = 0.5
+    exposition.render(now=20.0)
+    registry.register(LoopCounters("d", "Registered after the render.", []))
+    assert exposition.render(now=20.0) == generate_latest(registry)  # a new collector: anew
+
+
+async def test_the_picker_families_are_written_once_in_metrics_and_in_collect():
+    # The picker's live collector writes them; the state collector must not write them too.
+    async with Engine(Config(devices="sim:2"), clock=FakeClock()) as engine:
+        await engine.infer("x")
+        assert engine.metrics is not None
+        registry = engine.metrics.registry
+        names = [family.name for family in registry.collect()]
+        assert len(names) == len(set(names))
+        assert {"vllm:num_requests_waiting", "batchserve_queue_depth"} <= set(names)
+        exposition = TextExposition(registry, lambda: 0.5)
+        for now in (0.0, 0.1):  # a full render, then a kept one
+            text = exposition.render(now).decode()
+            typed = re.findall(r"^# TYPE (\S+) ", text, re.M)
+            assert len(typed) == len(set(typed))
+            assert text.count("# TYPE vllm:num_requests_waiting gauge") == 1

@@ -7,8 +7,9 @@ import re
 
 import pytest
 
-from batchserve.cli import _cost_pair, _octal, _on_off, build_parser, config_flags
+from batchserve.cli import _cost_pair, _octal, _on_off, build_parser, config_flags, config_from_args
 from batchserve.config import Config, setting
+from batchserve.errors import StartupError
 
 FLAG = re.compile(r"--[a-z][a-z0-9-]*[a-z0-9]")
 
@@ -84,3 +85,14 @@ def test_a_field_marked_not_a_flag_stays_off_the_command_line():
 def test_a_field_no_flag_can_read_fails_when_the_flags_are_built():
     with pytest.raises(TypeError, match=r"Config\.sizes: no flag reads a list"):
         config_flags(WithAList)
+
+
+def test_metrics_max_age_parses_and_its_help_says_what_may_be_old(help_text: str):
+    assert config_from_args([])[0].metrics_max_age_ms == 500.0
+    assert config_from_args(["--metrics-max-age-ms", "0"])[0].metrics_max_age_ms == 0.0
+    assert config_from_args(["--metrics-max-age-ms", "2000"])[0].metrics_max_age_ms == 2000.0
+    text = words(help_text)
+    assert "--metrics-max-age-ms METRICS_MAX_AGE_MS how old /metrics' counters" in text
+    assert "0 renders everything at every scrape (default: 500.0;" in text
+    with pytest.raises(StartupError, match="metrics_max_age_ms must be 0 or more"):
+        Config(metrics_max_age_ms=-1.0)

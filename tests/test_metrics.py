@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import random
 
 import pytest
 from aiohttp.test_utils import TestClient
+from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from batchserve.batching.request import Result
@@ -111,6 +113,46 @@ async def test_stats_give_the_dashboard_live_numbers(start_server, gated):
     assert model["p99_ms"] == stats["p99_ms"]
     clock.advance(2.001)  # the window has moved past every answer
     assert (await (await client.get("/api/stats")).json())["throughput_rps"] == 0
+
+
+async def test_within_the_max_age_counters_are_reused_and_the_picker_gauges_fresh(
+    start_server, gated
+):
+    clock = FakeClock()
+    client, engine = await start_server(gated, clock=clock, metrics_max_age_ms=500)
+    model = {"model": "default", "version": "1"}
+    ok = ("batchserve_requests_total", labels(route="inference", code="200", tier="none",
+                                              error="", **model))  # fmt: skip
+    assert ok not in await scrape(client)  # the full render, at the clock's start
+    running, queued = await hold_one_and_queue_one(client, engine)
+    samples = await scrape(client)
+    assert samples[("vllm:num_requests_waiting", ())] == 1  # the picker's: at once
+    assert samples[("batchserve_requests_running", ())] == 1
+    assert samples[("batchserve_queue_depth", ())] == 0  # the rest: as rendered
+    gated.gate.set()
+    assert [(await task).status for task in (running, queued)] == [200, 200]
+    samples = await scrape(client)
+    assert ok not in samples  # two answers, not yet in the kept render
+    assert samples[("vllm:num_requests_waiting", ())] == 0
+    assert samples[("batchserve_requests_running", ())] == 0
+    clock.advance(0.5)  # the kept render is now as old as allowed
+    samples = await scrape(client)
+    assert samples[ok] == 2
+    await client.post("/api/inference", json={"input": "c"})
+    assert (await scrape(client))[ok] == 2
+    engine.reconfigure(dataclasses.replace(engine.config, metrics_max_age_ms=0))  # SIGHUP's
+    assert (await scrape(client))[ok] == 3
+
+
+async def test_with_max_age_0_every_scrape_is_generate_latest(start_server, gated):
+    gated.gate.set()
+    client, engine = await start_server(gated, clock=FakeClock(), metrics_max_age_ms=0)
+    assert engine.metrics is not None
+    for n in range(3):  # the clock stands still: only max age 0 renders each anew
+        await client.post("/api/inference", json={"input": f"x{n}"})
+        body = await (await client.get("/metrics")).read()
+        assert body == generate_latest(engine.metrics.registry)
+        assert f'version="1"}} {n + 1}.0'.encode() in body
 
 
 async def test_metrics_off_serves_no_metrics(start_server):

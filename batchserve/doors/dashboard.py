@@ -34,11 +34,20 @@ class Dashboard:
     guessed by aiohttp, so that /openapi.json says what is served."""
 
     def __init__(
-        self, metrics: Metrics, authorize: Callable[[str | None], None] = lambda _: None
+        self,
+        metrics: Metrics,
+        authorize: Callable[[str | None], None] = lambda _: None,
+        *,
+        now: Callable[[], float] = lambda: 0.0,
+        max_age_s: Callable[[], float] = lambda: 0.0,
     ) -> None:
+        """`now`: the engine's clock; `max_age_s`: how old /metrics' families other than
+        the picker's may be (--metrics-max-age-ms, read at each scrape so that a reload
+        applies). The defaults render everything at every scrape."""
         self._metrics = metrics
         self._authorize = authorize
-        self._exposition = TextExposition(metrics.registry)
+        self._now = now
+        self._exposition = TextExposition(metrics.registry, max_age_s)
         self._picker_exposition = TextExposition(metrics.picker_registry)
 
     async def page(self, request: web.Request) -> web.FileResponse:
@@ -58,7 +67,7 @@ class Dashboard:
     async def scrape(self, request: web.Request) -> web.Response:
         if (refused := self._refused(request)) is not None:
             return refused
-        body = self._exposition.render()
+        body = self._exposition.render(self._now())
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def scrape_picker(self, request: web.Request) -> web.Response:

@@ -33,7 +33,7 @@ from ..gpu_pool import GpuPool, PoolStats
 from ..models.registry import Registry
 from .exposition import Child, FamilyText, Gauges, HistogramText, Scrape, TextCollector
 from .loop_metrics import LoopCount, LoopCounters, LoopHistogram, LoopHistograms
-from .picker import PickerCollector, PickerFamilies, picker_load
+from .picker import PickerCollector
 from .window import ROW, RecentWindow, keep_recent, percentile_ms, window_numbers
 
 LATENCY_BUCKETS = (
@@ -128,14 +128,18 @@ class Metrics:
         is the server's own (routes, tiers, registered models), so this stays small."""
         self._windows: dict[str, RecentWindow] = {}
         """Each model version's recent answers, by its label (model@version)."""
+        # The picker's gauges are written by their own collector, the one `live` one: a
+        # /metrics scrape writes them afresh while it may reuse the rest (exposition.py).
+        picker = PickerCollector(batcher, pool, generators, clock)
+        self.registry.register(picker)
         self._state = _StateCollector(batcher, pool, registry, generators, clock, slo_s)
         self.registry.register(self._state)
         self._generation_state = _GenerationCollector(generators, clock)
         self.registry.register(self._generation_state)
         self.picker_registry = CollectorRegistry(auto_describe=False)
-        """The gateway picker's gauges alone, for /metrics/picker (they are in `registry`
-        too)."""
-        self.picker_registry.register(PickerCollector(batcher, pool, generators, clock))
+        """The gateway picker's gauges alone, for /metrics/picker (the same collector as in
+        `registry`)."""
+        self.picker_registry.register(picker)
         self._first_tokens: deque[tuple[float, float, str]] = deque()
         """(time, time to first token, model label) of recent generations, for the page."""
 
@@ -235,8 +239,6 @@ class _StateCollector(TextCollector):
         self._generators = generators
         self._clock = clock
         self._slo_s = slo_s
-        self._started = time.time()
-        self._picker = PickerFamilies()
         self._device_writers = _device_writers()
         self._batch_size = HistogramText(
             "batchserve_batch_size", "Requests per batch call, retries included.", (),
@@ -287,12 +289,10 @@ class _StateCollector(TextCollector):
 
     def scrape(self, out: Scrape) -> None:
         """The same numbers as `summary`, read from one snapshot of each (the dashboard's
-        per-version rows, which no family shows, left out)."""
+        per-version rows, which no family shows, left out). The picker's gauges are
+        `PickerCollector`'s."""
         now = self._clock.time()
         batcher, pool = self._batcher.snapshot(now), self._pool.stats(now)
-        generation = [model.stats(now) for model in self._generators]
-        load = picker_load(batcher.queued, batcher.in_flight, pool.batch_slots, generation)
-        self._picker.scrape(out, load, self._started)
         devices = pool.devices
         values: list[float | None] = [
             batcher.queued,

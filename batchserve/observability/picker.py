@@ -1,7 +1,9 @@
 """The server's load as the Kubernetes inference gateway's endpoint picker reads it: requests
 waiting, requests running and a utilisation in [0, 1] (docs/operating.md, "Kubernetes
 inference gateway"). The same gauges are in /metrics and, alone, in /metrics/picker: the
-picker scrapes every 50 ms, and its few lines cost a fraction of the whole exposition."""
+picker scrapes every 50 ms, and its few lines cost a fraction of the whole exposition. In
+/metrics they are always fresh, while the rest may be reused from a render up to
+--metrics-max-age-ms old (exposition.py)."""
 
 from __future__ import annotations
 
@@ -18,7 +20,10 @@ from .exposition import FamilyText, Gauges, Scrape, TextCollector
 
 class PickerCollector(TextCollector):
     """The picker's gauges alone, from the cheapest reads of the batcher, the pool and the
-    generation models (not the snapshots a full scrape takes)."""
+    generation models (not the snapshots a full scrape takes). The one `live` collector:
+    /metrics writes it at every scrape, and may reuse the rest for --metrics-max-age-ms."""
+
+    live = True
 
     def __init__(
         self, batcher: Batcher, pool: GpuPool, generators: Generators, clock: Clock
