@@ -10,7 +10,7 @@ goes into the engine's one batch-time estimate; all timing reads its clock. Its 
 in devices/: the Device record, version loading, the pure health state machine, and the
 care (probes, restarts) of devices out of service.
 
-GpuPool has about 29 methods: 11 are one-line queries the batcher asks of the devices at
+GpuPool has about 30 methods: 11 are one-line queries the batcher asks of the devices at
 each decision (free_for, healthy_avoiding, ...), which belong with the devices they count.
 The module is over ~400 lines for that class and the stats records that doors and metrics
 read; its other jobs are already in devices/.
@@ -98,9 +98,6 @@ class PoolStats:
 
     devices: tuple[DeviceStats, ...]
     faults: Mapping[str, int]
-    batch_slots: int
-    """Requests the healthy devices take in one call each: per device, the largest max batch
-    size of the versions loaded there."""
 
 
 class GpuPool:
@@ -202,11 +199,16 @@ class GpuPool:
                 for d in self._devices
             ),
             faults=dict(self.faults),
-            batch_slots=sum(
-                max((v.spec.max_batch_size for v in d.fns), default=0)
-                for d in self._devices
-                if d.state in HEALTHY
-            ),
+        )
+
+    @property
+    def batch_slots(self) -> int:
+        """Requests the healthy devices take in one call each: per device, the largest max
+        batch size of the versions loaded there (the gateway picker's read, every 50 ms)."""
+        return sum(
+            max((v.spec.max_batch_size for v in d.fns), default=0)
+            for d in self._devices
+            if d.state in HEALTHY
         )
 
     def states(self) -> dict[str, str]:

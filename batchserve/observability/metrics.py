@@ -132,7 +132,7 @@ class Metrics:
         # /metrics scrape writes them afresh while it may reuse the rest (exposition.py).
         picker = PickerCollector(batcher, pool, generators, clock)
         self.registry.register(picker)
-        self._state = _StateCollector(batcher, pool, registry, generators, clock, slo_s)
+        self._state = _StateCollector(batcher, pool, registry, clock, slo_s)
         self.registry.register(self._state)
         self._generation_state = _GenerationCollector(generators, clock)
         self.registry.register(self._generation_state)
@@ -229,14 +229,12 @@ class _StateCollector(TextCollector):
         batcher: Batcher,
         pool: GpuPool,
         registry: Registry,
-        generators: Generators,
         clock: Clock,
         slo_s: float,
     ) -> None:
         self._batcher = batcher
         self._registry = registry
         self._pool = pool
-        self._generators = generators
         self._clock = clock
         self._slo_s = slo_s
         self._device_writers = _device_writers()

@@ -39,9 +39,7 @@ class PickerCollector(TextCollector):
         now = self._clock.time()
         batcher = self._batcher.stats()
         generation = [model.stats(now) for model in self._generators]
-        load = picker_load(
-            batcher.queued, batcher.in_flight, self._pool.stats(now).batch_slots, generation
-        )
+        load = picker_load(batcher.queued, batcher.in_flight, self._pool.batch_slots, generation)
         self._families.scrape(out, load, self._started)
 
 
