@@ -49,7 +49,7 @@ _CONFIG = f"""
 # (timeout_ms 5e-324 is schema-valid): asked for, not a fault. 500 and 503 still fail.
 expected-statuses = ["2xx", "3xx", "4xx", "504"]
 
-# Below, the exceptions: each names the operations and the rule. The first four are rules
+# Below, the exceptions: each names the operations and the rule. The first five are rules
 # JSON Schema cannot state; the document states each in the field's description, and a
 # schema-valid request that breaks one is 400.
 [[operations]]
@@ -66,6 +66,13 @@ checks.positive_data_acceptance.expected-statuses = {_POSITIVE_WITH_400}
 # Embeddings: dimensions must be the named model's (the document's enum is the one length
 # only where every embedding model shares it).
 include-path = "/v1/embeddings"
+checks.positive_data_acceptance.expected-statuses = {_POSITIVE_WITH_400}
+
+[[operations]]
+# A batch request's params: only the keyword arguments its model's function takes (the
+# simulated default takes none), which differ by model and version.
+include-path = ["/api/inference", "/api/requests"]
+include-method = "POST"
 checks.positive_data_acceptance.expected-statuses = {_POSITIVE_WITH_400}
 
 [[operations]]
@@ -102,14 +109,17 @@ def _engine(tmp_path: Path, **settings: object) -> Engine:
 
 
 @pytest.mark.parametrize("admin_key", [None, "adm"])
-def test_every_route_has_an_operation_and_every_operation_a_route(tmp_path, admin_key):
-    app = create_app(_engine(tmp_path, admin_key=admin_key))
+async def test_every_route_has_an_operation_and_every_operation_a_route(tmp_path, admin_key):
+    """With a model of every kind running (an embedding model is one once it has loaded)."""
+    engine = _engine(tmp_path, admin_key=admin_key)
+    async with engine:
+        app = create_app(engine)
+        document = app[ROUTES_KEY].document()
     routed = {
         (route.method, route.resource.canonical)
         for route in app.router.routes()
         if route.method != "HEAD" and route.resource is not None
     } - {("*", "/{path}")}  # the JSON 404 and 405 for what no route serves
-    document = app[ROUTES_KEY].document()
     described = {
         (method.upper(), path) for path, item in document["paths"].items() for method in item
     }
@@ -212,3 +222,22 @@ def test_the_admin_put_body_names_the_fields_a_batch_version_takes(tmp_path):
     assert PUT_BODY["additionalProperties"] is False
     # a generation model is added only by --models and a restart (a PUT of one is 400)
     assert set(PUT_BODY["properties"]) == FIELDS - {"generator", "model_path"}
+
+
+async def test_the_default_server_publishes_only_what_it_can_serve(tmp_path):
+    """`python -m batchserve` runs one batch model: no route of a kind it lacks is in the
+    document, so no published `model` is an enum that no request can meet."""
+    engine = Engine(Config(sim_step_ms=(0.0, 0.0)))
+    async with engine:
+        document = create_app(engine)[ROUTES_KEY].document()
+    published = set(document["paths"])
+    assert {"/api/inference", "/v2/models/{model}/infer"} <= published
+    assert not published & {
+        "/api/generate", "/v1/completions", "/v1/chat/completions", "/v1/embeddings"
+    }  # fmt: skip
+    assert b'"enum":[]' not in orjson.dumps(document)
+
+
+async def test_schemathesis_finds_nothing_on_the_default_server(aiohttp_client, tmp_path):
+    """The plain default server (its simulated step made instant, nothing else changed)."""
+    await _schemathesis(aiohttp_client, tmp_path, Engine(Config(sim_step_ms=(0.0, 0.0))))

@@ -12,8 +12,10 @@ Every answer carries `X-Request-Id`; errors are the wire's JSON body (`ERROR`, o
 status brings. A field or path parameter that names a model is a `ModelName`: in the
 document, an `enum` of the models of its kind that run when the document is asked for (a
 model of the other kind is refused with 400, an unknown name with 404); a body's field that
-may name none is required where several run. `/v1/embeddings`' `dimensions` is likewise the
-live embedding models' one vector length where they share one.
+may name none is required where several run. An operation whose kind of model runs nowhere
+is left out (its route answers 404 then), so every published schema can be met.
+`/v1/embeddings`' `dimensions` is likewise the live embedding models' one vector length
+where they share one.
 
 It is about 400 lines as the one place the document is built: each route only declares its
 `Operation` beside its handler.
@@ -290,6 +292,8 @@ class Routes:
         paths: dict[str, dict[str, Any]] = {}
         components: dict[str, Any] = {"schemas": {}}
         for (method, path), operation in self.operations.items():
+            if not _servable(operation, live):
+                continue
             openapi_path = _OPENAPI_PATH.sub(r"{\1}", path)
             paths.setdefault(openapi_path, {})[method.lower()] = self._operation(
                 method, path, operation, components["schemas"]
@@ -395,6 +399,25 @@ def _named(schema: Schema, named: dict[str, Any]) -> Schema:
         return schema
     named[title] = schema
     return {"$ref": f"#/components/schemas/{title}"}
+
+
+def _servable(operation: Operation, live: _Live) -> bool:
+    """Whether a model runs that the operation could serve: one that names a kind with no
+    live model (a generation route on a server of batch models) is left out of the
+    document, since no request could satisfy its `model` enum; unseen names hide nothing."""
+    kinds = _kinds([operation.body, *operation.path.values()])
+    return live.names is None or not kinds or any(live.names[kind] for kind in kinds)
+
+
+def _kinds(schema: Any) -> set[Kind]:
+    """The kinds of model that the `ModelName`s in `schema` name."""
+    if isinstance(schema, ModelName):
+        return {schema.kind}
+    if isinstance(schema, Mapping):
+        schema = list(schema.values())
+    if isinstance(schema, list | tuple):
+        return set().union(*(_kinds(value) for value in schema))
+    return set()
 
 
 def _live(schema: Any, live: _Live) -> Any:
