@@ -21,9 +21,10 @@ A step that raises is retried in halves, each half released first so the model r
 it, until only the sequences that make it fail are failed (500), as batches are bisected.
 
 A generator that prefills in chunks (`chunked_prefill`) is handed at most `step_tokens`
-tokens a step: every decoding sequence's one token first, then the prompts still prefilling,
-in the order they were admitted, each a chunk of what the budget has left, so running streams
-keep making a token a step while a long prompt comes in.
+tokens a step: every decoding sequence's one token first, then what is left shared fairly
+between the prompts still prefilling (`rules/prefill.py`: by tenant, then by prompt), so
+running streams keep making a token a step while a long prompt comes in, and short prompts
+finish their prefill beside it instead of after it.
 
 A step that runs past its budget (`--batch-timeout-ms`, or 5x the step's predicted time,
 `a + b x tokens` learned from the steps before it over the tokens it processes, and past the
@@ -48,6 +49,7 @@ from ..devices.thread import DeviceThread
 from ..errors import BackendError
 from ..models.generators import Generator, GeneratorFactory, StepAnswer, check_step
 from ..rules.capacity import BatchBudget, DecayedRate, StepCost
+from ..rules.prefill import fair_split
 from .request import Generation, GenState
 
 log = logging.getLogger(__name__)
@@ -174,25 +176,19 @@ class StepLoop:
 
     def _plan(self) -> list[Generation]:
         """The sequences this step takes, each with its `seq.chunk`: all of them, or (chunked)
-        every decoding one first, then prefills in admission order while the budget lasts."""
+        every decoding one first, then the prefills' fair shares of what the budget leaves."""
         if not self._chunked:
             for gen in self.running:
                 gen.seq.chunk = None
             return list(self.running)
-        left = self._step_tokens
-        decoding = [gen for gen in self.running if gen.uncomputed <= 1]
+        decoding = [gen for gen in self.running if gen.prefill_tokens == 0]
         for gen in decoding:
             gen.seq.chunk = 1
-        left -= len(decoding)
-        prefilling: list[Generation] = []
-        for gen in self.running:
-            if left <= 0:
-                break
-            if gen.uncomputed > 1:
-                gen.seq.chunk = min(gen.uncomputed, left)
-                left -= gen.seq.chunk
-                prefilling.append(gen)
-        return decoding + prefilling
+        prefilling = [gen for gen in self.running if gen.prefill_tokens > 0]
+        chunks = fair_split(self._step_tokens - len(decoding), [g.prefill() for g in prefilling])
+        for gen, chunk in zip(prefilling, chunks, strict=True):
+            gen.seq.chunk = chunk
+        return decoding + [gen for gen, chunk in zip(prefilling, chunks, strict=True) if chunk]
 
     def _admit(self, *, reserve: bool) -> None:
         """Takes waiting sequences, in the queue's order, while they fit the budget as they
