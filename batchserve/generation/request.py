@@ -97,8 +97,8 @@ class Generation:
     @property
     def prefill_tokens(self) -> int:
         """Tokens it must still prefill before it can make a token (0 once decoding): the one
-        count of a request's prefill work, which fair shares read (a cache of prefixes makes
-        it count only what is not cached)."""
+        count of a request's prefill work, which fair shares and the first-token forecast
+        read (a cache of prefixes makes it count only what is not cached)."""
         uncomputed = self.uncomputed
         return uncomputed if uncomputed > 1 else 0
 
