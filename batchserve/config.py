@@ -163,6 +163,17 @@ class Config:
         help="default and largest per-request deadline; later answers are 504 (at most"
         f" {TIMEOUT_MS_MAX:.0f})",
     )
+    first_token_timeout_ms: float = setting(
+        60_000.0,
+        help="a generation's default and largest wait for its first token (its timeout_ms,"
+        " a tier's deadline or x-slo-ttft-ms may shorten it; once the first token is out it"
+        " runs to its end). Its own, not --timeout-ms: a prompt's prefill grows with its"
+        " length and with the prompts ahead, and a CPU core prefills only a few hundred"
+        " tokens a second (SmolLM2: a whole KV budget of 5,800 tokens in about 35 s). A"
+        " generation whose first token is predicted past it (from the prefill ahead of it"
+        " and the device's measured prefill cost) is refused at arrival: 503 with"
+        f" Retry-After, or 504 if its prompt alone cannot make it (at most {TIMEOUT_MS_MAX:.0f})",
+    )
     max_queue: int = setting(
         10_000, help="requests waiting at most; beyond it new ones get 503 OVERLOADED"
     )
@@ -363,6 +374,10 @@ class Config:
                 0 < self.timeout_ms <= TIMEOUT_MS_MAX,
                 f"timeout_ms must be more than 0 and at most {TIMEOUT_MS_MAX:.0f} (a day)",
             ),
+            (
+                0 < self.first_token_timeout_ms <= TIMEOUT_MS_MAX,
+                f"first_token_timeout_ms must be more than 0 and at most {TIMEOUT_MS_MAX:.0f}",
+            ),
             (self.max_queue >= 1, "max_queue must be 1 or more"),
             (self.max_input_bytes >= 1, "max_input_bytes must be 1 or more"),
             (self.drain_timeout_s >= 0, "drain_timeout_s must be 0 or more"),
@@ -436,7 +451,7 @@ class Config:
 
     def _unbounded_numbers(self) -> list[str]:
         """The fields of numbers whose rules above set no upper bound, which inf would pass."""
-        bounded = {"timeout_ms", "result_ttl_s"}
+        bounded = {"timeout_ms", "first_token_timeout_ms", "result_ttl_s"}
         return [f.name for f in fields(self) if f.name not in bounded]
 
     @property

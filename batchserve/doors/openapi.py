@@ -218,7 +218,8 @@ REQUEST_ID = header(
 )
 TIMEOUT = header(
     "X-Request-Timeout-Ms",
-    "the request's own timeout in ms, capped by --timeout-ms (the body's timeout_ms wins)",
+    "the request's own timeout in ms, capped by --timeout-ms (a generation's wait for its"
+    " first token: by --first-token-timeout-ms); the body's timeout_ms wins",
     {"type": "number", "exclusiveMinimum": 0},
 )
 

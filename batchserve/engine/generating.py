@@ -22,6 +22,7 @@ from ..generation.request import Generation
 from ..models.generators import Seq
 from ..observability.tracing import Tracer
 from ..rules.admission import stop_strings
+from ..rules.prefill import refuse_if_late
 from ..rules.sampling_params import checked_params
 from ..rules.tenants import Tenant
 from .intake import InFlightKey, Intake
@@ -119,10 +120,13 @@ class GenerationPath:
         arrival: float,
     ) -> tuple[GenerationModel, Generation, InFlightKey]:
         """Admits a generation as the engine admits a batch request (intake.py), then checks
-        its tokens: a prompt that can never fit a device's budget is refused at once (413)."""
+        its tokens: a prompt that can never fit a device's budget is refused at once (413),
+        and one whose first token is predicted past its deadline (503, or 504 where its own
+        prefill alone cannot make it: rules/prefill.py)."""
         generation_model, deadline, in_flight = self._intake.admit(
-            self._route, model, version, prompt, timeout_ms, request_id, tenant, arrival
-        )
+            self._route, model, version, prompt, timeout_ms, request_id, tenant, arrival,
+            first_token=True,
+        )  # fmt: skip
         prompt_tokens = generation_model.count_tokens(prompt)
         rules = self._intake.rules
         limit = rules.new_tokens(prompt_tokens, max_tokens, generation_model.kv_budget)
@@ -142,6 +146,10 @@ class GenerationPath:
         if tenant is not None:
             gen.tenant, gen.tier_rank = tenant.name, tenant.rank
             gen.tenant_weight = tenant.weight
+        forecast = generation_model.first_token_forecast(gen)
+        if forecast is not None:
+            left_s = deadline - self._clock.time()
+            refuse_if_late(*forecast, deadline_s=left_s, tokens=gen.prefill_tokens)
         return generation_model, gen, in_flight
 
     def chat_prompt(self, model: str | None, messages: list[dict[str, str]]) -> str:

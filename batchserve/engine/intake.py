@@ -104,10 +104,12 @@ class Intake:
         tenant: Tenant | None,
         arrival: float,
         part: bool = False,
+        first_token: bool = False,
     ) -> tuple[Target, float, InFlightKey]:
         """The checks of both schedulers, in the module's order: the version that runs the
-        request (by `route`: `batch_version` or `generation_model`), its deadline and its
-        key among those in flight; a refusal raises `errors.py`'s."""
+        request (by `route`: `batch_version` or `generation_model`), its deadline (for its
+        answer, or for a generation's `first_token`) and its key among those in flight; a
+        refusal raises `errors.py`'s."""
         if tenant is not None:
             self.rules.take_token(tenant, arrival, self._capacity_rps)
         if self.phase is not Phase.READY and not (
@@ -116,7 +118,7 @@ class Intake:
             raise NotReady(f"the server is {self.phase.value}")
         target = route(model, version, request_id)
         self.rules.check_input(text)
-        deadline = arrival + self.rules.timeout_s(timeout_ms, tenant)
+        deadline = arrival + self.rules.timeout_s(timeout_ms, tenant, first_token=first_token)
         key = in_flight(tenant, request_id, part)
         if key in self.pending or key in self.generating:
             raise DuplicateRequestId(f"request id {request_id} is already in flight")

@@ -9,6 +9,7 @@ their tasks and, closing, cancels and awaits them. `Generators` holds them all b
 from __future__ import annotations
 
 import asyncio
+import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ from ..models.registry import Routes, VersionState, Wording
 from ..models.specs import DEFAULT_MODEL, ModelSpec
 from ..rules.capacity import BatchBudget, DecayedRate
 from ..rules.fair_queue import FairQueue
+from ..rules.prefill import PrefillLine, work_until_done
 from ..tasks import CrashHandler, TaskSet
 from .request import Generation, GenState
 from .step_loop import StepLoop
@@ -127,6 +129,8 @@ class GenerationModel:
         self._waiting: FairQueue[Generation] = FairQueue()
         self._resumed: deque[Generation] = deque()
         """Preempted, or taken and found too big for the device that took it: next in line."""
+        self._line_prefill = PrefillLine()
+        """The prefill of every sequence in line (waiting or resumed), by tenant."""
         self._work = asyncio.Event()
         self._tasks = TaskSet(on_crash)
         self.count_tokens: Callable[[str], int] = len
@@ -197,7 +201,33 @@ class GenerationModel:
 
     def submit(self, gen: Generation) -> None:
         self._waiting.push(gen)
+        self._enter_line(gen)
         self.wake()
+
+    def first_token_forecast(self, gen: Generation) -> tuple[float, float] | None:
+        """Seconds from now to `gen`'s first token were it to join the line now, and with
+        nothing ahead of it: the prefill done before its last token is in (with chunks, as
+        the fair shares of `rules/prefill.py` give it; else all that waits), the work ahead
+        spread over the devices that take work, on the one that would finish first. None
+        while a device cannot predict it: no grounds to refuse anything. One pass over the
+        running sequences, and a few steps for each tenant in line."""
+        loops = [loop for loop in self.loops if not loop.hung]
+        if not loops:
+            return None
+        new = gen.prefill()
+        tenants = self._line_prefill.with_running(
+            g.prefill() for loop in loops for g in loop.running if g.prefill_tokens
+        )
+        if loops[0].chunked:
+            ahead = work_until_done(tenants, new) - new.tokens
+        else:  # whole prompts a step: all that waits is prefilled before it, or with it
+            ahead = sum(work.total for work in tenants.values())
+        spread = math.ceil(ahead / len(loops)) + new.tokens
+        forecasts = [loop.prefill_seconds(spread) for loop in loops]
+        alone = [loop.prefill_seconds(new.tokens, alone=True) for loop in loops]
+        if any(seconds is None for seconds in (*forecasts, *alone)):
+            return None
+        return min(s for s in forecasts if s is not None), min(s for s in alone if s is not None)
 
     def take(self) -> Generation | None:
         """The next sequence in line that still wants to run."""
@@ -209,12 +239,18 @@ class GenerationModel:
                 if not taken:
                     return None
                 gen = taken[0]
+            self._line_prefill.remove(gen)
             if not gen.cancelled and not gen.done:
                 return gen
 
     def put_back(self, gen: Generation) -> None:
         self._resumed.appendleft(gen)
+        self._enter_line(gen)
         self.wake()
+
+    def _enter_line(self, gen: Generation) -> None:
+        if gen.prefill_tokens:
+            self._line_prefill.add(gen, gen.prefill())
 
     def hand_back(self, gens: list[Generation], call: str, budget_s: float, now: float) -> None:
         """Sequences of a device whose `call` ("the step on sim:0") hung: back to the head of
@@ -239,6 +275,7 @@ class GenerationModel:
             self._waiting.discard(gen)
             if gen in self._resumed:
                 self._resumed.remove(gen)
+            self._line_prefill.remove(gen)
 
     def wake(self) -> None:
         self._work.set()
@@ -257,6 +294,7 @@ class GenerationModel:
                 gen.fail(error, now)
         self._resumed.clear()
         self._waiting.clear()
+        self._line_prefill.clear()
 
     def describe(self) -> dict[str, Any]:
         return {

@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 from ..errors import BatchserveError, DeadlineExceeded
 from ..models.generators import Made, Seq, StepAnswer
+from ..rules.prefill import Prefill
 
 FinishReason = Literal["stop", "length"]
 
@@ -92,6 +93,18 @@ class Generation:
         """Tokens its next step must process: its prompt's and made tokens not yet cached
         (at least one: the token to decode from)."""
         return max(1, self.prompt_tokens + len(self.seq.tokens) - self.computed)
+
+    @property
+    def prefill_tokens(self) -> int:
+        """Tokens it must still prefill before it can make a token (0 once decoding): the one
+        count of a request's prefill work, which fair shares and the first-token forecast
+        read (a cache of prefixes makes it count only what is not cached)."""
+        uncomputed = self.uncomputed
+        return uncomputed if uncomputed > 1 else 0
+
+    def prefill(self) -> Prefill:
+        """Its prefill still to do, as the fair shares of `rules/prefill.py` read it."""
+        return Prefill(self.tenant, self.tenant_weight, self.prefill_tokens)
 
     @property
     def tokens_this_step(self) -> int:

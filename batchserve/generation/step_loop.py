@@ -21,9 +21,11 @@ A step that raises is retried in halves, each half released first so the model r
 it, until only the sequences that make it fail are failed (500), as batches are bisected.
 
 A generator that prefills in chunks (`chunked_prefill`) is handed at most `step_tokens`
-tokens a step: every decoding sequence's one token first, then the prompts still prefilling,
-in the order they were admitted, each a chunk of what the budget has left, so running streams
-keep making a token a step while a long prompt comes in.
+tokens a step: every decoding sequence's one token first, then what is left shared fairly
+between the prompts still prefilling (`rules/prefill.py`: by tenant, then by prompt), so
+running streams keep making a token a step while a long prompt comes in, and short prompts
+finish their prefill beside it instead of after it. The steps that carry prefill measure the
+device's prefill cost, from which the model predicts a new request's first token.
 
 A step that runs past its budget (`--batch-timeout-ms`, or 5x the step's predicted time,
 `a + b x tokens` learned from the steps before it over the tokens it processes, and past the
@@ -47,7 +49,8 @@ from ..config import GenerateMode
 from ..devices.thread import DeviceThread
 from ..errors import BackendError
 from ..models.generators import Generator, GeneratorFactory, StepAnswer, check_step
-from ..rules.capacity import BatchBudget, DecayedRate, StepCost
+from ..rules.capacity import BatchBudget, DecayedRate, PrefillCost, StepCost
+from ..rules.prefill import fair_split
 from .request import Generation, GenState
 
 log = logging.getLogger(__name__)
@@ -110,6 +113,8 @@ class StepLoop:
         """The generator prefills in chunks of `step_tokens` (it said `chunked_prefill`)."""
         self.step_cost = StepCost()
         """A step's seconds over the tokens it processes: its hang budget's prediction."""
+        self.prefill_cost = PrefillCost()
+        """The time of the steps that carry prefill: the first-token forecast's."""
         self.hung = False
         """A step ran past its budget and has not returned yet."""
         self._thread = DeviceThread(device)
@@ -128,6 +133,21 @@ class StepLoop:
     @property
     def kv_used(self) -> int:
         return sum(gen.held_tokens for gen in self.running)
+
+    @property
+    def chunked(self) -> bool:
+        return self._chunked
+
+    def prefill_seconds(self, tokens: int, *, alone: bool = False) -> float | None:
+        """How long this device takes to prefill `tokens` beside its decoding sequences (or
+        `alone`): in full steps, each leaving its decodes their token, or (whole prompts a
+        step) in one; None before it has measured its steps."""
+        decoding = 0 if alone else sum(1 for gen in self.running if gen.prefill_tokens == 0)
+        per_step = max(1, self._step_tokens - decoding)
+        if not self._chunked or tokens <= per_step:
+            return self.prefill_cost.step_seconds(tokens + decoding)
+        full = self.prefill_cost.step_seconds(self._step_tokens)
+        return None if full is None else tokens / per_step * full
 
     async def load(self, factory: GeneratorFactory) -> Generator:
         """Starts the device's thread and loads the generator on it."""
@@ -174,25 +194,19 @@ class StepLoop:
 
     def _plan(self) -> list[Generation]:
         """The sequences this step takes, each with its `seq.chunk`: all of them, or (chunked)
-        every decoding one first, then prefills in admission order while the budget lasts."""
+        every decoding one first, then the prefills' fair shares of what the budget leaves."""
         if not self._chunked:
             for gen in self.running:
                 gen.seq.chunk = None
             return list(self.running)
-        left = self._step_tokens
-        decoding = [gen for gen in self.running if gen.uncomputed <= 1]
+        decoding = [gen for gen in self.running if gen.prefill_tokens == 0]
         for gen in decoding:
             gen.seq.chunk = 1
-        left -= len(decoding)
-        prefilling: list[Generation] = []
-        for gen in self.running:
-            if left <= 0:
-                break
-            if gen.uncomputed > 1:
-                gen.seq.chunk = min(gen.uncomputed, left)
-                left -= gen.seq.chunk
-                prefilling.append(gen)
-        return decoding + prefilling
+        prefilling = [gen for gen in self.running if gen.prefill_tokens > 0]
+        chunks = fair_split(self._step_tokens - len(decoding), [g.prefill() for g in prefilling])
+        for gen, chunk in zip(prefilling, chunks, strict=True):
+            gen.seq.chunk = chunk
+        return decoding + [gen for gen, chunk in zip(prefilling, chunks, strict=True) if chunk]
 
     def _admit(self, *, reserve: bool) -> None:
         """Takes waiting sequences, in the queue's order, while they fit the budget as they
@@ -243,6 +257,7 @@ class StepLoop:
         generator = self._generator
         assert generator is not None
         tokens = sum(gen.tokens_this_step for gen in gens)
+        prefills = any(gen.prefill_tokens for gen in gens)
         started = self._clock.time()
         try:
             budget_s = self._budget.seconds(self.step_cost.predict(tokens))
@@ -250,6 +265,8 @@ class StepLoop:
                 generator.step, [gen.seq for gen in gens], "step", budget_s
             )
             self.step_cost.observe(self._clock.time() - started, tokens)
+            if prefills:
+                self.prefill_cost.observe(self._clock.time() - started, tokens)
             made = check_step(answer, len(gens))
         except _Hung:
             return []

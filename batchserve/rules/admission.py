@@ -21,6 +21,7 @@ from .tenants import KeyRing, Tenant
 class Admission:
     def __init__(self, config: Config) -> None:
         self._timeout_ms = config.timeout_ms
+        self._first_token_timeout_ms = config.first_token_timeout_ms
         self._max_input_bytes = config.max_input_bytes
         self._keys = (
             KeyRing.load(config.keys_file, config.anonymous_tier) if config.keys_file else None
@@ -103,9 +104,12 @@ class Admission:
         if size > self._max_input_bytes:
             raise InputTooLarge(f"the input is {size} bytes; the limit is {self._max_input_bytes}")
 
-    def timeout_s(self, timeout_ms: float | None, tenant: Tenant | None) -> float:
-        """The request's own timeout, capped by the server's and by its tier's deadline."""
-        cap_ms = self._timeout_ms
+    def timeout_s(
+        self, timeout_ms: float | None, tenant: Tenant | None, *, first_token: bool = False
+    ) -> float:
+        """The request's own timeout, capped by the server's (--timeout-ms, or a generation's
+        --first-token-timeout-ms for its `first_token`) and by its tier's deadline."""
+        cap_ms = self._first_token_timeout_ms if first_token else self._timeout_ms
         if tenant is not None:
             if self._keys is not None:
                 tier_ms = self._keys.limits[tenant.tier].timeout_ms

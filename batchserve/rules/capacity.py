@@ -1,5 +1,5 @@
 """What the devices can do, measured: the one batch-time estimate, the watchdog's budget
-drawn from it, and decayed event rates.
+drawn from it, a generation device's prefill cost, and decayed event rates.
 
 One `CallTime` is shared by everything that needs the batch time: the policy's spacing, the
 watchdog's budget, shedding and the capacity metrics. Two averages with two weights used to
@@ -105,6 +105,28 @@ class StepCost(LengthCost):
         if predicted is None or padded_tokens <= tokens or tokens == 0:
             return predicted
         return max(predicted, seconds * padded_tokens / tokens)
+
+
+class PrefillCost(LengthCost):
+    """A generation device's step time over the tokens it processes, fitted on the steps
+    that carry prefill only: the first-token forecast's measure of how fast it prefills.
+
+    Steps that only decode are left out: bound by reading the weights, not by arithmetic,
+    their tokens cost several times less than a prompt's (StepCost's docstring) and would
+    promise a prefill faster than the device does it."""
+
+    def step_seconds(self, tokens: int) -> float | None:
+        """One step of `tokens`: on the fitted line; before there is one (every step seen of
+        one size, as a saturated device's full steps are), the mean step scaled by its
+        tokens, for a step no larger (a smaller one's fixed cost is not scaled down, so this
+        errs short); None beyond it, or before any step: no grounds to predict."""
+        fitted = self.line()
+        if fitted is not None:
+            return fitted[0] + fitted[1] * tokens
+        weight, tokens_sum, seconds_sum = self._sums[:3]
+        if weight <= 0 or tokens_sum <= 0 or tokens * weight > tokens_sum * (1 + 1e-9):
+            return None
+        return seconds_sum / tokens_sum * tokens
 
 
 @dataclass(slots=True)
