@@ -10,6 +10,7 @@ BatchserveError            one request's failure; its class declares the HTTP st
 ├── DuplicateRequestId     the X-Request-Id is already in flight           (409)
 ├── Conflict               the model version exists, or is still loading   (409)
 ├── InputTooLarge          body or input over --max-input-bytes           (413)
+├── OverTierBurst          a list of more inputs than the tier's burst     (413)
 ├── RateLimited            the tenant is over its tier's rate             (429)
 ├── ClientClosed           the client left first; counted, never sent      (499)
 ├── BackendError           the batch function raised or answered badly     (500)
@@ -72,6 +73,13 @@ class Conflict(BatchserveError):
 
 class InputTooLarge(BatchserveError):
     status, code = 413, "INPUT_TOO_LARGE"
+
+
+class OverTierBurst(BatchserveError):
+    """A list of inputs (OIP, embeddings) that the tier's bucket can never hold at once: a
+    retry cannot succeed, so it is not a 429; the client splits the list."""
+
+    status, code = 413, "OVER_TIER_BURST"
 
 
 class RateLimited(BatchserveError):

@@ -146,7 +146,8 @@ _ERROR_WHEN: Mapping[int, str] = {
     404: "NOT_FOUND or MODEL_NOT_FOUND: no such request, model or version",
     409: "DUPLICATE_REQUEST_ID (the id is in use) or CONFLICT (admin: the version exists,"
     " or is still loading)",
-    413: "INPUT_TOO_LARGE: the input or the body is over the limit",
+    413: "INPUT_TOO_LARGE: the input or the body is over the limit; or OVER_TIER_BURST: a"
+    " list of more strings than the tier's burst",
     429: "RATE_LIMITED: the tenant is over its tier's rate",
     500: "BACKEND_ERROR: the model failed on this input",
     503: "OVERLOADED, NOT_READY or STORE_UNAVAILABLE: retry after Retry-After",

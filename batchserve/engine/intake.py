@@ -104,12 +104,15 @@ class Intake:
         tenant: Tenant | None,
         arrival: float,
         part: bool = False,
+        tokens: int = 1,
     ) -> tuple[Target, float, InFlightKey]:
         """The checks of both schedulers, in the module's order: the version that runs the
         request (by `route`: `batch_version` or `generation_model`), its deadline and its
-        key among those in flight; a refusal raises `errors.py`'s."""
-        if tenant is not None:
-            self.rules.take_token(tenant, arrival, self._capacity_rps)
+        key among those in flight; a refusal raises `errors.py`'s. `tokens`: what the
+        request spends of its tenant's rate (a list's first part spends the whole list's,
+        the others none)."""
+        if tenant is not None and tokens:
+            self.rules.take_tokens(tenant, arrival, self._capacity_rps, tokens)
         if self.phase is not Phase.READY and not (
             self.phase is Phase.DRAINING and self.takes_stragglers
         ):
