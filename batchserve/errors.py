@@ -18,6 +18,7 @@ BatchserveError            one request's failure; its class declares the HTTP st
 ├── NotReady               starting, draining, failed or no healthy device (503)
 │   └── StoreUnavailable   the --result-store cannot be reached            (503)
 └── DeadlineExceeded       the request's deadline passed                   (504)
+    └── DeadlineTooShort   shorter than one batch call: it can never be met
 
 StartupError               bad configuration or a backend that cannot load; the CLI
                            prints its one-line message and exits 1
@@ -126,6 +127,13 @@ class StoreUnavailable(NotReady):
 
 class DeadlineExceeded(BatchserveError):
     status, code = 504, "DEADLINE_EXCEEDED"
+
+
+class DeadlineTooShort(DeadlineExceeded):
+    """The client's own deadline is shorter than one batch call on this server: the
+    client's doing, never counted as shedding, and never retried."""
+
+    code = "DEADLINE_TOO_SHORT"
 
 
 class StartupError(Exception):

@@ -151,7 +151,8 @@ _ERROR_WHEN: Mapping[int, str] = {
     429: "RATE_LIMITED: the tenant is over its tier's rate",
     500: "BACKEND_ERROR: the model failed on this input",
     503: "OVERLOADED, NOT_READY or STORE_UNAVAILABLE: retry after Retry-After",
-    504: "DEADLINE_EXCEEDED: the request's deadline passed",
+    504: "DEADLINE_EXCEEDED: the request's deadline passed; or DEADLINE_TOO_SHORT: it is"
+    " shorter than one batch call, so it can never be met",
 }
 _NEEDS_KEYS = frozenset({401, 429})
 """Statuses only a server with keys answers: dropped where the operation runs open."""
