@@ -49,7 +49,7 @@ from ..rules.policy import Policy
 from ..rules.tenants import Tenant
 from .drain import Drain
 from .generating import GenerationPath
-from .intake import Intake, Phase
+from .intake import Intake, Phase, in_flight
 from .recorder import Recorder
 from .versions import Versions, starting_models
 from .views import EngineStats, EngineView
@@ -267,8 +267,8 @@ class Engine:
             for index, text in enumerate(texts):
                 ask = Ask(text, timeout_ms, model, version, None)
                 part_id = f"{request_id}.{index}" if several else request_id
-                tokens = len(texts) if index == 0 else 0
-                admitted.append(self.admit(route, ask, part_id, tenant, arrival, several, tokens))
+                spends = len(texts) if index == 0 else 0
+                admitted.append(self.admit(route, ask, part_id, tenant, arrival, several, spends))
         except BatchserveError:
             for request, expiry in admitted:
                 self.settle(route, request, expiry, tenant, None)
@@ -341,10 +341,10 @@ class Engine:
         tenant: Tenant | None,
         arrival: float | None,
         part: bool = False,
-        tokens: int = 1,
+        spends: int = 1,
     ) -> tuple[QueuedRequest, Timer | None]:
         """Queues the request and arms its deadline (the timer to cancel, if it has one of
-        its own); a refusal is recorded under `route` and raised. `tokens`: what it spends
+        its own); a refusal is recorded under `route` and raised. `spends`: what it spends
         of its tenant's rate (intake.py).
 
         `infer` in parts, for a door that awaits the request's future itself and then hands
@@ -353,7 +353,7 @@ class Engine:
         arrival = self.clock.time() if arrival is None else arrival
         request_id = request_id or new_request_id()
         try:
-            return self._queue(ask, request_id, tenant, arrival, part, tokens)
+            return self._queue(ask, request_id, tenant, arrival, part, spends)
         except BatchserveError as error:
             self.record(route, request_id, arrival, error, tenant)
             raise
@@ -365,13 +365,13 @@ class Engine:
         tenant: Tenant | None,
         arrival: float,
         part: bool,
-        tokens: int,
+        spends: int,
     ) -> tuple[QueuedRequest, Timer | None]:
         """Admits the request (intake.py), then queues it and arms its deadline."""
         text = ask.text
-        version, deadline, in_flight = self._intake.admit(
+        version, deadline, flight_key = self._intake.admit(
             self._batch_route, ask.model, ask.version, text, ask.timeout_ms,
-            request_id, tenant, arrival, part, tokens,
+            request_id, tenant, arrival, part, spends,
         )  # fmt: skip
         params_key = version.params_key(ask.params) if ask.params is not None else b""
         if version.spec.cost == "length":
@@ -387,7 +387,7 @@ class Engine:
             request.tenant_weight = tenant.weight
         self._batcher.submit(request)
         request.part = part
-        self._intake.pending[in_flight] = request
+        self._intake.pending[flight_key] = request
         # Its deadline fails the future, rather than asyncio.timeout_at: the hot path then
         # needs no Timeout object and no task-cancel round trip.
         return request, self._deadlines.add(request)
@@ -406,7 +406,7 @@ class Engine:
         before any batch is formed."""
         if expiry is not None:
             expiry.cancel()
-        del self._intake.pending[request.tenant, request.request_id, request.part]
+        del self._intake.pending[in_flight(tenant, request.request_id, request.part)]
         self._batcher.discard(request)
         if self._tracer is not None:
             self._tracer.request(route, request, outcome)

@@ -41,7 +41,7 @@ InFlightKey = tuple[str, str, bool]
 
 
 def in_flight(tenant: Tenant | None, request_id: str, part: bool = False) -> InFlightKey:
-    return ("" if tenant is None else tenant.name, request_id, part)
+    return ("" if tenant is None else tenant.id_scope, request_id, part)
 
 
 Target = TypeVar("Target", ModelVersion, GenerationModel)
@@ -104,15 +104,15 @@ class Intake:
         tenant: Tenant | None,
         arrival: float,
         part: bool = False,
-        tokens: int = 1,
+        spends: int = 1,
     ) -> tuple[Target, float, InFlightKey]:
         """The checks of both schedulers, in the module's order: the version that runs the
         request (by `route`: `batch_version` or `generation_model`), its deadline and its
-        key among those in flight; a refusal raises `errors.py`'s. `tokens`: what the
+        key among those in flight; a refusal raises `errors.py`'s. `spends`: what the
         request spends of its tenant's rate (a list's first part spends the whole list's,
         the others none)."""
-        if tenant is not None and tokens:
-            self.rules.take_tokens(tenant, arrival, self._capacity_rps, tokens)
+        if tenant is not None and spends:
+            self.rules.take_tokens(tenant, arrival, self._capacity_rps, spends)
         if self.phase is not Phase.READY and not (
             self.phase is Phase.DRAINING and self.takes_stragglers
         ):

@@ -78,11 +78,20 @@ class Tenant:
     """May read the server's numbers: /metrics, /api/stats (the dashboard's)."""
     timeout_cap_ms: float | None = None
     """A cap on this request's deadline: the gateway's x-slo-ttft-ms (gateway.py)."""
+    ids_of: str | None = None
+    """Whose request ids these are where not this tenant's alone: the caller behind a
+    tenant the gateway shares between fairness ids (gateway.py)."""
 
     @property
     def rank(self) -> int:
         """Its tier's place in the batch order: see TIER_RANKS."""
         return TIER_RANKS[self.tier]
+
+    @property
+    def id_scope(self) -> str:
+        """The namespace of its request ids (in flight, in the status API): its name, or
+        the caller's own where the tenant is shared."""
+        return self.name if self.ids_of is None else self.ids_of
 
 
 ANONYMOUS = "anonymous"
