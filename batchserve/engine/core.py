@@ -269,9 +269,9 @@ class Engine:
                 part_id = f"{request_id}.{index}" if several else request_id
                 spends = len(texts) if index == 0 else 0
                 admitted.append(self.admit(route, ask, part_id, tenant, arrival, several, spends))
-        except BatchserveError:
-            for request, expiry in admitted:
-                self.settle(route, request, expiry, tenant, None)
+        except BatchserveError as refusal:
+            for request, expiry in admitted:  # answered with the list's refusal
+                self.settle(route, request, expiry, tenant, refusal)
             raise
         outcomes = await asyncio.gather(
             *(self._answer(route, request, expiry, tenant) for request, expiry in admitted),
