@@ -3,6 +3,7 @@
 BatchserveError            one request's failure; its class declares the HTTP status and
 │                          the error code it is answered with
 ├── InvalidInput           the body or input is not what the API takes     (400)
+├── OverTierBurst          a list of more inputs than the tier's burst     (400)
 ├── Unauthenticated        no API key, or one the server does not know     (401)
 ├── NotFound               no such request in the status store             (404)
 ├── ModelNotFound          no such model or version                        (404)
@@ -10,7 +11,6 @@ BatchserveError            one request's failure; its class declares the HTTP st
 ├── DuplicateRequestId     the X-Request-Id is already in flight           (409)
 ├── Conflict               the model version exists, or is still loading   (409)
 ├── InputTooLarge          body or input over --max-input-bytes           (413)
-├── OverTierBurst          a list of more inputs than the tier's burst     (413)
 ├── RateLimited            the tenant is over its tier's rate             (429)
 ├── ClientClosed           the client left first; counted, never sent      (499)
 ├── BackendError           the batch function raised or answered badly     (500)
@@ -78,9 +78,11 @@ class InputTooLarge(BatchserveError):
 
 class OverTierBurst(BatchserveError):
     """A list of inputs (OIP, embeddings) that the tier's bucket can never hold at once: a
-    retry cannot succeed, so it is not a 429; the client splits the list."""
+    retry cannot succeed, so it is not a 429; the client splits the list. 400, as for any
+    schema-valid body that breaks a rule JSON Schema cannot state (the OpenAPI document
+    tells it in the field's description)."""
 
-    status, code = 413, "OVER_TIER_BURST"
+    status, code = 400, "OVER_TIER_BURST"
 
 
 class RateLimited(BatchserveError):

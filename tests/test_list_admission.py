@@ -1,5 +1,5 @@
 """A request of several inputs (OIP, /v1/embeddings) is admitted all or nothing: it spends its
-tenant's tokens at once, a list over the tier's burst is 413 (no retry lets it in), and no
+tenant's tokens at once, a list over the tier's burst is 400 (no retry lets it in), and no
 input of a refused list reaches a device."""
 
 from __future__ import annotations
@@ -63,16 +63,16 @@ def test_a_bucket_takes_several_tokens_all_or_none():
     assert bucket.tokens == pytest.approx(0.0)
 
 
-async def test_a_list_over_the_tiers_burst_is_413_and_none_of_it_runs(client, gated):
+async def test_a_list_over_the_tiers_burst_is_400_and_none_of_it_runs(client, gated):
     over = await client.post("/v2/models/echo/infer", json=oip(["a", "b", "c", "d"]), headers=FREE)
     body = await over.json()
-    assert (over.status, body["code"]) == (413, "OVER_TIER_BURST")
+    assert (over.status, body["code"]) == (400, "OVER_TIER_BURST")
     assert "free tier takes at most 3" in body["error"]
     assert "Retry-After" not in over.headers  # no wait lets 4 strings into a burst of 3
     embeddings = await client.post(
         "/v1/embeddings", json={"model": "tiny", "input": ["a", "b", "c", "d"]}, headers=FREE
     )
-    assert embeddings.status == 413
+    assert embeddings.status == 400
     assert (await embeddings.json())["error"]["code"] == "OVER_TIER_BURST"
     assert gated.calls == []
     # The refusals spent no tokens: the whole burst is left for a list that fits it.

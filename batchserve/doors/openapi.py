@@ -141,13 +141,13 @@ _ERROR_HEADERS: Mapping[int, tuple[str, ...]] = {
     503: ("Retry-After",),
 }
 _ERROR_WHEN: Mapping[int, str] = {
-    400: "INVALID_INPUT: the body, a field, a parameter or X-Request-Id is not what it takes",
+    400: "INVALID_INPUT: the body, a field, a parameter or X-Request-Id is not what it"
+    " takes; or OVER_TIER_BURST: a list of more strings than the tier's burst",
     401: "UNAUTHENTICATED: no key, or one the server does not know",
     404: "NOT_FOUND or MODEL_NOT_FOUND: no such request, model or version",
     409: "DUPLICATE_REQUEST_ID (the id is in use) or CONFLICT (admin: the version exists,"
     " or is still loading)",
-    413: "INPUT_TOO_LARGE: the input or the body is over the limit; or OVER_TIER_BURST: a"
-    " list of more strings than the tier's burst",
+    413: "INPUT_TOO_LARGE: the input or the body is over the limit",
     429: "RATE_LIMITED: the tenant is over its tier's rate",
     500: "BACKEND_ERROR: the model failed on this input",
     503: "OVERLOADED, NOT_READY or STORE_UNAVAILABLE: retry after Retry-After",
