@@ -3,6 +3,7 @@
 BatchserveError            one request's failure; its class declares the HTTP status and
 │                          the error code it is answered with
 ├── InvalidInput           the body or input is not what the API takes     (400)
+├── OverTierBurst          a list of more inputs than the tier's burst     (400)
 ├── Unauthenticated        no API key, or one the server does not know     (401)
 ├── NotFound               no such request in the status store             (404)
 ├── ModelNotFound          no such model or version                        (404)
@@ -17,6 +18,7 @@ BatchserveError            one request's failure; its class declares the HTTP st
 ├── NotReady               starting, draining, failed or no healthy device (503)
 │   └── StoreUnavailable   the --result-store cannot be reached            (503)
 └── DeadlineExceeded       the request's deadline passed                   (504)
+    └── DeadlineTooShort   shorter than one batch call: it can never be met
 
 StartupError               bad configuration or a backend that cannot load; the CLI
                            prints its one-line message and exits 1
@@ -74,6 +76,15 @@ class InputTooLarge(BatchserveError):
     status, code = 413, "INPUT_TOO_LARGE"
 
 
+class OverTierBurst(BatchserveError):
+    """A list of inputs (OIP, embeddings) that the tier's bucket can never hold at once: a
+    retry cannot succeed, so it is not a 429; the client splits the list. 400, as for any
+    schema-valid body that breaks a rule JSON Schema cannot state (the OpenAPI document
+    tells it in the field's description)."""
+
+    status, code = 400, "OVER_TIER_BURST"
+
+
 class RateLimited(BatchserveError):
     status, code = 429, "RATE_LIMITED"
 
@@ -118,6 +129,13 @@ class StoreUnavailable(NotReady):
 
 class DeadlineExceeded(BatchserveError):
     status, code = 504, "DEADLINE_EXCEEDED"
+
+
+class DeadlineTooShort(DeadlineExceeded):
+    """The client's own deadline is shorter than one batch call on this server: the
+    client's doing, never counted as shedding, and never retried."""
+
+    code = "DEADLINE_TOO_SHORT"
 
 
 class StartupError(Exception):

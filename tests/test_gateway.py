@@ -6,6 +6,7 @@ import asyncio
 import json
 import logging
 import threading
+import zlib
 
 import pytest
 from prometheus_client import generate_latest
@@ -268,3 +269,43 @@ async def test_a_request_submitted_through_the_gateway_is_polled_as_the_same_ten
             submitted.headers["Location"], headers={FAIRNESS_ID: "someone-else"}
         )
         assert other.status == 404  # another tenant's ids look unknown
+
+
+def bucket_mates() -> tuple[str, str]:
+    """Two fairness ids that hash onto the same one of the BUCKETS gateway tenants."""
+    seen: dict[int, str] = {}
+    for n in range(10 * BUCKETS):
+        fairness_id = f"team-{n}"
+        index = zlib.crc32(fairness_id.encode()) % BUCKETS
+        if index in seen:
+            return seen[index], fairness_id
+        seen[index] = fairness_id
+    raise AssertionError("no two ids share a bucket")
+
+
+async def test_request_ids_are_each_fairness_ids_own_whatever_its_bucket_or_objective(
+    start_server, gated
+):
+    client, engine = await start_server(gated, trust_gateway_headers=True)
+    first, mate = bucket_mates()
+    same_id = {"X-Request-Id": "report-1"}
+    mine = {FAIRNESS_ID: first, OBJECTIVE: "sheddable", **same_id}
+    theirs = {FAIRNESS_ID: mate, OBJECTIVE: "sheddable", **same_id}
+    submitted = await client.post("/api/requests", json={"input": "secret"}, headers=mine)
+    assert submitted.status == 202
+    await reach(engine, lambda s: s.in_flight == 1)
+    # The bucket-mate may use the same id, in flight too, and never reads the other's.
+    held = asyncio.ensure_future(
+        client.post("/api/inference", json={"input": "own"}, headers=theirs)
+    )
+    await reach(engine, lambda s: s.queued == 1)
+    gated.gate.set()
+    assert (await held).status == 200
+    location = submitted.headers["Location"]
+    assert (await client.get(location, headers={FAIRNESS_ID: mate})).status == 404
+    # The submitter polls with another objective (another tier): still its own request.
+    polled = await client.get(
+        location, params={"wait_ms": "5000"}, headers={FAIRNESS_ID: first, OBJECTIVE: "critical"}
+    )
+    assert polled.status == 200
+    assert (await polled.json())["output"] == "terces"

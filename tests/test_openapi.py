@@ -53,7 +53,8 @@ expected-statuses = ["2xx", "3xx", "4xx", "504"]
 # JSON Schema cannot state; the document states each in the field's description, and a
 # schema-valid request that breaks one is 400.
 [[operations]]
-# OIP: an input's shape [N] or [N, 1] must match the N strings of its data.
+# OIP: an input's shape [N] or [N, 1] must match the N strings of its data; with keys, N is
+# at most the tier's burst.
 include-path-regex = "^/v2/models/[{{]model[}}](/versions/[{{]version[}}])?/infer$"
 checks.positive_data_acceptance.expected-statuses = {_POSITIVE_WITH_400}
 
@@ -64,7 +65,7 @@ checks.positive_data_acceptance.expected-statuses = {_POSITIVE_WITH_400}
 
 [[operations]]
 # Embeddings: dimensions must be the named model's (the document's enum is the one length
-# only where every embedding model shares it).
+# only where every embedding model shares it); with keys, a list is at most the tier's burst.
 include-path = "/v1/embeddings"
 checks.positive_data_acceptance.expected-statuses = {_POSITIVE_WITH_400}
 
@@ -83,9 +84,10 @@ include-method = "PUT"
 checks.positive_data_acceptance.expected-statuses = {_POSITIVE_WITH_400}
 
 [[operations]]
-# With keys, a batch request predicted to miss its deadline (one shorter than a single
-# call, here) is refused at once with 503 OVERLOADED and Retry-After (docs/http-api.md,
-# Shedding), rather than queued to time out: the documented answer, not a fault.
+# With keys, a batch request predicted to miss its deadline is refused at once with 503
+# OVERLOADED and Retry-After, and one whose deadline is shorter than a single call with 504
+# DEADLINE_TOO_SHORT (docs/http-api.md, Shedding), rather than queued to time out: the
+# documented answers, not faults.
 include-path-regex = "^/(api/inference|api/requests|v1/embeddings|v2/models/.*/infer)$"
 checks.not_a_server_error.expected-statuses = ["2xx", "3xx", "4xx", "503", "504"]
 

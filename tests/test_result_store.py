@@ -193,6 +193,30 @@ async def test_sqlite_files_are_private_and_expired_records_leave_on_a_timer(
         await store.close()
 
 
+async def test_sqlite_a_purged_records_input_leaves_the_wal_file_too(tmp_path: Path) -> None:
+    """The WAL keeps the frames that wrote a record until a checkpoint; a purge truncates it,
+    so a purged input is not readable in the -wal file until a clean shutdown."""
+    path = tmp_path / "records.db"
+    wall = [1000.0]
+    store = SqliteRecords(str(path), FakeClock(), wall=lambda: wall[0])
+    secret = "a tenant's secret input 7f3a"
+    await store.start()
+    try:
+        queued = {"status": "queued", "request_id": "r1", "submitted": {"text": secret}}
+        await store.add("r1", Record("alice", queued))
+        await store.finish("r1", Record("alice", {"status": "completed", "output": secret}), 10.0)
+        await store.add("r2", Record("alice", {"status": "queued", "request_id": "r2"}))
+        wal = tmp_path / "records.db-wal"
+        assert secret.encode() in wal.read_bytes()  # written there first
+        wall[0] += 11.0
+        assert await store.purge() == 1
+        assert secret.encode() not in wal.read_bytes()
+        assert secret.encode() not in path.read_bytes()
+        assert await store.get("r2") is not None  # the live record stays
+    finally:
+        await store.close()
+
+
 async def test_sqlite_a_poll_deletes_the_expired_record_it_finds(tmp_path: Path) -> None:
     path = tmp_path / "records.db"
     wall = [1000.0]

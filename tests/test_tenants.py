@@ -272,12 +272,45 @@ async def test_a_request_shed_from_an_empty_queue_leaves_the_batcher_serving(
     held = asyncio.ensure_future(client.post("/api/inference", json={"input": "h"}, headers=acme))
     await reach(engine, lambda s: s.in_flight == 1 and s.queued == 0)
     shed = await client.post("/api/inference", json={"input": "x", "timeout_ms": 1}, headers=acme)
-    assert shed.status == 503  # one call is more than its 1 ms: refused, nothing queued
-    assert (await shed.json())["error"] == "OVERLOADED"
+    assert shed.status == 504  # one call is more than its 1 ms: refused, nothing queued
+    assert (await shed.json())["error"] == "DEADLINE_TOO_SHORT"
     gated.gate.set()  # the batch done wakes the batcher, which looks at every lane
     assert (await held).status == 200
     after = await client.post("/api/inference", json={"input": "next"}, headers=acme)
     assert after.status == 200
+
+
+async def test_a_deadline_shorter_than_one_call_is_the_clients_504_not_shedding(
+    start_server, tmp_path, gated
+):
+    """An impossible deadline, the client's own or the gateway's SLO, is no sign of load:
+    504 without Retry-After (never retried), and no rejection for the shedding alert."""
+    keys = tmp_path / "keys.toml"
+    keys.write_text(KEYS + '\n[keys."sk-gw"]\ntenant = "gw"\ntier = "paid"\nrole = "operator"\n')
+    clock = FakeClock()
+    client, engine = await start_server(
+        gated, keys_file=str(keys), clock=clock, trust_gateway_headers=True
+    )
+    acme = {"Authorization": "Bearer sk-ent-123"}
+    warm = asyncio.ensure_future(client.post("/api/inference", json={"input": "w"}, headers=acme))
+    await reach(engine, lambda s: s.in_flight == 1)
+    clock.advance(0.050)
+    gated.gate.set()
+    assert (await warm).status == 200  # a call takes 50 ms, and nothing is queued
+    own = await client.post("/api/inference", json={"input": "x", "timeout_ms": 1}, headers=acme)
+    gateway = {"Authorization": "Bearer sk-gw", "x-gateway-inference-fairness-id": "team-1",
+               "x-slo-ttft-ms": "1"}  # fmt: skip
+    slo = await client.post("/api/inference", json={"input": "x"}, headers=gateway)
+    for answer in (own, slo):
+        body = await answer.json()
+        assert (answer.status, body["error"]) == (504, "DEADLINE_TOO_SHORT")
+        assert "shorter than one batch call" in body["message"]
+        assert "Retry-After" not in answer.headers
+    metrics = await (await client.get("/metrics", headers={"Authorization": "Bearer sk-gw"})).text()
+    assert "batchserve_rejections_total{" not in metrics  # the shedding alert stays quiet
+    assert 'code="504",error="DEADLINE_TOO_SHORT"' in metrics
+    fits = await client.post("/api/inference", json={"input": "y", "timeout_ms": 60}, headers=acme)
+    assert fits.status == 200  # a deadline one call fits is served
 
 
 async def test_capacity_follows_a_device_that_hangs(start_server, gated: GatedBackend):

@@ -13,6 +13,7 @@ import asyncio
 import signal
 import subprocess
 import sys
+import threading
 from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -27,7 +28,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceResponse,
 )
 from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor, TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter, SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
 
@@ -35,12 +36,13 @@ from batchserve import Config, Engine
 from batchserve.clock import FakeClock
 from batchserve.config import POISON_MARKER
 from batchserve.errors import DeadlineExceeded, InvalidInput
-from batchserve.observability.tracing import otlp_provider
+from batchserve.observability import otlp_flush
+from batchserve.observability.tracing import FLUSH_TIMEOUT_S, otlp_provider
 from batchserve.rules.policy import FlushReason
 from batchserve.rules.tenants import Tenant
 from batchserve.server import create_app
 
-from .conftest import ROOT, BatchserveTestServer, GatedBackend, reach, real_server
+from .conftest import HANG_GUARD_S, ROOT, BatchserveTestServer, GatedBackend, reach, real_server
 
 
 class Ends(SpanProcessor):
@@ -270,6 +272,51 @@ def test_the_otlp_provider_names_the_service_unless_the_environment_does(monkeyp
     provider = otlp_provider()
     assert provider.resource.attributes["service.name"] == "inference-eu"
     provider.shutdown()
+
+
+class UnreachableCollector(SpanExporter):
+    """An exporter whose collector never answers: each export blocks until `release`."""
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        self.entered.set()
+        self.release.wait()
+        return SpanExportResult.FAILURE
+
+    def shutdown(self) -> None:
+        self.release.set()
+
+
+def test_the_final_flush_waits_at_most_its_bound_for_a_collector_that_never_answers(
+    monkeypatch, caplog
+):
+    """The exit's flush (main() shuts the provider down) hands its bound to the wait for the
+    SDK's shutdown, which a stuck export would otherwise hold 30 s; the wait here returns
+    at once, as it would once the bound had passed: no real waiting."""
+    bounds: list[float | None] = []
+
+    class BoundPassed(threading.Event):
+        def wait(self, timeout: float | None = None) -> bool:
+            bounds.append(timeout)
+            return super().wait(0)
+
+    monkeypatch.setattr(otlp_flush, "Event", BoundPassed)
+    collector = UnreachableCollector()
+    provider = otlp_provider(collector)
+    with provider.get_tracer("test").start_as_current_span("left"):
+        pass  # queued in the batch processor, to be sent by the final flush
+    try:
+        provider.shutdown()
+        assert bounds == [FLUSH_TIMEOUT_S] == [10.0]  # the documented bound
+        assert collector.entered.wait(HANG_GUARD_S)  # the flush is trying to send it
+        assert "did not take the last spans within 10 s" in caplog.text
+        provider.shutdown()  # again at interpreter exit: nothing more to wait for
+        assert bounds == [10.0]
+    finally:
+        collector.release.set()
 
 
 async def test_the_real_server_with_trace_on_sends_its_spans_by_otlp_when_it_drains():

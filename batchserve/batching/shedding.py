@@ -1,4 +1,5 @@
-"""Shedding: refusing at once (503) a request predicted to miss its deadline.
+"""Shedding: refusing at once (503) a request predicted to miss its deadline; and, apart
+from shedding, a deadline shorter than one batch call (504: the client's, not the load's).
 
 On only where tenants are configured (their tiers order who is shed first). The batcher
 owns one `Shedding` and asks it at each arrival, with what the request would wait behind
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ..errors import Overloaded
+from ..errors import DeadlineTooShort, Overloaded
 from ..rules.capacity import DecayedRate
 from ..rules.fair_queue import predicted_wait_s
 from ..rules.tenants import TIER_RANKS
@@ -40,15 +41,25 @@ class Shedding:
         """Sheds a request predicted to miss its deadline behind the `ahead` requests that
         go before it: the lowest tiers first, since every higher tier's queued requests are
         ahead of theirs, and the higher tiers' new arrivals will take their share of the
-        capacity meanwhile. Raises Overloaded; else counts the arrival."""
+        capacity meanwhile. Raises Overloaded; else counts the arrival.
+
+        A deadline shorter than one call could not be met on an idle server: that is the
+        client's (504 DeadlineTooShort, never retried), so that one tenant's impossible
+        deadlines do not read as the server shedding load."""
         call_s = request.key.version.estimate.seconds
+        budget_s = request.deadline - request.arrival
+        if call_s and call_s > budget_s:
+            raise DeadlineTooShort(
+                f"the deadline of {budget_s * 1e3:.3g} ms is shorter than one batch call here"
+                f" (about {call_s * 1e3:.3g} ms): it can never be met"
+            )
         if capacity_rps and call_s:  # else nothing measured yet: no grounds to refuse
             claimed = sum(
                 rate.at(request.arrival) for rate in self._tier_rates[: request.tier_rank]
             )
             left = capacity_rps * ADMISSION_UTILIZATION - claimed
             wait_s = predicted_wait_s(ahead, left, call_s)
-            if wait_s > request.deadline - request.arrival:
+            if wait_s > budget_s:
                 raise Overloaded(
                     f"predicted to wait {wait_s:.2f} s behind {ahead} requests, past its deadline",
                     retry_after_s=ahead / left if left > 0 else drain_time_s(),

@@ -77,7 +77,8 @@ INFER_REQUEST_SCHEMA: dict[str, Any] = {
                             {"const": 1},
                         ],
                         "description": "[N] or [N, 1]: N must be the number of strings in"
-                        " data (400 otherwise), a rule JSON Schema cannot state",
+                        " data (400 otherwise), a rule JSON Schema cannot state; with API keys,"
+                        " N is at most the tier's burst (400 OVER_TIER_BURST otherwise)",
                     },
                     "datatype": {"const": "BYTES"},
                     "parameters": _PARAMETERS,

@@ -169,6 +169,8 @@ EMBEDDINGS = Operation(
                         "items": {"type": "string"},
                         "minItems": 1,
                         "maxItems": MAX_EMBEDDING_INPUTS,
+                        "description": "with API keys, at most the tier's burst of strings"
+                        " (400 OVER_TIER_BURST otherwise), a rule JSON Schema cannot state",
                     },
                 ]
             },

@@ -143,7 +143,8 @@ _ERROR_HEADERS: Mapping[int, tuple[str, ...]] = {
     503: ("Retry-After",),
 }
 _ERROR_WHEN: Mapping[int, str] = {
-    400: "INVALID_INPUT: the body, a field, a parameter or X-Request-Id is not what it takes",
+    400: "INVALID_INPUT: the body, a field, a parameter or X-Request-Id is not what it"
+    " takes; or OVER_TIER_BURST: a list of more strings than the tier's burst",
     401: "UNAUTHENTICATED: no key, or one the server does not know",
     404: "NOT_FOUND or MODEL_NOT_FOUND: no such request, model or version",
     409: "DUPLICATE_REQUEST_ID (the id is in use) or CONFLICT (admin: the version exists,"
@@ -152,7 +153,8 @@ _ERROR_WHEN: Mapping[int, str] = {
     429: "RATE_LIMITED: the tenant is over its tier's rate",
     500: "BACKEND_ERROR: the model failed on this input",
     503: "OVERLOADED, NOT_READY or STORE_UNAVAILABLE: retry after Retry-After",
-    504: "DEADLINE_EXCEEDED: the request's deadline passed",
+    504: "DEADLINE_EXCEEDED: the request's deadline passed; or DEADLINE_TOO_SHORT: it is"
+    " shorter than one batch call, so it can never be met",
 }
 _NEEDS_KEYS = frozenset({401, 429})
 """Statuses only a server with keys answers: dropped where the operation runs open."""

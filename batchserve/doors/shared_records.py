@@ -33,8 +33,6 @@ from ..errors import StartupError, StoreUnavailable
 
 log = logging.getLogger(__name__)
 
-log = logging.getLogger(__name__)
-
 Result = TypeVar("Result")
 
 RETRY_AFTER_S = 1.0
@@ -134,7 +132,10 @@ class SqliteRecords:
     SQLite gives its -wal and -shm files the database file's mode). Expiry is by wall time
     (`wall`, since records outlive the process); expired records are deleted every
     `purge_every_s` of `clock` by a task that `start` starts and `close` stops, and one a
-    poll finds expired is deleted then."""
+    poll finds expired is deleted then. A deleted record's bytes leave the disk too:
+    secure_delete zeroes them in the database's pages, and each purge checkpoints the WAL
+    and truncates it, which would otherwise keep them (in the frames written before the
+    delete) until a clean shutdown."""
 
     def __init__(
         self,
@@ -169,6 +170,7 @@ class SqliteRecords:
             _private(self._path)
             self._db = sqlite3.connect(self._path, check_same_thread=False)
             self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA secure_delete=ON")  # the default of some builds only
             self._db.execute(
                 "CREATE TABLE IF NOT EXISTS records (id TEXT PRIMARY KEY, record BLOB NOT NULL,"
                 " finished INTEGER NOT NULL, expires REAL)"
@@ -182,11 +184,19 @@ class SqliteRecords:
         self._purger = asyncio.create_task(self._purge_every(), name="batchserve-sqlite-purge")
 
     async def purge(self) -> int:
-        """Deletes every record whose time to live has passed; how many."""
+        """Deletes every record whose time to live has passed, then empties the WAL of what
+        was deleted since the last purge (a record's input stays readable there until a
+        checkpoint); how many."""
         now = self._wall()
-        return await self._run(
+        purged = await self._run(
             lambda db: db.execute("DELETE FROM records WHERE expires < ?", (now,)).rowcount
         )
+        busy, _, _ = await self._run(
+            lambda db: db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+        )
+        if busy:  # a reader held it (another process on the file): the next purge tries again
+            log.warning("the result store's WAL could not be truncated; the next purge retries")
+        return purged
 
     async def _purge_every(self) -> None:
         while True:

@@ -273,15 +273,16 @@ def _wait_s(wait_ms: str | None) -> float:
 
 
 def _owner(tenant: Tenant | None) -> str | None:
-    return None if tenant is None else tenant.name
+    return None if tenant is None else tenant.id_scope
 
 
 def _shared_id(request_id: str, tenant: Tenant | None) -> str:
     """A request's key in the shared store: its id within its tenant's namespace. The
-    name's length goes first, so no tenant name and id can spell another pair's key."""
+    scope's length goes first, so no scope and id can spell another pair's key."""
     if tenant is None:
         return request_id
-    return f"{len(tenant.name)}:{tenant.name}:{request_id}"
+    scope = tenant.id_scope
+    return f"{len(scope)}:{scope}:{request_id}"
 
 
 SUBMIT = Operation(
@@ -299,7 +300,7 @@ SUBMIT = Operation(
             },
             "Location",
         ),
-        **errors(400, 401, 404, 409, 413, 429, 503),
+        **errors(400, 401, 404, 409, 413, 429, 503, 504),
     },
     auth="key",
 )

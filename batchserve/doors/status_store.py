@@ -19,11 +19,12 @@ from ..batching.request import Ticket
 from ..rules.tenants import Tenant
 
 Slot = tuple[str | None, str]
-"""(the tenant's name, or None on a server without keys; the request id)."""
+"""(the tenant's id scope, its name unless the gateway shares it; or None for requests
+without a tenant; the request id)."""
 
 
 def slot(request_id: str, owner: Tenant | None) -> Slot:
-    return (None if owner is None else owner.name, request_id)
+    return (None if owner is None else owner.id_scope, request_id)
 
 
 class ResultStore:

@@ -49,7 +49,7 @@ from ..rules.policy import Policy
 from ..rules.tenants import Tenant
 from .drain import Drain
 from .generating import GenerationPath
-from .intake import Intake, Phase
+from .intake import Intake, Phase, in_flight
 from .recorder import Recorder
 from .versions import Versions, starting_models
 from .views import EngineStats, EngineView
@@ -224,6 +224,12 @@ class Engine:
         request, expiry = self.admit(
             route, Ask(text, timeout_ms, model, version, params), request_id, tenant, arrival, part
         )
+        return await self._answer(route, request, expiry, tenant)
+
+    async def _answer(
+        self, route: str, request: QueuedRequest, expiry: Timer | None, tenant: Tenant | None
+    ) -> Result:
+        """An admitted request's result, once it is answered; `settle`d whatever ends it."""
         outcome: Result | BatchserveError | None = None
         try:
             outcome = await request.future
@@ -249,23 +255,26 @@ class Engine:
         """Runs each of `texts` as one request of `infer`, batched with everyone else's
         (perhaps in different batches); returns their results in the order given, or raises
         the error of the first input (by position) that failed, once all are done. Several
-        inputs are `part`s, with ids `<request_id>.<index>`."""
+        inputs are `part`s, with ids `<request_id>.<index>`.
+
+        All or nothing: the list spends its tenant's tokens at once, and every input is
+        admitted before any batch can form (nothing here awaits until then), so a refusal
+        of any input withdraws the others before they reach a device."""
+        arrival = self.clock.time() if arrival is None else arrival
         several = len(texts) > 1
+        admitted: list[tuple[QueuedRequest, Timer | None]] = []
+        try:
+            for index, text in enumerate(texts):
+                ask = Ask(text, timeout_ms, model, version, None)
+                part_id = f"{request_id}.{index}" if several else request_id
+                spends = len(texts) if index == 0 else 0
+                admitted.append(self.admit(route, ask, part_id, tenant, arrival, several, spends))
+        except BatchserveError as refusal:
+            for request, expiry in admitted:  # answered with the list's refusal
+                self.settle(route, request, expiry, tenant, refusal)
+            raise
         outcomes = await asyncio.gather(
-            *(
-                self.infer(
-                    text,
-                    model=model,
-                    version=version,
-                    timeout_ms=timeout_ms,
-                    request_id=f"{request_id}.{index}" if several else request_id,
-                    tenant=tenant,
-                    arrival=arrival,
-                    route=route,
-                    part=several,
-                )
-                for index, text in enumerate(texts)
-            ),
+            *(self._answer(route, request, expiry, tenant) for request, expiry in admitted),
             return_exceptions=True,
         )
         results: list[Result] = []
@@ -332,9 +341,11 @@ class Engine:
         tenant: Tenant | None,
         arrival: float | None,
         part: bool = False,
+        spends: int = 1,
     ) -> tuple[QueuedRequest, Timer | None]:
         """Queues the request and arms its deadline (the timer to cancel, if it has one of
-        its own); a refusal is recorded under `route` and raised.
+        its own); a refusal is recorded under `route` and raised. `spends`: what it spends
+        of its tenant's rate (intake.py).
 
         `infer` in parts, for a door that awaits the request's future itself and then hands
         its outcome to `settle`: `infer`'s coroutine would be one more object each waiting
@@ -342,19 +353,25 @@ class Engine:
         arrival = self.clock.time() if arrival is None else arrival
         request_id = request_id or new_request_id()
         try:
-            return self._queue(ask, request_id, tenant, arrival, part)
+            return self._queue(ask, request_id, tenant, arrival, part, spends)
         except BatchserveError as error:
             self.record(route, request_id, arrival, error, tenant)
             raise
 
     def _queue(
-        self, ask: Ask, request_id: str, tenant: Tenant | None, arrival: float, part: bool
+        self,
+        ask: Ask,
+        request_id: str,
+        tenant: Tenant | None,
+        arrival: float,
+        part: bool,
+        spends: int,
     ) -> tuple[QueuedRequest, Timer | None]:
         """Admits the request (intake.py), then queues it and arms its deadline."""
         text = ask.text
-        version, deadline, in_flight = self._intake.admit(
+        version, deadline, flight_key = self._intake.admit(
             self._batch_route, ask.model, ask.version, text, ask.timeout_ms,
-            request_id, tenant, arrival, part,
+            request_id, tenant, arrival, part, spends=spends,
         )  # fmt: skip
         params_key = version.params_key(ask.params) if ask.params is not None else b""
         if version.spec.cost == "length":
@@ -370,7 +387,7 @@ class Engine:
             request.tenant_weight = tenant.weight
         self._batcher.submit(request)
         request.part = part
-        self._intake.pending[in_flight] = request
+        self._intake.pending[flight_key] = request
         # Its deadline fails the future, rather than asyncio.timeout_at: the hot path then
         # needs no Timeout object and no task-cancel round trip.
         return request, self._deadlines.add(request)
@@ -389,7 +406,7 @@ class Engine:
         before any batch is formed."""
         if expiry is not None:
             expiry.cancel()
-        del self._intake.pending[request.tenant, request.request_id, request.part]
+        del self._intake.pending[in_flight(tenant, request.request_id, request.part)]
         self._batcher.discard(request)
         if self._tracer is not None:
             self._tracer.request(route, request, outcome)

@@ -166,4 +166,5 @@ def _seq_id(tenant: Tenant | None, request_id: str) -> str:
     """A generation's id for its generator: the request's, made unique across tenants."""
     if tenant is None:
         return request_id
-    return f"{len(tenant.name)}:{tenant.name}:{request_id}"
+    scope = tenant.id_scope
+    return f"{len(scope)}:{scope}:{request_id}"

@@ -41,7 +41,7 @@ InFlightKey = tuple[str, str, bool]
 
 
 def in_flight(tenant: Tenant | None, request_id: str, part: bool = False) -> InFlightKey:
-    return ("" if tenant is None else tenant.name, request_id, part)
+    return ("" if tenant is None else tenant.id_scope, request_id, part)
 
 
 Target = TypeVar("Target", ModelVersion, GenerationModel)
@@ -105,13 +105,15 @@ class Intake:
         arrival: float,
         part: bool = False,
         first_token: bool = False,
+        spends: int = 1,
     ) -> tuple[Target, float, InFlightKey]:
         """The checks of both schedulers, in the module's order: the version that runs the
         request (by `route`: `batch_version` or `generation_model`), its deadline (for its
         answer, or for a generation's `first_token`) and its key among those in flight; a
-        refusal raises `errors.py`'s."""
-        if tenant is not None:
-            self.rules.take_token(tenant, arrival, self._capacity_rps)
+        refusal raises `errors.py`'s. `spends`: what the request spends of its tenant's rate
+        (a list's first part spends the whole list's, the others none)."""
+        if tenant is not None and spends:
+            self.rules.take_tokens(tenant, arrival, self._capacity_rps, spends)
         if self.phase is not Phase.READY and not (
             self.phase is Phase.DRAINING and self.takes_stragglers
         ):

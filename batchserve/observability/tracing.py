@@ -39,12 +39,16 @@ from ..gpu_pool import BatchCall
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider as SdkTracerProvider
+    from opentelemetry.sdk.trace.export import SpanExporter
     from opentelemetry.trace import TracerProvider
 
 SERVICE_NAME = "batchserve"
 """The service name the OTLP exporter reports, unless OTEL_SERVICE_NAME (or
 OTEL_RESOURCE_ATTRIBUTES) names another."""
 NEEDS_EXTRA = "--trace needs OpenTelemetry: pip install 'batchserve[otel]'"
+FLUSH_TIMEOUT_S = 10.0
+"""The most the final flush at exit may take: what an unreachable collector can add to the
+exit after SIGTERM's drain (docs/operating.md)."""
 
 
 class Tracer:
@@ -171,25 +175,30 @@ class Tracer:
         span.end(end_time=now_ns)
 
 
-def otlp_provider() -> SdkTracerProvider:
+def otlp_provider(
+    exporter: SpanExporter | None = None, flush_timeout_s: float = FLUSH_TIMEOUT_S
+) -> SdkTracerProvider:
     """An SDK TracerProvider exporting over OTLP/HTTP (protobuf) in batches from a thread of
     its own, configured by the standard variables: OTEL_EXPORTER_OTLP_ENDPOINT (default
     http://localhost:4318) or OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, OTEL_EXPORTER_OTLP_HEADERS,
     OTEL_SERVICE_NAME, OTEL_RESOURCE_ATTRIBUTES, OTEL_TRACES_SAMPLER and OTEL_BSP_*. Its
-    caller (the CLI) shuts it down, which sends what is left. StartupError without the
-    [otel] extra."""
+    caller (the CLI) shuts it down, which sends what is left for at most `flush_timeout_s`
+    (otlp_flush.py). `exporter`: another than OTLP's. StartupError without the [otel]
+    extra."""
     try:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
-        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+        from .otlp_flush import BoundedFlush
     except ImportError:
         raise StartupError(NEEDS_EXTRA) from None
     resource = Resource.create()  # the variables' attributes
     if str(resource.attributes.get("service.name")).startswith("unknown_service"):
         resource = resource.merge(Resource({"service.name": SERVICE_NAME}))
     provider = TracerProvider(resource=resource)
-    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+    exporter = OTLPSpanExporter() if exporter is None else exporter
+    provider.add_span_processor(BoundedFlush(exporter, flush_timeout_s))
     return provider
 
 

@@ -13,7 +13,7 @@ import math
 from collections.abc import Callable, Mapping
 
 from ..config import Config
-from ..errors import InputTooLarge, InvalidInput, RateLimited, Unauthenticated
+from ..errors import InputTooLarge, InvalidInput, OverTierBurst, RateLimited, Unauthenticated
 from .gateway import GatewayHeaders
 from .tenants import KeyRing, Tenant
 
@@ -75,14 +75,26 @@ class Admission:
                 ' role = "operator", or the admin key (or start with --public-metrics on)'
             )
 
-    def take_token(
-        self, tenant: Tenant | None, now: float, capacity_rps: Callable[[], float | None]
+    def take_tokens(
+        self,
+        tenant: Tenant | None,
+        now: float,
+        capacity_rps: Callable[[], float | None],
+        count: int = 1,
     ) -> None:
-        """Spends one of the tenant's tokens at its tier's rate for the live capacity, or
-        refuses the request with when to retry and the rate now."""
+        """Spends `count` of the tenant's tokens (one a request, one a string of a list), all
+        or none, at its tier's rate for the live capacity; or refuses the whole request: 413
+        for more than the tier's burst (no wait would let it in), else 429 with when to
+        retry and the rate now."""
         if tenant is None or self._keys is None:
             return
-        wait_s, bucket = self._keys.take(tenant, now, capacity_rps())
+        burst = self._keys.limits[tenant.tier].burst
+        if count > burst:
+            raise OverTierBurst(
+                f"the request holds {count} inputs; the {tenant.tier} tier takes at most"
+                f" {burst:g} at once: send them in lists of {math.floor(burst)} or fewer"
+            )
+        wait_s, bucket = self._keys.take(tenant, now, capacity_rps(), count)
         if wait_s:
             raise RateLimited(
                 f"tenant {tenant.name} is over the {tenant.tier} tier's rate of"

@@ -18,12 +18,14 @@ Who may name a tenant: on a server without keys, the gateway (it is the only way
 key keeps its tenant whatever the fairness id says, and its objective can only lower its
 tier. Ids that no keys file names hash onto a fixed set of tenants, so a new id each request
 grows neither the token buckets nor anything else kept per tenant; the metrics label
-requests by tier only. A tenant named by the gateway is never an operator. Pure: headers
-in, a `Tenant` out.
+requests by tier only. Request ids stay each fairness id's own (`Tenant.ids_of`, a digest
+of the whole id, whatever its tier): bucket-mates never see each other's requests. A tenant
+named by the gateway is never an operator. Pure: headers in, a `Tenant` out.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 import zlib
 from collections.abc import Mapping
@@ -78,7 +80,7 @@ class GatewayHeaders:
             tenant = self._known.get(fairness_id)
             if tenant is None:
                 base = tier or (authenticated.tier if authenticated else OPEN_TIER)
-                tenant = self._bucket(fairness_id, base)
+                tenant = replace(self._bucket(fairness_id, base), ids_of=_ids_of(fairness_id))
         if tenant is None:
             tenant = Tenant(GATEWAY_TENANT, tier or OPEN_TIER)
         elif tier is not None and (trusted or TIER_RANKS[tier] > TIER_RANKS[tenant.tier]):
@@ -93,6 +95,13 @@ class GatewayHeaders:
         if tenant is None:
             tenant = self._buckets[tier, index] = Tenant(f"{GATEWAY_TENANT}:{tier}:{index}", tier)
         return tenant
+
+
+def _ids_of(fairness_id: str) -> str:
+    """The namespace of a fairness id's request ids: bounded in size whatever the header's,
+    and apart from the bucket tenants' names (`gateway:<tier>:<n>`)."""
+    digest = hashlib.blake2b(fairness_id.encode("utf-8", "surrogateescape"), digest_size=16)
+    return f"{GATEWAY_TENANT}:{digest.hexdigest()}"
 
 
 def _slo_ms(given: str) -> float:

@@ -78,11 +78,20 @@ class Tenant:
     """May read the server's numbers: /metrics, /api/stats (the dashboard's)."""
     timeout_cap_ms: float | None = None
     """A cap on this request's deadline: the gateway's x-slo-ttft-ms (gateway.py)."""
+    ids_of: str | None = None
+    """Whose request ids these are where not this tenant's alone: the caller behind a
+    tenant the gateway shares between fairness ids (gateway.py)."""
 
     @property
     def rank(self) -> int:
         """Its tier's place in the batch order: see TIER_RANKS."""
         return TIER_RANKS[self.tier]
+
+    @property
+    def id_scope(self) -> str:
+        """The namespace of its request ids (in flight, in the status API): its name, or
+        the caller's own where the tenant is shared."""
+        return self.name if self.ids_of is None else self.ids_of
 
 
 ANONYMOUS = "anonymous"
@@ -101,13 +110,16 @@ class TokenBucket:
         self.tokens = min(self.burst, self.tokens + (now - self.updated) * self.rate)
         self.updated = now
 
-    def take(self, now: float) -> float:
-        """Takes one token; returns 0, or the seconds until one will be there."""
+    def take(self, now: float, count: int = 1) -> float:
+        """Takes `count` tokens at once, or none; returns 0, or the seconds until they will
+        be there (never, for more than the burst: the caller refuses those first)."""
         self.refill(now)
-        if self.tokens >= 1:
-            self.tokens -= 1
+        if self.tokens >= count:
+            self.tokens -= count
             return 0.0
-        return (1 - self.tokens) / self.rate if self.rate > 0 else math.inf
+        if count > self.burst or self.rate <= 0:
+            return math.inf
+        return (count - self.tokens) / self.rate
 
     def seconds_to_full(self) -> float:
         return (self.burst - self.tokens) / self.rate if self.rate > 0 else math.inf
@@ -194,10 +206,10 @@ class KeyRing:
         return named
 
     def take(
-        self, tenant: Tenant, now: float, capacity_rps: float | None
+        self, tenant: Tenant, now: float, capacity_rps: float | None, count: int = 1
     ) -> tuple[float, TokenBucket]:
-        """Spends one of the tenant's tokens at its tier's rate for the live capacity:
-        (0 or seconds to wait, the tenant's bucket)."""
+        """Spends `count` of the tenant's tokens, all or none, at its tier's rate for the
+        live capacity: (0 or seconds to wait, the tenant's bucket)."""
         limits = self.limits[tenant.tier]
         rate = limits.rate_at(capacity_rps)
         bucket = self._buckets.get(tenant.name)
@@ -207,7 +219,7 @@ class KeyRing:
         else:
             bucket.refill(now)  # what accrued so far, at the rate it accrued at
             bucket.rate = rate
-        return bucket.take(now), bucket
+        return bucket.take(now, count), bucket
 
 
 _ANONYMOUS_LINE = re.compile(rf"""^\s*tenant\s*=\s*["']{ANONYMOUS}["']""", re.MULTILINE)
