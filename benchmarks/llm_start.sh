@@ -12,7 +12,8 @@ PYTHON=${PYTHON:-python}
 PORT=${PORT:-8768}
 CACHE=$(mktemp -d)
 trap 'rm -rf "$CACHE"' EXIT
-lscpu | grep -E '^(Model name|CPU\(s\)|Flags)' | cut -c1-200
+lscpu | grep -E '^(Model name|CPU\(s\))'
+echo "flags: $(grep -owE 'avx2|avx512f|avx512_bf16|amx_bf16' /proc/cpuinfo | sort -u | xargs)"
 echo "load average: $(cut -d' ' -f1-3 /proc/loadavg)"
 
 start() {

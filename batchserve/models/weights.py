@@ -2,8 +2,8 @@
 GGUF file kept so that the next start skips the conversion.
 
 transformers reads a .gguf file by dequantising every tensor and converting its tokenizer, at
-every start (SmolLM2-135M: 15-40 s on one core); the safetensors copy it writes the first time
-loads in under a second. The copy lives in `--weights-cache` (default
+every start (SmolLM2-135M: 15-100 s on one core); the safetensors copy written the first time
+loads in about a second once transformers is imported. The copy lives in `--weights-cache` (default
 `$XDG_CACHE_HOME/batchserve`, else `~/.cache/batchserve`), in a folder named after the file
 and a key of its resolved path, size, modification time and transformers' version (a changed
 file or converter makes a new copy). It is written to a temporary folder and renamed into
