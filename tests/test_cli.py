@@ -120,6 +120,13 @@ def test_switches_take_on_and_off_from_flags_and_the_environment(monkeypatch):
             marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is here"),
         ),
         (["--devices", "cpu"], "needs a model: give --fn or --fn-per-device"),
+        # A real generator on the default sim:4 is refused before it loads anything.
+        (["--generator", "tests.sample_models:broken"], "add --devices cpu (or --devices cuda)"),
+        (
+            ["--generator", "batchserve.models.causal_lm:load", "--devices", "sim:2"],
+            "batchserve.models.causal_lm:load loads a real model, which cannot run on the"
+            " simulated devices sim:2",
+        ),
         (["--fn", "tests.sample_models:nope"], "has no attribute nope"),
         (
             ["--fn-per-device", "tests.sample_models:broken"],

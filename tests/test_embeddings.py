@@ -1,5 +1,5 @@
 """POST /v1/embeddings, driven by the official openai client against live servers: a tiny
-embedder for the API's shape and errors, and the real all-MiniLM-L6-v2 on CPU."""
+embedder for the API's shape and errors, and the real all-MiniLM-L6-v2 on CPU (and CUDA)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,18 @@ import pytest
 from batchserve.models.minilm import load as load_minilm
 
 from .conftest import real_server
+
+
+def _cuda() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not _cuda(), reason="no CUDA"))]
+"""MiniLM's batch path on each device it can run on here (benchmarks/gpu_check.sh: a GPU's)."""
 
 
 def client_for(url: str) -> openai.AsyncOpenAI:
@@ -51,8 +63,9 @@ async def test_the_openai_client_gets_one_vector_per_input_in_order(tmp_path):
         await client.close()
 
 
-def test_minilm_matches_sentence_transformers_reference_shape_and_meaning():
-    model = load_minilm("cpu")
+@pytest.mark.parametrize("device", DEVICES)
+def test_minilm_matches_sentence_transformers_reference_shape_and_meaning(device):
+    model = load_minilm(device)
     short, longer = model(["a cat", "a kitten sleeps on the warm windowsill in the sun"])
     assert len(short) == len(longer) == model.embedding_dim == 384
     assert math.isclose(sum(x * x for x in short), 1.0, rel_tol=1e-5)
@@ -62,9 +75,10 @@ def test_minilm_matches_sentence_transformers_reference_shape_and_meaning():
     assert model.count_tokens("a cat") == 4  # [CLS] a cat [SEP]
 
 
-async def test_minilm_serves_the_openai_client_on_cpu():
+@pytest.mark.parametrize("device", DEVICES)
+async def test_minilm_serves_the_openai_client(device):
     async with real_server(
-        "--fn-per-device", "batchserve.models.minilm:load", "--devices", "cpu"
+        "--fn-per-device", "batchserve.models.minilm:load", "--devices", device
     ) as server:
         client = client_for(server.url)
         answer = await client.embeddings.create(

@@ -178,6 +178,22 @@ async def test_a_python_factory_that_loads_no_generator_stops_start_up():
             pass
 
 
+async def test_a_generator_loads_on_its_first_device_alone_and_a_failure_loads_no_other():
+    # The first load does the one-time work (imports, a weights conversion) without racing
+    # itself on every device thread; a model that cannot load is not loaded N times.
+    loads: list[str] = []
+
+    def broken(device: str) -> object:
+        loads.append(device)
+        raise RuntimeError("no weights found")
+
+    engine = engine_with(broken, devices="sim:3")
+    with pytest.raises(StartupError, match="failed to load on sim:0: RuntimeError: no weights"):
+        async with engine:
+            pass
+    assert loads == ["sim:0"]
+
+
 async def test_a_prompt_that_can_never_fit_is_refused_at_once():
     engine = Engine(Config(generator="sim", devices="sim:1", sim_step_ms=(0, 0), sim_kv_budget=50))
     async with engine:

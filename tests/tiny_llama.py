@@ -74,3 +74,64 @@ def taught_model(tok: Any, *, steps: int = 300, seed: int = 1) -> Any:
         taught(input_ids=ids, labels=ids).loss.backward()
         optimiser.step()
     return taught.eval()
+
+
+def write_gguf(path: Any, tok: Any, taught: Any) -> None:
+    """`taught` and `tok` as a float32 GGUF file, laid out as llama.cpp's converter writes a
+    Llama (its q and k rows permuted, which transformers' reader undoes), so that reading it
+    back gives the same tensors and token ids."""
+    import json
+
+    import gguf
+    import numpy
+
+    config = taught.config
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_vocab_size(len(tok))
+    bpe = json.loads(tok.backend_tokenizer.to_str())["model"]
+    tokens = sorted(bpe["vocab"], key=bpe["vocab"].__getitem__)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if token == EOS else 1 for token in tokens])  # 3: control
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in bpe["merges"]])
+    writer.add_eos_token_id(tok.eos_token_id)
+    writer.add_pad_token_id(tok.eos_token_id)
+    weights = {name: tensor.numpy() for name, tensor in taught.state_dict().items()}
+
+    def permuted(rows: Any, heads: int) -> Any:
+        return (
+            rows.reshape(heads, 2, rows.shape[0] // heads // 2, *rows.shape[1:])
+            .swapaxes(1, 2)
+            .reshape(rows.shape)
+        )
+
+    writer.add_tensor("token_embd.weight", weights["model.embed_tokens.weight"])
+    writer.add_tensor("output_norm.weight", weights["model.norm.weight"])
+    writer.add_tensor("output.weight", weights["lm_head.weight"])
+    names = {
+        "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+        "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+        "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+        "ffn_down": "mlp.down_proj",
+    }  # fmt: skip
+    for layer in range(config.num_hidden_layers):
+        for ours, theirs in names.items():
+            tensor = weights[f"model.layers.{layer}.{theirs}.weight"]
+            if ours == "attn_q":
+                tensor = permuted(tensor, config.num_attention_heads)
+            elif ours == "attn_k":
+                tensor = permuted(tensor, config.num_key_value_heads)
+            writer.add_tensor(f"blk.{layer}.{ours}.weight", numpy.ascontiguousarray(tensor))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()

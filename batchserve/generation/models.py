@@ -58,6 +58,21 @@ def build_generation_model(
             f"{flag} sim runs on sim:N devices, not {spec.devices}; name a generator"
             " (e.g. batchserve.models.tiny_gpt:load) for real devices"
         )
+    if (
+        isinstance(spec.generator, str)
+        and spec.generator != SIM
+        and any(name.startswith("sim:") for name in names)
+    ):
+        where = (
+            "add --devices cpu (or --devices cuda); sim:4, the default, is for the simulated"
+            " backend"
+            if spec.name == DEFAULT_MODEL
+            else 'give it devices = "cpu" (or "cuda")'
+        )
+        raise StartupError(
+            f"{flag} {spec.generator} loads a real model, which cannot run on the simulated"
+            f" devices {spec.devices}: {where}"
+        )
     fixed_ms, per_token_ms = config.sim_step_ms
     simulated = simulated_generator_factory(
         fixed_s=fixed_ms / 1e3,
@@ -71,6 +86,7 @@ def build_generation_model(
         model_path=spec.model_path or config.model_path,
         dtype=spec.dtype or config.dtype,
         kv_cache_bytes=config.kv_cache_bytes,
+        weights_cache=config.weights_cache,
     )
     return GenerationModel(
         spec,
@@ -177,11 +193,25 @@ class GenerationModel:
         )
 
     async def start(self) -> None:
-        """Loads the generator on every device, then starts their schedulers."""
-        outcomes = await asyncio.gather(
-            *(loop.load(self._factory) for loop in self.loops), return_exceptions=True
-        )
-        for loop, outcome in zip(self.loops, outcomes, strict=True):
+        """Loads the generator on its first device alone, then on the others together, then
+        starts their schedulers. The first load does the one-time work (imports, a weights
+        conversion) once, not racing itself on every device thread, and a model that cannot
+        load fails before its other copies are loaded."""
+        first, *others = self.loops
+        outcomes: list[Any] = []
+        for batch in ([first], others):
+            outcomes += await asyncio.gather(
+                *(loop.load(self._factory) for loop in batch), return_exceptions=True
+            )
+            self._raise_failed(outcomes)
+        self.count_tokens = token_counter(outcomes[0])
+        self.chat_prompt = chat_formatter(outcomes[0])
+        self.kv_budget = min(loop.kv_budget for loop in self.loops)
+        for loop in self.loops:
+            self._tasks.start(loop.run(self.mode), name=f"batchserve-steps-{loop.device}")
+
+    def _raise_failed(self, outcomes: list[Any]) -> None:
+        for loop, outcome in zip(self.loops, outcomes, strict=False):
             if isinstance(outcome, StartupError):
                 raise outcome
             if isinstance(outcome, BaseException):
@@ -189,11 +219,6 @@ class GenerationModel:
                     f"generator {self.spec.label} failed to load on {loop.device}:"
                     f" {type(outcome).__name__}: {outcome}"
                 )
-        self.count_tokens = token_counter(outcomes[0])  # type: ignore[arg-type]
-        self.chat_prompt = chat_formatter(outcomes[0])  # type: ignore[arg-type]
-        self.kv_budget = min(loop.kv_budget for loop in self.loops)
-        for loop in self.loops:
-            self._tasks.start(loop.run(self.mode), name=f"batchserve-steps-{loop.device}")
 
     async def aclose(self) -> None:
         await self._tasks.aclose()

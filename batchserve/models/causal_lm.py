@@ -42,6 +42,7 @@ from .generators import GeneratorSettings, Made, Seq, plain_chat_prompt
 from .kv_cache import PagedKV
 from .linears import LayerWeights, Products, layer_weights, mlp
 from .sampling import choose_tokens
+from .weights import load_pretrained, phase
 
 DTYPE_NAMES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
@@ -122,6 +123,13 @@ class CausalLM:
         for seq_id in seq_ids:
             self._held.pop(seq_id, None)
             self.cache.release(seq_id)
+
+    def warm_up(self) -> None:
+        """One token through every layer and back out, so that the first request does not
+        pay the first call's one-time costs (kernels chosen, memory first touched)."""
+        seq = Seq(id="batchserve-warm-up", prompt="", max_tokens=1)
+        self.step([seq])
+        self.release([seq.id])
 
     # The step
 
@@ -303,15 +311,17 @@ def load(device: str, settings: GeneratorSettings | None = None) -> CausalLM:
         torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
     dtype = getattr(torch, resolve_dtype(torch, settings.dtype, device))
     folder, gguf = model_files(settings.model_path)
-    options: dict[str, Any] = {"local_files_only": True}
-    if gguf is not None:
-        options["gguf_file"] = gguf
     try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(folder, **options)
-        model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **options)
+        tokenizer, model = load_pretrained(
+            transformers, folder, gguf, dtype=dtype, cache=settings.weights_cache
+        )
     except (OSError, ValueError) as exc:
         raise StartupError(f"--model-path {folder}: cannot load it: {exc}") from None
-    return CausalLM(model, tokenizer, device, kv_cache_bytes=settings.kv_cache_bytes)
+    with phase(f"moving the model to {device} and preparing its products"):
+        generator = CausalLM(model, tokenizer, device, kv_cache_bytes=settings.kv_cache_bytes)
+    with phase(f"warm-up step on {device}"):
+        generator.warm_up()
+    return generator
 
 
 def resolve_dtype(torch: Any, name: str, device: str) -> str:

@@ -92,6 +92,8 @@ class GeneratorSettings:
     """float32, bfloat16 or float16; auto: float32 on CPU, bfloat16 on a GPU that has it."""
     kv_cache_bytes: int = 256 * 2**20
     """The KV cache preallocated on each device, from which its token budget follows."""
+    weights_cache: str | None = None
+    """Where a GGUF file's converted copy is kept ("off": nowhere); None: the XDG cache."""
 
 
 class BadStep(RuntimeError):
