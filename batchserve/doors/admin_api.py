@@ -21,6 +21,7 @@ from ..config import BACKEND_BATCH_LIMIT, DTYPES
 from ..engine.core import Engine
 from ..errors import BatchserveError, InvalidInput, Unauthenticated
 from ..models.specs import MAX_NAME, SpecError, spec_from_fields
+from ..rules.tenants import bearer_secret
 from .openapi import Operation, errors, json_answer
 from .wire import error_response, json_response, read_json, request_id_of
 
@@ -82,9 +83,8 @@ class AdminApi:
 
 def authorize(authorization: str | None, key: bytes) -> None:
     """Raises Unauthenticated unless `authorization` is `Bearer <key>`."""
-    scheme, _, given = (authorization or "").partition(" ")
-    sent = given.strip().encode("utf-8", "surrogateescape")  # the bytes, UTF-8 or not
-    if scheme.lower() != "bearer" or not hmac.compare_digest(sent, key):
+    sent = bearer_secret(authorization)
+    if sent is None or not hmac.compare_digest(sent, key):
         raise Unauthenticated("send Authorization: Bearer <admin key>")
 
 
