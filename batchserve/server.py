@@ -62,6 +62,7 @@ from .doors.status_api import POLL, SUBMIT, StatusApi
 from .doors.wire import (
     INFERENCE_ANSWER,
     INFERENCE_BODY,
+    INPUT_LIKE,
     answer_response,
     error_response,
     json_response,
@@ -104,7 +105,7 @@ class InferenceApi:
     async def inference(self, request: web.BaseRequest) -> web.Response:
         engine = self._engine
         arrival = engine.clock.time()
-        call = await read_call(request, engine, "inference", arrival, parse_input)
+        call = await read_call(request, engine, "inference", arrival, parse_input, like=INPUT_LIKE)
         if isinstance(call, web.Response):
             return call
         request_id, tenant, ask = call
