@@ -139,9 +139,7 @@ async def test_bad_bodies_get_400_invalid_input(start_server, body, fragment):
         ("/v2/models/default/infer", '{"inputs": '),
     ],
 )
-async def test_a_body_that_is_not_an_object_is_told_what_its_route_takes(
-    start_server, path, field
-):
+async def test_a_body_that_is_not_an_object_is_told_what_its_route_takes(start_server, path, field):
     client, _ = await start_server(simulated_factory(0.0, 100))
     response = await client.post(path, data=b'["a list"]')
     assert response.status == 400
