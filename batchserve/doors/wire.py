@@ -6,7 +6,7 @@ The only module that turns the error tree (`errors.py`) into HTTP answers.
 from __future__ import annotations
 
 import math
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any, Generic, NamedTuple, TypeVar
 
@@ -103,7 +103,12 @@ def caller_tenant(request: web.BaseRequest, engine: Engine) -> Tenant | None:
 
 def request_id_of(request: web.BaseRequest) -> tuple[str, InvalidInput | None]:
     """The client's X-Request-Id, or a fresh one; an unusable id is replaced, never echoed."""
-    given = request.headers.get("X-Request-Id")
+    return request_id_in(request.headers)
+
+
+def request_id_in(headers: Mapping[str, str]) -> tuple[str, InvalidInput | None]:
+    """`request_id_of` from a request's headers (a head not yet a request has only them)."""
+    given = headers.get("X-Request-Id")
     if not given:
         return new_request_id(), None
     if len(given) > MAX_REQUEST_ID or not given.isprintable():
