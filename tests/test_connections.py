@@ -255,7 +255,12 @@ async def test_a_trickling_body_is_cut_by_its_deadline_though_no_gap_is_long(
     writer.close()
 
 
-async def test_with_keys_a_body_takes_the_budget_only_once_its_key_is_known(start_server, tmp_path):
+@pytest.mark.parametrize("path", ["/api/inference", "/v1/chat/completions"])
+async def test_with_keys_a_body_takes_the_budget_only_once_its_key_is_known(
+    start_server, tmp_path, path
+):
+    """The budget is full, yet a body still arriving without a known key gets its route's
+    own 401 (OpenAI's error shape on /v1), taking nothing, not a 503."""
     keys = tmp_path / "keys.toml"
     keys.write_text('[keys."sk-1"]\ntenant = "acme"\ntier = "paid"\n')
     client = await serve(
@@ -266,9 +271,11 @@ async def test_with_keys_a_body_takes_the_budget_only_once_its_key_is_known(star
     held.write(raw_http.post("/api/inference", BODY, b"Authorization: Bearer sk-1")[:-2])
     await until(lambda: budget.held == len(BODY))  # the budget is full
     for key in (b"", b"Authorization: Bearer sk-wrong"):
-        unkeyed = raw_http.post("/api/inference", b"a" * 100, b"X-Request-Id: nokey", key)
+        unkeyed = raw_http.post(path, b"a" * 100, b"X-Request-Id: nokey", key)
         [refused] = await raw_http.exchange(client.host, client.port, unkeyed[:-50])
-        assert (refused.status, refused.json()["error"]) == (401, "UNAUTHENTICATED")
+        error = refused.json()["error"]
+        code = error["code"] if isinstance(error, dict) else error
+        assert (refused.status, code) == (401, "UNAUTHENTICATED")
         assert refused.headers["x-request-id"] == "nokey"
         assert budget.held == len(BODY)
     held.write(b'"}')

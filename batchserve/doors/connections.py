@@ -17,10 +17,11 @@ aiohttp bounds a connection only while it waits for a request (its keep-alive ti
 A connection past a deadline is closed: at once when no request is being handled, else
 once the answer in hand is written (an unsent answer is dropped). A request whose body its
 head did not bring whole is first checked on its head alone (`refused_by_head`: its key,
-its Content-Length), so a caller without a key takes nothing; then its body counts, for its
-Content-Length (the body limit when chunked), against one `BodyBudget`, in all and for its
-client's address. A request refused there is answered (401, 413, 503 OVERLOADED) and its
-connection closed.
+its Content-Length): one refused there takes none of the budget, and its handler refuses
+it (401, 413, in its route's own error shape) without reading its body. The body of any
+other counts, for its Content-Length (the body limit when chunked), against one
+`BodyBudget`, in all and for its client's address; a request whose body does not fit is
+answered 503 OVERLOADED and its connection closed.
 
 aiohttp answers what it cannot parse itself, in plain text and with a traceback in the log;
 here it is the API's JSON error with an `X-Request-Id`, and one line in the log. Pipelined
@@ -194,7 +195,7 @@ class Connection(RequestHandler):
     def _parsed(self) -> None:
         """After a segment that completed one or more heads: the head deadline is met; the
         last request's body, if still arriving, is checked on its head (keys first), then
-        takes its share of the budget; else the request is answered with why not."""
+        takes its share of the budget, or its request is answered 503."""
         if self._head_timer is not None:
             self._head_timer.cancel()
             self._head_timer = None
@@ -207,10 +208,12 @@ class Connection(RequestHandler):
         length = message.headers.get(hdrs.CONTENT_LENGTH)
         limit = self._settings.max_body_bytes
         size = limit if length is None else min(int(length), limit)
-        refusal = self._refused_by_head(message.url.path, message.headers)
-        if refusal is None:
-            refusal = self._budget.reserve(self._address, size)
-        if refusal is not None:
+        if self._refused_by_head(message.url.path, message.headers) is not None:
+            # Its handler refuses it on the same head, in its route's own words, and reads
+            # none of it: it takes no budget, and the connection closes after that answer
+            # rather than lingering to read the rest.
+            size, self._lingering_time = 0, 0.0
+        elif refusal := self._budget.reserve(self._address, size):
             self._messages[-1] = (_ErrInfo(refusal.status, refusal, str(refusal)), EMPTY_PAYLOAD)
             self._refused, self._refusal = True, (refusal, request_id_in(message.headers)[0])
             return
