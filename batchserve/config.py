@@ -202,6 +202,20 @@ class Config:
         help="a request body that stalls this long between two of its bytes has its connection"
         " closed",
     )
+    body_deadline_s: float = setting(
+        60.0,
+        help="a request body must arrive whole within this of its head, however steadily it"
+        " trickles; else its connection is closed",
+    )
+    body_min_rate: float = setting(
+        1024.0,
+        help="bytes a second a request body must average once --body-rate-grace-s has passed:"
+        " T s after its head, at least this x (T - grace) bytes must have arrived, else its"
+        " connection is closed; 0 sets no minimum",
+    )
+    body_rate_grace_s: float = setting(
+        10.0, help="how long a request body may take before --body-min-rate applies to it"
+    )
     keepalive_timeout_s: float = setting(
         15.0,
         help="an idle keep-alive connection (answered, no next request begun) is closed after this",
@@ -214,8 +228,16 @@ class Config:
     max_unfinished_body_bytes: int = setting(
         128 << 20,
         help="most bytes that request bodies still arriving may hold, over all connections;"
-        " each counts its Content-Length (the body limit when chunked) until its last byte. A"
-        " request whose body does not fit gets 503 OVERLOADED and its connection closes",
+        " each counts its Content-Length (the body limit when chunked) until its last byte,"
+        " and with --keys-file only once its key is known (else 401 first). A request whose"
+        " body does not fit gets 503 OVERLOADED and its connection closes",
+    )
+    max_unfinished_body_bytes_per_address: int = setting(
+        32 << 20,
+        help="most of --max-unfinished-body-bytes that the bodies from one client address (an"
+        " IPv6 /64; none on --uds) may hold; past it, 503 OVERLOADED and the connection"
+        " closes. Behind a proxy that does not buffer bodies every client has its address:"
+        " raise this there",
     )
     keys_file: str | None = setting(
         None,
@@ -427,11 +449,18 @@ class Config:
             (self.step_tokens >= 1, "step_tokens must be 1 or more"),
             (
                 all(0 < timeout <= 86_400 for timeout in self.connection_timeouts),
-                "header, body, keepalive and write timeouts must be more than 0 s, at most a day",
+                "header, body, body deadline, keepalive and write timeouts must be more than"
+                " 0 s, at most a day",
             ),
             (
-                self.max_unfinished_body_bytes >= 1,
-                "max_unfinished_body_bytes must be 1 or more",
+                0 <= self.body_rate_grace_s <= 86_400,
+                "body_rate_grace_s must be 0 s or more, at most a day",
+            ),
+            (self.body_min_rate >= 0, "body_min_rate must be 0 or more"),
+            (
+                min(self.max_unfinished_body_bytes, self.max_unfinished_body_bytes_per_address)
+                >= 1,
+                "max_unfinished_body_bytes and its per-address bound must be 1 or more",
             ),
             (
                 self.generator is None or (self.fn is None and self.fn_per_device is None),
@@ -462,10 +491,11 @@ class Config:
         return [f.name for f in fields(self) if f.name not in bounded]
 
     @property
-    def connection_timeouts(self) -> tuple[float, float, float, float]:
+    def connection_timeouts(self) -> tuple[float, float, float, float, float]:
         return (
             self.header_timeout_s,
             self.body_timeout_s,
+            self.body_deadline_s,
             self.keepalive_timeout_s,
             self.write_timeout_s,
         )

@@ -25,7 +25,7 @@ OpenAPI operation, beside the fast door and the runner that the fast paths need.
 from __future__ import annotations
 
 import functools
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 
 from aiohttp import hdrs, web
 
@@ -62,6 +62,7 @@ from .doors.status_api import POLL, SUBMIT, StatusApi
 from .doors.wire import (
     INFERENCE_ANSWER,
     INFERENCE_BODY,
+    INPUT_LIKE,
     answer_response,
     error_response,
     json_response,
@@ -104,7 +105,7 @@ class InferenceApi:
     async def inference(self, request: web.BaseRequest) -> web.Response:
         engine = self._engine
         arrival = engine.clock.time()
-        call = await read_call(request, engine, "inference", arrival, parse_input)
+        call = await read_call(request, engine, "inference", arrival, parse_input, like=INPUT_LIKE)
         if isinstance(call, web.Response):
             return call
         request_id, tenant, ask = call
@@ -361,6 +362,7 @@ class AppRunner(web.AppRunner):
             request_factory=server.request_factory,
             handler_cancellation=server.handler_cancellation,
             settings=lambda: engine.config,
+            refused_by_head=functools.partial(refused_by_head, engine),
             **server._kwargs,
         )
 
@@ -399,7 +401,7 @@ async def _expecting(
     if request.headers[hdrs.EXPECT].lower() != "100-continue":
         refusal = status_response(417, "the only expectation met is 100-continue", request_id)
     else:
-        error = _refused_by_head(engine, request)
+        error = refused_by_head(engine, request.path, request.headers)
         if error is None:
             return await answer_routed(request)
         refusal = error_response(error, request_id)
@@ -409,19 +411,20 @@ async def _expecting(
     return refusal
 
 
-def _refused_by_head(engine: Engine, request: web.BaseRequest) -> BatchserveError | None:
-    """What a request with a body would be refused for before its body is read: 413 for a
-    Content-Length over the limit, 401 for a missing or unknown key (the admin key on the
-    admin routes)."""
+def refused_by_head(
+    engine: Engine, path: str, headers: Mapping[str, str]
+) -> BatchserveError | None:
+    """What a request whose body is yet to come is refused for before any of it is read:
+    413 for a Content-Length over the limit, 401 for a missing or unknown key (the admin key
+    on the admin routes). Asked for `Expect: 100-continue`, and by each connection before a
+    body still arriving takes any of the budget of unfinished bodies (keys first)."""
     config = engine.config
-    length = request.content_length
-    if length is not None and length > config.max_body_bytes:
+    length = headers.get(hdrs.CONTENT_LENGTH)
+    if length is not None and int(length) > config.max_body_bytes:
         return too_large(config.max_body_bytes)
-    if request.method not in ("POST", "PUT", "PATCH"):
-        return None
-    authorization = request.headers.get("Authorization")
+    authorization = headers.get("Authorization")
     try:
-        if request.path.startswith(ADMIN_PREFIX) and config.admin_key:
+        if path.startswith(ADMIN_PREFIX) and config.admin_key:
             authorize(authorization, config.admin_key.encode())
         elif config.keys_file:
             engine.authenticate(authorization)

@@ -16,7 +16,9 @@ from collections.abc import Callable
 import pytest
 from aiohttp.test_utils import TestClient
 
-from batchserve.doors.connections import ConnectionServer
+from batchserve.config import Config
+from batchserve.doors.body_budget import client_address
+from batchserve.doors.connections import ConnectionServer, body_due
 from batchserve.models.backends import simulated_factory
 
 from . import raw_http
@@ -26,6 +28,8 @@ DAY = 86_400.0
 LONG = {
     "header_timeout_s": DAY,
     "body_timeout_s": DAY,
+    "body_deadline_s": DAY,
+    "body_min_rate": 0.0,
     "keepalive_timeout_s": DAY,
     "write_timeout_s": DAY,
 }
@@ -188,3 +192,139 @@ async def test_a_malformed_request_after_good_ones_in_one_segment_costs_only_its
     good = first.count(b"HTTP/1.1")
     assert [a.status for a in answers] == [200] * good + [400]
     assert answers[-1].json()["error"] == "INVALID_INPUT"
+
+
+def cut_at(settings: Config, arrivals: list[tuple[float, int]]) -> tuple[float, str]:
+    """When and by which rule a body is cut whose bytes come as `arrivals` (time after its
+    head, bytes), by `body_due` as the connection applies it: the first due before the next
+    arrival."""
+    seen, received = 0.0, 0
+    for at, size in arrivals:
+        due, rule = body_due(settings, 0.0, seen, received)
+        if due <= at:
+            return due, rule
+        seen, received = at, received + size
+    return body_due(settings, 0.0, seen, received)
+
+
+def test_a_trickle_that_meets_every_gap_is_cut_at_the_whole_body_deadline():
+    """A byte every 20 s never stalls the 30 s gap, yet the body ends 60 s after its head."""
+    settings = Config(body_timeout_s=30, body_deadline_s=60, body_min_rate=0)
+    trickle = [(20.0 * n, 1) for n in range(1, 1000)]
+    assert cut_at(settings, trickle) == (60.0, "whole-body")
+
+
+def test_a_body_below_the_minimum_rate_is_cut_once_past_its_grace():
+    """1 KiB/s after 10 s of grace: 512 B/s falls behind at 20 s; 2 KiB/s never does."""
+    settings = Config(body_deadline_s=DAY, body_min_rate=1024, body_rate_grace_s=10)
+    slow = [(n / 10, 51) for n in range(1, 100_000)]  # 510 B/s, a tenth of a second apart
+    due, rule = cut_at(settings, slow)
+    assert rule == "body rate"
+    assert 19.5 < due < 20.5
+    steady = [(n / 10, 205) for n in range(1, 10_000)]  # 2050 B/s, for 1,000 s
+    assert cut_at(settings, steady)[0] > 1_000
+
+
+@pytest.mark.parametrize(
+    ("settings", "rule"),
+    [
+        ({"body_deadline_s": 0.01}, "whole-body"),
+        ({"body_min_rate": 1e12, "body_rate_grace_s": 0.0}, "body rate"),
+    ],
+)
+async def test_a_trickling_body_is_cut_by_its_deadline_though_no_gap_is_long(
+    start_server, caplog, settings, rule
+):
+    """Its gap deadline is a day, and a byte comes at every turn of the loop until the
+    server closes the connection."""
+    caplog.set_level(logging.INFO, logger="batchserve.connections")
+    client = await serve(start_server, **settings)
+    reader, writer = await asyncio.open_connection(client.host, client.port)
+    writer.write(b"POST /api/inference HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000\r\n\r\n")
+    closed = asyncio.ensure_future(reader.read())  # to end of stream, or a reset
+    async with asyncio.timeout(HANG_GUARD_S):
+        with contextlib.suppress(ConnectionError):
+            while not closed.done():
+                writer.write(b"a")
+                await asyncio.sleep(0)
+        with contextlib.suppress(ConnectionError):  # closed with bytes unread: a reset
+            assert await closed == b""
+    assert f"its {rule} deadline passed" in caplog.text
+    await until(lambda: not connections(client).connections)
+    assert connections(client).budget.held == 0
+    writer.close()
+
+
+@pytest.mark.parametrize("path", ["/api/inference", "/v1/chat/completions"])
+async def test_with_keys_a_body_takes_the_budget_only_once_its_key_is_known(
+    start_server, tmp_path, path
+):
+    """The budget is full, yet a body still arriving without a known key gets its route's
+    own 401 (OpenAI's error shape on /v1), taking nothing, not a 503."""
+    keys = tmp_path / "keys.toml"
+    keys.write_text('[keys."sk-1"]\ntenant = "acme"\ntier = "paid"\n')
+    client = await serve(
+        start_server, keys_file=str(keys), max_unfinished_body_bytes=len(BODY) + 10
+    )
+    budget = connections(client).budget
+    held_reader, held = await asyncio.open_connection(client.host, client.port)
+    held.write(raw_http.post("/api/inference", BODY, b"Authorization: Bearer sk-1")[:-2])
+    await until(lambda: budget.held == len(BODY))  # the budget is full
+    for key in (b"", b"Authorization: Bearer sk-wrong"):
+        unkeyed = raw_http.post(path, b"a" * 100, b"X-Request-Id: nokey", key)
+        [refused] = await raw_http.exchange(client.host, client.port, unkeyed[:-50])
+        error = refused.json()["error"]
+        code = error["code"] if isinstance(error, dict) else error
+        assert (refused.status, code) == (401, "UNAUTHENTICATED")
+        assert refused.headers["x-request-id"] == "nokey"
+        assert budget.held == len(BODY)
+    held.write(b'"}')
+    answer = await raw_http.read_answer(held_reader)
+    assert answer is not None
+    assert answer.status == 200
+    assert budget.held == 0
+    held.close()
+
+
+async def test_one_address_holds_at_most_its_bound_while_another_gets_through(start_server):
+    client = await serve(
+        start_server,
+        max_unfinished_body_bytes=10 * len(BODY),
+        max_unfinished_body_bytes_per_address=len(BODY) + 10,
+    )
+    budget = connections(client).budget
+    partial = raw_http.post("/api/inference", BODY)[:-2]
+    first_reader, first = await asyncio.open_connection(client.host, client.port)
+    first.write(partial)
+    await until(lambda: budget.held == len(BODY))
+    [refused] = await raw_http.exchange(client.host, client.port, partial)
+    assert (refused.status, refused.json()["error"]) == (503, "OVERLOADED")
+    assert "client address" in refused.json()["message"]
+    other_reader, other = await asyncio.open_connection(
+        client.host, client.port, local_addr=("127.0.0.2", 0)
+    )
+    other.write(partial)
+    await until(lambda: budget.held == 2 * len(BODY))
+    assert budget.by_address == {"127.0.0.1": len(BODY), "127.0.0.2": len(BODY)}
+    for reader, writer in ((first_reader, first), (other_reader, other)):
+        writer.write(b'"}')
+        answer = await raw_http.read_answer(reader)
+        assert answer is not None
+        assert answer.status == 200
+        writer.close()
+    assert (budget.held, budget.by_address) == (0, {})
+
+
+@pytest.mark.parametrize(
+    ("peername", "address"),
+    [
+        (("203.0.113.7", 4711), "203.0.113.7"),
+        (("::ffff:203.0.113.7", 4711, 0, 0), "203.0.113.7"),
+        (("2001:db8:1:2:aaaa::1", 4711, 0, 0), "2001:db8:1:2::/64"),
+        (("2001:db8:1:2:bbbb::9", 4711, 0, 0), "2001:db8:1:2::/64"),
+        ("", None),  # a Unix socket
+        (None, None),
+    ],
+)
+def test_a_client_address_is_its_ipv4_address_or_its_ipv6_slash_64(peername, address):
+    assert client_address(peername) == address

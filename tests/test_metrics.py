@@ -20,7 +20,8 @@ from batchserve.models.backends import POISON_MARKER, simulated_factory
 from batchserve.observability.metrics import desired_replicas
 from batchserve.observability.window import WINDOW_S, RecentWindow, window_numbers
 
-from .conftest import hold_one_and_queue_one, reach
+from . import raw_http
+from .conftest import HANG_GUARD_S, hold_one_and_queue_one, reach
 
 
 async def scrape(client: TestClient) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -174,6 +175,43 @@ async def test_access_log_has_one_json_line_per_answer_and_never_the_input(start
     assert (bad["status"], bad["error"]) == (400, "INVALID_INPUT")
     assert "secret" not in caplog.text
     assert "terces" not in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("path", "route", "body"),
+    [
+        ("/api/inference", "inference", b'{"input": "gone"}'),
+        (
+            "/v2/models/default/infer",
+            "oip",
+            b'{"inputs": [{"name": "input", "datatype": "BYTES", "shape": [1], "data": ["gone"]}]}',
+        ),
+    ],
+)
+async def test_a_batch_client_that_leaves_is_logged_and_counted_499(
+    start_server, gated, caplog, path, route, body
+):
+    """As a generation whose client leaves: one access-log line and a 499 in the metrics."""
+    caplog.set_level(logging.INFO, logger="batchserve.access")
+    client, engine = await start_server(gated, access_log=True)
+    _, writer = await asyncio.open_connection(client.host, client.port)
+    writer.write(raw_http.post(path, body, b"X-Request-Id: left"))
+    await gated.entered("sim:0")
+    writer.close()
+    await writer.wait_closed()
+    async with asyncio.timeout(HANG_GUARD_S):  # the server learns of it on its loop
+        while engine.stats().pending:  # noqa: ASYNC110
+            await asyncio.sleep(0)
+    [line] = [json.loads(r.getMessage()) for r in caplog.records if r.name == "batchserve.access"]
+    assert (line["route"], line["request_id"]) == (route, "left")
+    assert (line["status"], line["error"]) == (499, "CLIENT_CLOSED")
+    scraped = await (await client.get("/metrics")).text()
+    [family] = [
+        f for f in text_string_to_metric_families(scraped) if f.name == "batchserve_requests"
+    ]
+    left = [s for s in family.samples if s.labels["code"] == "499" and s.labels["route"] == route]
+    assert [(s.labels["error"], s.value) for s in left] == [("CLIENT_CLOSED", 1.0)]
+    gated.gate.set()
 
 
 def test_recent_window_percentiles_and_throughput():

@@ -127,6 +127,29 @@ async def test_bad_bodies_get_400_invalid_input(start_server, body, fragment):
     assert engine.stats().pending == 0
 
 
+@pytest.mark.parametrize(
+    ("path", "field"),
+    [
+        ("/api/inference", '{"input": '),
+        ("/api/requests", '{"input": '),
+        ("/v1/embeddings", '"input": '),
+        ("/v1/completions", '"prompt": '),
+        ("/v1/chat/completions", '"messages": '),
+        ("/api/generate", '{"prompt": '),
+        ("/v2/models/default/infer", '{"inputs": '),
+    ],
+)
+async def test_a_body_that_is_not_an_object_is_told_what_its_route_takes(start_server, path, field):
+    client, _ = await start_server(simulated_factory(0.0, 100))
+    response = await client.post(path, data=b'["a list"]')
+    assert response.status == 400
+    answer = await response.json()
+    error = answer["error"]  # OpenAI's shape nests the message; OIP's error is the message
+    message = error["message"] if isinstance(error, dict) else answer.get("message", error)
+    assert message.startswith("the body must be a JSON object like "), message
+    assert field in message
+
+
 async def test_bad_timeout_header_and_overlong_request_id_get_400(start_server):
     client, _ = await start_server(simulated_factory(0.0, 100))
     response = await client.post(

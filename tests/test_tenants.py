@@ -347,21 +347,34 @@ async def test_capacity_follows_a_device_that_hangs(start_server, gated: GatedBa
         ("POST", "/v1/completions"),
         ("POST", "/v1/chat/completions"),
         ("POST", "/api/generate"),
+        ("GET", "/api/models"),
+        ("GET", "/v1/models"),
+        ("GET", "/v1/models/default"),
+        ("GET", "/v2/models/default"),
+        ("GET", "/v2/models/default/ready"),
+        ("POST", "/v2/models/default/infer"),
+        ("GET", "/metrics"),  # these three need an operator key
+        ("GET", "/metrics/picker"),
+        ("GET", "/api/stats"),
     ],
 )
 async def test_a_key_that_is_not_utf_8_is_401_like_any_unknown_key(
     start_server, keys_file, method, path
 ):
     """aiohttp decodes header bytes that are not UTF-8 to lone surrogates, which a plain
-    `str.encode` refuses: the key is compared as the bytes the client sent."""
-    client, _ = await start_server(simulated_factory(0.0, 100), keys_file=keys_file)
+    `str.encode` refuses: the key is compared as the bytes the client sent, on every route
+    that checks one (the operator check with an admin key set, too)."""
+    client, _ = await start_server(
+        simulated_factory(0.0, 100), keys_file=keys_file, admin_key="sk-admin"
+    )
     body = b'{"input": "abc", "prompt": "abc", "messages": []}'
     request = raw_http.post(path, body, b"Authorization: Bearer sk-\xff\xfe", b"Connection: close")
     if method == "GET":
         request = request.replace(b"POST", b"GET", 1)
     [answer] = await raw_http.exchange(client.host, client.port, request)
-    error = answer.json()["error"]
-    code = error["code"] if isinstance(error, dict) else error  # OpenAI's shape nests it
+    body = answer.json()
+    error = body["error"]  # OpenAI's shape nests the code, OIP's puts it beside
+    code = error["code"] if isinstance(error, dict) else body.get("code", error)
     assert (answer.status, code) == (401, "UNAUTHENTICATED")
     assert answer.headers["www-authenticate"] == "Bearer"
 

@@ -21,6 +21,7 @@ from ..config import BACKEND_BATCH_LIMIT, DTYPES
 from ..engine.core import Engine
 from ..errors import BatchserveError, InvalidInput, Unauthenticated
 from ..models.specs import MAX_NAME, SpecError, spec_from_fields
+from ..rules.tenants import bearer_secret
 from .openapi import Operation, errors, json_answer
 from .wire import error_response, json_response, read_json, request_id_of
 
@@ -53,7 +54,7 @@ class AdminApi:
         return json_response(status, body, {"X-Request-Id": request_id})
 
     async def _put(self, request: web.Request, name: str, version: str) -> dict[str, Any]:
-        fields = await read_json(request, self._engine.config.max_body_bytes)
+        fields = await read_json(request, self._engine.config.max_body_bytes, PUT_LIKE)
         for field, value in (("name", name), ("version", version)):
             if fields.setdefault(field, value) != value:
                 raise InvalidInput(f"field {field!r} differs from the path's {value!r}")
@@ -68,7 +69,7 @@ class AdminApi:
         return {"name": name, **self._engine.versions.add(spec, self._engine.config)}
 
     async def _patch(self, request: web.Request, name: str, version: str) -> dict[str, Any]:
-        fields = await read_json(request, self._engine.config.max_body_bytes)
+        fields = await read_json(request, self._engine.config.max_body_bytes, '{"weight": 2}')
         weight = fields.get("weight")
         if set(fields) != {"weight"}:
             raise InvalidInput("PATCH takes one field, 'weight'")
@@ -82,9 +83,8 @@ class AdminApi:
 
 def authorize(authorization: str | None, key: bytes) -> None:
     """Raises Unauthenticated unless `authorization` is `Bearer <key>`."""
-    scheme, _, given = (authorization or "").partition(" ")
-    sent = given.strip().encode("utf-8", "surrogateescape")  # the bytes, UTF-8 or not
-    if scheme.lower() != "bearer" or not hmac.compare_digest(sent, key):
+    sent = bearer_secret(authorization)
+    if sent is None or not hmac.compare_digest(sent, key):
         raise Unauthenticated("send Authorization: Bearer <admin key>")
 
 
@@ -123,6 +123,10 @@ PUT_BODY: dict[str, Any] = {
     },
 }  # fmt: skip
 """The admin PUT's body: the models file's fields (models/specs.py) a batch version takes."""
+
+
+PUT_LIKE = '{"fn": "package.module:attr", "devices": "sim:2"}'
+"""What the admin PUT's body looks like, for one that does not (a models-file entry)."""
 
 
 def _as_devices(names: list[str]) -> str:

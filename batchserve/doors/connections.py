@@ -6,16 +6,22 @@ aiohttp bounds a connection only while it waits for a request (its keep-alive ti
 
 - header: a request's head must arrive whole within `header_timeout_s` of the
   connection's opening or of the head's first byte;
-- body: a body must not stall for `body_timeout_s` between two of its bytes;
+- body: a body must not stall for `body_timeout_s` between two of its bytes, must arrive
+  whole within `body_deadline_s` of its head, and, after `body_rate_grace_s`, must
+  average `body_min_rate` bytes a second (`body_due`): a trickle of a byte now and then
+  meets the first rule, never the other two;
 - write: bytes of an answer that the client does not take stay unsent at most
   `write_timeout_s` (the transport's buffer signals any unsent byte, not only 64 KiB);
 - keep-alive: aiohttp's own, `keepalive_timeout_s` between answer and next request.
 
 A connection past a deadline is closed: at once when no request is being handled, else
-once the answer in hand is written (an unsent answer is dropped). The bytes of every body
-still arriving count, for its Content-Length (the body limit when chunked), against one
-`BodyBudget`; a request whose body does not fit is answered 503 OVERLOADED and its
-connection closed.
+once the answer in hand is written (an unsent answer is dropped). A request whose body its
+head did not bring whole is first checked on its head alone (`refused_by_head`: its key,
+its Content-Length): one refused there takes none of the budget, and its handler refuses
+it (401, 413, in its route's own error shape) without reading its body. The body of any
+other counts, for its Content-Length (the body limit when chunked), against one
+`BodyBudget`, in all and for its client's address; a request whose body does not fit is
+answered 503 OVERLOADED and its connection closed.
 
 aiohttp answers what it cannot parse itself, in plain text and with a traceback in the log;
 here it is the API's JSON error with an `X-Request-Id`, and one line in the log. Pipelined
@@ -30,8 +36,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
 
 from aiohttp import hdrs, web
 from aiohttp.compression_utils import HAS_BROTLI, HAS_ZSTD
@@ -41,8 +47,9 @@ from aiohttp.streams import EMPTY_PAYLOAD, StreamReader
 from aiohttp.web_protocol import RequestHandler, RequestPayloadError, _ErrInfo
 
 from ..config import Config
-from ..errors import BatchserveError, InvalidInput, Overloaded
-from .wire import error_response, request_id_of, status_response
+from ..errors import BatchserveError, InvalidInput
+from .body_budget import BodyBudget, client_address
+from .wire import error_response, request_id_in, request_id_of, status_response
 
 log = logging.getLogger("batchserve.connections")
 MAX_REASON = 200
@@ -52,49 +59,68 @@ DECODED_ENCODINGS = ", ".join(["gzip", "deflate"] + ["br"] * HAS_BROTLI + ["zstd
 installed (tritonclient[http], in the test extra, brings brotli)."""
 
 
-class BodyBudget:
-    """The bytes that unfinished request bodies may hold across every connection."""
+HeadCheck = Callable[[str, Mapping[str, str]], BatchserveError | None]
+"""What a request (its path, its headers) is refused for before any of its body is read:
+server.py's `refused_by_head` (a missing or unknown key, a Content-Length over the limit)."""
+BodyRule = Literal["body", "whole-body", "body rate"]
 
-    def __init__(self, limit: Callable[[], int]) -> None:
-        self._limit = limit
-        self.held = 0
 
-    def __repr__(self) -> str:
-        return f"<BodyBudget held={self.held} limit={self._limit()}>"
-
-    def reserve(self, size: int) -> bool:
-        if self.held + size > self._limit():
-            return False
-        self.held += size
-        return True
-
-    def release(self, size: int) -> None:
-        self.held -= size
+def body_due(settings: Config, start: float, seen: float, received: int) -> tuple[float, BodyRule]:
+    """When a body still arriving is cut, and by which rule: `body_timeout_s` after its last
+    byte (`seen`), `body_deadline_s` after its head (`start`), or once fewer than
+    `body_min_rate` bytes a second have come since `body_rate_grace_s` after its head
+    (`received` bytes so far). Each moves only later as bytes come."""
+    due: list[tuple[float, BodyRule]] = [
+        (seen + settings.body_timeout_s, "body"),
+        (start + settings.body_deadline_s, "whole-body"),
+    ]
+    if settings.body_min_rate > 0:
+        paid = received / settings.body_min_rate
+        due.append((start + settings.body_rate_grace_s + paid, "body rate"))
+    return min(due)
 
 
 class ConnectionServer(web.Server):
     """aiohttp's server, making a `Connection` for each connection, with the settings of
     the moment (a reload applies to connections opened after it)."""
 
-    def __init__(self, *args: Any, settings: Callable[[], Config], **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        settings: Callable[[], Config],
+        refused_by_head: HeadCheck,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
         self._settings = settings
-        self.budget = BodyBudget(lambda: settings().max_unfinished_body_bytes)
+        self._refused_by_head = refused_by_head
+        self.budget = BodyBudget(
+            lambda: settings().max_unfinished_body_bytes,
+            lambda: settings().max_unfinished_body_bytes_per_address,
+        )
 
     def __call__(self) -> Connection:
         settings = self._settings()
         kwargs = {**self._kwargs, "keepalive_timeout": settings.keepalive_timeout_s}
-        return Connection(self, settings, self.budget, loop=self._loop, **kwargs)
+        return Connection(
+            self, settings, self.budget, self._refused_by_head, loop=self._loop, **kwargs
+        )
 
 
 class Connection(RequestHandler):
     __slots__ = (
-        "_body", "_body_held", "_body_seen", "_body_timer", "_budget", "_head_timer",
-        "_refused", "_settings", "_write_timer",
+        "_address", "_body", "_body_held", "_body_received", "_body_seen", "_body_start",
+        "_body_timer", "_budget", "_head_timer", "_refusal", "_refused", "_refused_by_head",
+        "_settings", "_write_timer",
     )  # fmt: skip
 
     def __init__(
-        self, manager: web.Server, settings: Config, budget: BodyBudget, **kwargs: Any
+        self,
+        manager: web.Server,
+        settings: Config,
+        budget: BodyBudget,
+        refused_by_head: HeadCheck,
+        **kwargs: Any,
     ) -> None:
         super().__init__(manager, **kwargs)
         # A parser that stops after each complete request: aiohttp's, given a segment that
@@ -107,18 +133,27 @@ class Connection(RequestHandler):
         )  # fmt: skip
         self._settings = settings
         self._budget = budget
+        self._refused_by_head = refused_by_head
+        self._address: str | None = None
+        """The client's address, as the budget bounds it (`client_address`)."""
         self._head_timer: asyncio.TimerHandle | None = None
         self._body: StreamReader | None = None
         """The body still arriving, of the last request parsed."""
         self._body_held = 0
-        self._body_seen = 0.0
+        self._body_start = self._body_seen = 0.0
+        """When its head was whole; when its last bytes came."""
+        self._body_received = 0
+        """Its bytes come since its head, as sent (compressed, chunk sizes and all)."""
         self._body_timer: asyncio.TimerHandle | None = None
         self._write_timer: asyncio.TimerHandle | None = None
         self._refused = False
         """Answered with a refusal that closes the connection: nothing more is parsed."""
+        self._refusal: tuple[BatchserveError, str] | None = None
+        """The refusal of a request refused on its head, and that request's id."""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
+        self._address = client_address(transport.get_extra_info("peername"))
         # Any byte the kernel does not take at once pauses writing (and starts the write
         # deadline); writing resumes once every byte is gone.
         transport.set_write_buffer_limits(high=0)  # type: ignore[attr-defined]
@@ -137,6 +172,7 @@ class Connection(RequestHandler):
             return
         if self._body is not None:
             self._body_seen = self._loop.time()
+            self._body_received += len(data)
         before = queued = len(self._messages)
         super().data_received(data)
         # The parser stops after each request: parse on while it finds more, up to the
@@ -158,7 +194,8 @@ class Connection(RequestHandler):
 
     def _parsed(self) -> None:
         """After a segment that completed one or more heads: the head deadline is met; the
-        last request's body, if still arriving, takes its share of the budget."""
+        last request's body, if still arriving, is checked on its head (keys first), then
+        takes its share of the budget, or its request is answered 503."""
         if self._head_timer is not None:
             self._head_timer.cancel()
             self._head_timer = None
@@ -171,17 +208,21 @@ class Connection(RequestHandler):
         length = message.headers.get(hdrs.CONTENT_LENGTH)
         limit = self._settings.max_body_bytes
         size = limit if length is None else min(int(length), limit)
-        if not self._budget.reserve(size):
-            refusal = Overloaded(
-                "the server holds as many unfinished request bodies as it may; send again",
-                retry_after_s=1.0,
-            )
-            self._messages[-1] = (_ErrInfo(503, refusal, str(refusal)), EMPTY_PAYLOAD)
-            self._refused = True
+        if self._refused_by_head(message.url.path, message.headers) is not None:
+            # Its handler refuses it on the same head, in its route's own words, and reads
+            # none of it: it takes no budget, and the connection closes after that answer
+            # rather than lingering to read the rest.
+            size, self._lingering_time = 0, 0.0
+        elif refusal := self._budget.reserve(self._address, size):
+            self._messages[-1] = (_ErrInfo(refusal.status, refusal, str(refusal)), EMPTY_PAYLOAD)
+            self._refused, self._refusal = True, (refusal, request_id_in(message.headers)[0])
             return
-        self._body, self._body_held, self._body_seen = payload, size, self._loop.time()
+        self._body, self._body_held = payload, size
+        self._body_start = self._body_seen = self._loop.time()
+        self._body_received = 0
         self._body_timer = self._loop.call_at(
-            self._body_seen + self._settings.body_timeout_s, self._body_deadline
+            body_due(self._settings, self._body_start, self._body_seen, 0)[0],
+            self._body_deadline,
         )
 
     def drop_body(self) -> None:
@@ -193,7 +234,7 @@ class Connection(RequestHandler):
             self._body.feed_eof()
 
     def _end_body(self) -> None:
-        self._budget.release(self._body_held)
+        self._budget.release(self._address, self._body_held)
         self._body, self._body_held = None, 0
         if self._body_timer is not None:
             self._body_timer.cancel()
@@ -214,12 +255,12 @@ class Connection(RequestHandler):
         body = self._body
         if body is None or body.is_eof():
             return
-        due = self._body_seen + self._settings.body_timeout_s
+        due, rule = body_due(self._settings, self._body_start, self._body_seen, self._body_received)
         if self._loop.time() < due:  # bytes came since it was armed
             self._body_timer = self._loop.call_at(due, self._body_deadline)
             return
         current = self._current_request
-        self._expire("body", finish_current=current is not None and current.content is not body)
+        self._expire(rule, finish_current=current is not None and current.content is not body)
 
     def _expire(self, which: str, finish_current: bool) -> None:
         """Closes the connection at once, or once the answer in hand is written when a
@@ -261,7 +302,11 @@ class Connection(RequestHandler):
         connection closed after it."""
         if request.writer.output_size > 0:
             raise ConnectionError("an answer was begun; no other can be sent")
-        request_id = request_id_of(request)[0]  # a head that did not parse has no headers
+        refusal = self._refusal
+        if refusal is not None and refusal[0] is exc:
+            request_id = refusal[1]  # refused on its head, whose headers it had
+        else:
+            request_id = request_id_of(request)[0]  # a head that did not parse has none
         reason = (message or "").strip().split("\n", 1)[0][:MAX_REASON]
         response: web.Response
         if isinstance(exc, BatchserveError):

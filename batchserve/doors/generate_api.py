@@ -33,6 +33,8 @@ from .wire import (
     timeout_ms_of,
 )
 
+GENERATE_LIKE = '{"prompt": "...", "max_tokens": 16}'
+"""What the body of /api/generate looks like, for a body that does not."""
 _FIELDS = frozenset(
     {"prompt", "max_tokens", "stop", "params", "stream", "timeout_ms", "model", "version"}
 )
@@ -78,7 +80,9 @@ class GenerateApi:
     async def generate(self, request: web.Request) -> web.StreamResponse:
         engine = self._engine
         arrival = engine.clock.time()
-        call = await read_call(request, engine, "generate", arrival, parse_generate)
+        call = await read_call(
+            request, engine, "generate", arrival, parse_generate, like=GENERATE_LIKE
+        )
         if isinstance(call, web.Response):
             return call
         body = call.body

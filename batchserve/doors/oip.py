@@ -60,6 +60,8 @@ from .wire import (
 ROUTE = "oip"
 """The route's name in metrics and the access log."""
 EXTENSIONS = ["binary_tensor_data"]
+INFER_LIKE = '{"inputs": [{"name": "input", "datatype": "BYTES", "shape": [1], "data": ["..."]}]}'
+"""What an inference request's body looks like, for one that does not."""
 _REQUEST_FIELDS = frozenset({"id", "parameters", "inputs", "outputs"})
 _INPUT_FIELDS = frozenset({"name", "shape", "datatype", "parameters", "data"})
 _OUTPUT_FIELDS = frozenset({"name", "parameters"})
@@ -229,7 +231,7 @@ class OipApi:
         arrival = engine.clock.time()
         call = await read_call(
             request, engine, ROUTE, arrival, read_tensors_request,
-            read=read_with_binary, shape=error_shape,
+            like=INFER_LIKE, read=read_with_binary, shape=error_shape,
         )  # fmt: skip
         if isinstance(call, web.Response):
             return call

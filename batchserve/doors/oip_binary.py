@@ -35,12 +35,12 @@ def _packed(data: bytes) -> bytes:
     return len(data).to_bytes(4, "little") + data
 
 
-async def read_with_binary(request: web.BaseRequest, limit: int) -> dict[str, Any]:
+async def read_with_binary(request: web.BaseRequest, limit: int, like: str) -> dict[str, Any]:
     """The body's JSON object; with the binary extension, its JSON header, each binary
     input's strings put in its "data" as if they had been sent as JSON."""
     declared = request.headers.get(HEADER_LENGTH)
     if declared is None:
-        return await read_json(request, limit)
+        return await read_json(request, limit, like)
     body = await read_bytes(request, limit)
     # isdigit() alone takes "²" and digits past int()'s limit: ASCII, and no longer than
     # any body's length can be written.
@@ -49,7 +49,7 @@ async def read_with_binary(request: web.BaseRequest, limit: int) -> dict[str, An
     ) > len(body):
         raise InvalidInput(f"{HEADER_LENGTH} must be a length within the body")
     offset = int(declared)
-    payload = json_object(body[:offset])
+    payload = json_object(body[:offset], like)
     inputs = payload.get("inputs")
     for tensor in inputs if isinstance(inputs, list) else []:
         parameters = tensor.get("parameters") if isinstance(tensor, dict) else None

@@ -34,6 +34,7 @@ from .wire import (
 
 MAX_EMBEDDING_INPUTS = MAX_INPUTS_PER_CALL
 """OpenAI's own limit on inputs per embeddings request."""
+EMBEDDINGS_LIKE = '{"model": "...", "input": "..." or ["...", ...]}'
 _EMBEDDING_FIELDS = frozenset({"model", "input", "encoding_format", "user", "dimensions"})
 
 
@@ -45,8 +46,9 @@ class OpenAIApi:
         engine = self._engine
         arrival = engine.clock.time()
         call = await read_call(
-            request, engine, "embeddings", arrival, self._parse_embeddings, openai_shape=True
-        )
+            request, engine, "embeddings", arrival, self._parse_embeddings,
+            like=EMBEDDINGS_LIKE, openai_shape=True,
+        )  # fmt: skip
         if isinstance(call, web.Response):
             return call
         request_id, tenant, (model, texts, base64_wanted) = call

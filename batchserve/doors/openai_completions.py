@@ -72,7 +72,8 @@ class OpenAICompletionsApi:
                 return body
             return body._replace(prompt=engine.generation.chat_prompt(body.model, body.messages))
 
-        call = await read_call(request, engine, route, arrival, parse, openai_shape=True)
+        like = CHAT_LIKE if chat else COMPLETION_LIKE
+        call = await read_call(request, engine, route, arrival, parse, like=like, openai_shape=True)
         if isinstance(call, web.Response):
             return call
         body = call.body
@@ -222,6 +223,10 @@ def _messages(given: object) -> list[dict[str, str]]:
     return messages
 
 
+COMPLETION_LIKE = '{"model": "...", "prompt": "..."}'
+CHAT_LIKE = '{"model": "...", "messages": [{"role": "user", "content": "..."}]}'
+"""What the bodies of /v1/completions and /v1/chat/completions look like, for one that
+does not."""
 _TEXT_PART = {
     "type": "object",
     "required": ["text"],

@@ -45,6 +45,7 @@ from .status_store import ResultStore
 from .wire import (
     INFERENCE_ANSWER,
     INFERENCE_BODY,
+    INPUT_LIKE,
     MAX_REQUEST_ID,
     answer_body,
     caller_tenant,
@@ -98,7 +99,7 @@ class StatusApi:
     async def submit(self, request: web.Request) -> web.Response:
         engine = self._engine
         arrival = engine.clock.time()
-        call = await read_call(request, engine, "requests", arrival, parse_input)
+        call = await read_call(request, engine, "requests", arrival, parse_input, like=INPUT_LIKE)
         if isinstance(call, web.Response):
             return call
         request_id = call.request_id

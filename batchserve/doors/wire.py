@@ -6,7 +6,7 @@ The only module that turns the error tree (`errors.py`) into HTTP answers.
 from __future__ import annotations
 
 import math
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any, Generic, NamedTuple, TypeVar
 
@@ -34,6 +34,8 @@ if TYPE_CHECKING:
 _BODY_FIELDS = frozenset({"input", "timeout_ms", "model", "version", "params"})
 MAX_REQUEST_ID = 128
 TIMEOUT_HEADER = "X-Request-Timeout-Ms"
+INPUT_LIKE = '{"input": "..."}'
+"""What the body of /api/inference and /api/requests looks like, for a body that does not."""
 
 
 AskedFor = TypeVar("AskedFor")
@@ -62,21 +64,23 @@ async def read_call(
     arrival: float,
     parse_body: Callable[[dict[str, Any], AnyRequest], AskedFor],
     *,
+    like: str,
     openai_shape: bool = False,
-    read: Callable[[AnyRequest, int], Awaitable[dict[str, Any]]] | None = None,
+    read: Callable[[AnyRequest, int, str], Awaitable[dict[str, Any]]] | None = None,
     shape: ErrorShape | None = None,
 ) -> Call[AskedFor] | web.Response:
-    """The request's id, tenant and body: its JSON object (as `read(request, limit)` reads
-    it, default `read_json`) as `parse_body(payload, request)` reads it (e.g.
+    """The request's id, tenant and body: its JSON object (as `read(request, limit, like)`
+    reads it, default `read_json`) as `parse_body(payload, request)` reads it (e.g.
     `parse_input`); or, for a request refused here (bad id, unknown key, bad body), its
-    recorded error answer, its body in `shape` if given."""
+    recorded error answer, its body in `shape` if given. `like` is the route's body in
+    short, which a body that is not a JSON object is told to look like."""
     request_id, problem = request_id_of(request)
     tenant = None
     try:
         if problem is not None:
             raise problem
         tenant = caller_tenant(request, engine)
-        payload = await (read or read_json)(request, engine.config.max_body_bytes)
+        payload = await (read or read_json)(request, engine.config.max_body_bytes, like)
         body = parse_body(payload, request)
     except BatchserveError as error:
         engine.record(route, request_id, arrival, error, tenant)
@@ -99,7 +103,12 @@ def caller_tenant(request: web.BaseRequest, engine: Engine) -> Tenant | None:
 
 def request_id_of(request: web.BaseRequest) -> tuple[str, InvalidInput | None]:
     """The client's X-Request-Id, or a fresh one; an unusable id is replaced, never echoed."""
-    given = request.headers.get("X-Request-Id")
+    return request_id_in(request.headers)
+
+
+def request_id_in(headers: Mapping[str, str]) -> tuple[str, InvalidInput | None]:
+    """`request_id_of` from a request's headers (a head not yet a request has only them)."""
+    given = headers.get("X-Request-Id")
     if not given:
         return new_request_id(), None
     if len(given) > MAX_REQUEST_ID or not given.isprintable():
@@ -110,10 +119,10 @@ def request_id_of(request: web.BaseRequest) -> tuple[str, InvalidInput | None]:
     return given, None
 
 
-async def read_json(request: web.BaseRequest, limit: int) -> dict[str, Any]:
-    """The body as a JSON object, within `limit` bytes."""
+async def read_json(request: web.BaseRequest, limit: int, like: str) -> dict[str, Any]:
+    """The body as a JSON object, within `limit` bytes; `like`: see `json_object`."""
     body = arrived_body(request, limit)  # no coroutine awaited for a body already here
-    return json_object(await read_bytes(request, limit) if body is None else body)
+    return json_object(await read_bytes(request, limit) if body is None else body, like)
 
 
 def arrived_body(request: web.BaseRequest, limit: int) -> bytes | None:
@@ -147,14 +156,15 @@ async def read_bytes(request: web.BaseRequest, limit: int) -> bytes:
         raise InvalidInput(f"the body could not be read: {_last_line(exc)}") from None
 
 
-def json_object(body: bytes) -> dict[str, Any]:
-    """`body` as a JSON object; InvalidInput that says what is wrong if it is not one."""
+def json_object(body: bytes, like: str) -> dict[str, Any]:
+    """`body` as a JSON object; InvalidInput that says what is wrong if it is not one, and
+    what the route's body looks like (`like`, an example of its JSON)."""
     try:
         payload: Any = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
         raise InvalidInput(_json_problem(exc)) from None
     if not isinstance(payload, dict):
-        raise InvalidInput('the body must be a JSON object like {"input": "..."}')
+        raise InvalidInput(f"the body must be a JSON object like {like}")
     return payload
 
 

@@ -36,7 +36,7 @@ from ..batching.faults import RetryBudget
 from ..batching.request import Ask, QueuedRequest, Result, Ticket, new_request_id
 from ..clock import Clock, LoopClock, Timer
 from ..config import Config
-from ..errors import BatchserveError
+from ..errors import BatchserveError, ClientClosed
 from ..generation.models import Generators, build_generation_model
 from ..gpu_pool import GpuPool
 from ..live_config import LiveChanges, live_changes
@@ -402,16 +402,18 @@ class Engine:
     ) -> None:
         """Forgets a request of `admit` whose waiter is done with it, and records its
         outcome: its result, the error it was answered with, or None for a waiter that left
-        with nothing answered. Still queued (a timeout, a disconnect), it leaves the queue
+        with nothing answered (a client that went away), recorded as 499 like a generation
+        whose client left. Still queued (a timeout, a disconnect), it leaves the queue
         before any batch is formed."""
         if expiry is not None:
             expiry.cancel()
         del self._intake.pending[in_flight(tenant, request.request_id, request.part)]
         self._batcher.discard(request)
+        if outcome is None:
+            outcome = ClientClosed("the client left before its answer")
         if self._tracer is not None:
             self._tracer.request(route, request, outcome)
-        if outcome is not None:
-            self.record(route, request.request_id, request.arrival, outcome, tenant)
+        self.record(route, request.request_id, request.arrival, outcome, tenant)
 
     def _submitted_done(
         self, request: QueuedRequest, expiry: Timer | None, tenant: Tenant | None, ticket: Ticket

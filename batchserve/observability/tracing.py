@@ -98,14 +98,11 @@ class Tracer:
         for request in waiting:
             request.batch_span = context
 
-    def request(
-        self, route: str, request: QueuedRequest, outcome: Result | BatchserveError | None
-    ) -> None:
-        """The span of a request its waiter is done with (Engine.settle): `outcome` None
-        for a waiter that left with nothing answered."""
+    def request(self, route: str, request: QueuedRequest, error: Result | BatchserveError) -> None:
+        """The span of a request its waiter is done with (Engine.settle): its result or
+        error (ClientClosed for a waiter that left with nothing answered)."""
         now, now_ns = self._times()
         version = request.key.version
-        error = ClientClosed("") if outcome is None else outcome
         attributes: dict[str, Any] = {
             "batchserve.request_id": request.request_id,
             "batchserve.route": route,

@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from ..config import Config
 from ..errors import InputTooLarge, InvalidInput, OverTierBurst, RateLimited, Unauthenticated
 from .gateway import GatewayHeaders
-from .tenants import KeyRing, Tenant
+from .tenants import KeyRing, Tenant, bearer_secret
 
 
 class Admission:
@@ -63,10 +63,8 @@ class Admission:
         keys-file entry with role = "operator") or the admin key."""
         if self._keys is None or self._public_numbers:
             return
-        scheme, _, given = (authorization or "").partition(" ")
-        secret = given.strip().encode()
-        admin = scheme.lower() == "bearer" and self._admin_key and secret
-        if admin and hmac.compare_digest(secret, self._admin_key):
+        secret = bearer_secret(authorization)
+        if secret and self._admin_key and hmac.compare_digest(secret, self._admin_key):
             return
         tenant = self._keys.authenticate(authorization)
         if tenant is None or not tenant.operator or tenant is self._keys.anonymous:

@@ -125,6 +125,17 @@ class TokenBucket:
         return (self.burst - self.tokens) / self.rate if self.rate > 0 else math.inf
 
 
+def bearer_secret(authorization: str | None) -> bytes | None:
+    """The key of `Authorization: Bearer <key>` as the bytes the client sent; None for no
+    header or another scheme. aiohttp decodes header bytes that are not UTF-8 to lone
+    surrogates, which `surrogateescape` turns back into those bytes: such a key is only
+    unknown, never an error. Every check of a key reads it here."""
+    scheme, _, key = (authorization or "").partition(" ")
+    if scheme.lower() != "bearer":
+        return None
+    return key.strip().encode("utf-8", "surrogateescape")
+
+
 @dataclass
 class KeyRing:
     tenants_by_digest: dict[bytes, tuple[bytes, Tenant]]
@@ -187,12 +198,9 @@ class KeyRing:
 
     def authenticate(self, authorization: str | None) -> Tenant | None:
         """The tenant behind `Authorization: Bearer <key>`, the anonymous one, or None."""
-        scheme, _, key = (authorization or "").partition(" ")
-        if scheme.lower() != "bearer" or not key:
+        secret = bearer_secret(authorization)
+        if not secret:
             return self.anonymous
-        # aiohttp decodes a header's bytes that are not UTF-8 to lone surrogates, which
-        # `surrogateescape` turns back into the bytes sent: such a key is just unknown.
-        secret = key.strip().encode("utf-8", "surrogateescape")
         found = self.tenants_by_digest.get(hashlib.sha256(secret).digest())
         if found is None or not hmac.compare_digest(found[0], secret):
             return self.anonymous
