@@ -14,7 +14,9 @@ chunks beside decodes) is not `generate`'s:
   sequence's one, each prefilling sequence's chunk) are packed into one row, so the
   projections and MLPs run as single matrix products over all of them (`linears.py`: fused,
   and prepacked for oneDNN on the CPU);
-- attention reads the paged cache (`kv_cache.PagedKV`): the decoding sequences together,
+- attention reads the paged cache (`kv_cache.PagedKV`), whose whole blocks are shared by
+  every sequence with the same prefix (`PrefixCache`: a sequence attached to a cached prefix
+  starts its prefill after it): the decoding sequences together,
   padded to the longest and masked, in one `scaled_dot_product_attention` a layer; a prefill
   chunk on its own, causally masked against its sequence's cached tokens;
 - logits only for the last token of each sequence that makes one (a finished prompt, or a
@@ -32,28 +34,39 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
-from dataclasses import dataclass
+from collections import OrderedDict
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..errors import StartupError
 from .detokenizer import Detokenizer
-from .generators import GeneratorSettings, Made, Seq, plain_chat_prompt
-from .kv_cache import PagedKV
+from .generators import CachedPrefix, GeneratorSettings, Made, Seq, plain_chat_prompt
+from .kv_cache import BLOCK, PagedKV, block_keys, root_key
 from .linears import LayerWeights, Products, layer_weights, mlp
 from .sampling import choose_tokens
 
 DTYPE_NAMES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+LOOKUPS_KEPT = 256
+"""Waiting sequences whose ids and block keys are kept between the scheduler's questions."""
 
 
 @dataclass(slots=True, eq=False)
 class _Held:
     """One sequence on this device: the ids to feed (prompt, then what it made), how many
-    are in the cache, and its text so far."""
+    are in the cache, its text so far, and the keys of its whole blocks (chained from
+    `root`, its rows' identity and cache key)."""
 
     ids: list[int]
     fed: int
     text: Detokenizer
+    root: bytes
+    keys: list[bytes] = field(default_factory=list)
+
+    def usable(self) -> list[bytes]:
+        """Keys of the blocks that may come from the cache: never the one holding the last
+        id, which is fed so that the sequence has logits."""
+        return self.keys[: (len(self.ids) - 1) // BLOCK]
 
 
 class CausalLM:
@@ -61,7 +74,15 @@ class CausalLM:
 
     chunked_prefill = True
 
-    def __init__(self, model: Any, tokenizer: Any, device: str, *, kv_cache_bytes: int) -> None:
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        device: str,
+        *,
+        kv_cache_bytes: int,
+        prefix_caching: bool = True,
+    ) -> None:
         torch = _import("torch")
         self._torch = torch
         self.device = device
@@ -79,16 +100,23 @@ class CausalLM:
         self._kv_heads = getattr(config, "num_key_value_heads", None) or self._heads
         self._head_dim = getattr(config, "head_dim", None) or config.hidden_size // self._heads
         self._scale = getattr(attention, "scaling", self._head_dim**-0.5)
+        dtype = next(model.parameters()).dtype
         self.cache = PagedKV(
             torch,
             layers=len(self._layers),
             kv_heads=self._kv_heads,
             head_dim=self._head_dim,
-            dtype=next(model.parameters()).dtype,
+            dtype=dtype,
             device=device,
             budget_bytes=kv_cache_bytes,
+            prefix_caching=prefix_caching,
         )
-        self.kv_budget_tokens = min(self.cache.capacity, config.max_position_embeddings)
+        self.kv_budget_tokens = self.cache.capacity
+        """The whole cache is the device's budget; the context length bounds each sequence."""
+        self.max_seq_tokens = min(self.cache.capacity, config.max_position_embeddings)
+        self._identity = f"{getattr(config, '_name_or_path', '')}|{type(model).__name__}|{dtype}"
+        """What the rows depend on besides the tokens: part of every block's key."""
+        self._lookups: OrderedDict[str, _Held] = OrderedDict()
         self._eos = _eos_ids(model, tokenizer)
         self._products = Products(torch, device)
         self._weights = [layer_weights(torch, layer, self._products) for layer in self._layers]
@@ -121,7 +149,35 @@ class CausalLM:
     def release(self, seq_ids: list[str]) -> None:
         for seq_id in seq_ids:
             self._held.pop(seq_id, None)
+            self._lookups.pop(seq_id, None)
             self.cache.release(seq_id)
+
+    # Prefix caching (`generators.PrefixCache`)
+
+    @property
+    def kv_rows_held(self) -> int:
+        return self.cache.held
+
+    def own_rows(self, seq_id: str) -> int:
+        return self.cache.own_rows(seq_id)
+
+    def cached_prefix(self, seq: Seq) -> CachedPrefix:
+        held = self._lookups.pop(seq.id, None) or self._new_held(seq)
+        self._lookups[seq.id] = held
+        while len(self._lookups) > LOOKUPS_KEPT:
+            self._lookups.popitem(last=False)
+        match = self.cache.match(held.usable(), seq.id)
+        return CachedPrefix(len(match.blocks) * BLOCK, match.idle * BLOCK, match.expected)
+
+    def attach(self, seq: Seq) -> int:
+        """Takes the cached blocks of the sequence's prefix; it is expected to compute the
+        rest of its whole blocks. Answers how many tokens it has in the cache."""
+        held = self._lookups.pop(seq.id, None) or self._new_held(seq)
+        match = self.cache.match(held.usable(), seq.id)
+        self.cache.adopt(seq.id, match.blocks, held.keys[len(match.blocks) :])
+        held.fed = len(match.blocks) * BLOCK
+        self._held[seq.id] = held
+        return held.fed
 
     # The step
 
@@ -168,6 +224,7 @@ class CausalLM:
             h, chunk = held[i], chunks[i]
             offset += chunk
             h.fed += chunk
+            self._seal(seqs[i].id, h)
             if h.fed == len(h.ids):
                 ends.append(offset - 1)
                 makers.append(i)
@@ -277,16 +334,29 @@ class CausalLM:
         return rows, mask
 
     def _hold(self, seq: Seq) -> _Held:
-        """The sequence's state, made on first sight: after a release it is recomputed from
-        its prompt and the ids it made, and its text goes on where it left off."""
+        """The sequence's state, made on first sight unless it was attached: after a release
+        it is recomputed from its prompt and the ids it made, and its text goes on where it
+        left off."""
         held = self._held.get(seq.id)
         if held is None:
-            prompt = self._encode(seq.prompt)
-            made = list(seq.token_ids)
-            given = sum(map(len, seq.tokens))
-            held = _Held(prompt + made, 0, Detokenizer(self.tokenizer, made, given))
-            self._held[seq.id] = held
+            held = self._held[seq.id] = self._new_held(seq)
         return held
+
+    def _new_held(self, seq: Seq) -> _Held:
+        made = list(seq.token_ids)
+        text = Detokenizer(self.tokenizer, made, sum(map(len, seq.tokens)))
+        ids = self._encode(seq.prompt) + made
+        root = root_key(self._identity, seq.cache_key)
+        return _Held(ids, 0, text, root, block_keys(root, ids))
+
+    def _seal(self, seq_id: str, held: _Held) -> None:
+        """Registers the sequence's blocks that the step filled (keys of the ids it made are
+        added as they make whole blocks)."""
+        whole = held.fed // BLOCK
+        if len(held.keys) < whole:
+            parent = held.keys[-1] if held.keys else held.root
+            held.keys += block_keys(parent, held.ids[len(held.keys) * BLOCK : whole * BLOCK])
+        self.cache.seal(seq_id, held.keys)
 
     def _encode(self, text: str) -> list[int]:
         ids: list[int] = self.tokenizer.encode(text)
@@ -311,7 +381,13 @@ def load(device: str, settings: GeneratorSettings | None = None) -> CausalLM:
         model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **options)
     except (OSError, ValueError) as exc:
         raise StartupError(f"--model-path {folder}: cannot load it: {exc}") from None
-    return CausalLM(model, tokenizer, device, kv_cache_bytes=settings.kv_cache_bytes)
+    return CausalLM(
+        model,
+        tokenizer,
+        device,
+        kv_cache_bytes=settings.kv_cache_bytes,
+        prefix_caching=settings.prefix_caching,
+    )
 
 
 def resolve_dtype(torch: Any, name: str, device: str) -> str:

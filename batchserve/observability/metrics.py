@@ -404,6 +404,10 @@ class _GenerationCollector(TextCollector):
             (key, FamilyText(name, text, kind, ["model", "version"]))
             for key, name, text, kind in _GENERATION_FAMILIES
         ]
+        self._vllm_writers = [
+            (key, FamilyText(name, text, "counter", ["model_name"]))
+            for key, name, text in _VLLM_PREFIX_FAMILIES
+        ]
 
     def summary(self, now: float) -> list[dict[str, Any]]:
         return [
@@ -416,6 +420,11 @@ class _GenerationCollector(TextCollector):
         rows = [model.stats(now) for model in self._generators]
         for key, writer in self._writers:
             out.family(writer, [((r.model, r.version), getattr(r, key)) for r in rows])
+        for key, writer in self._vllm_writers:
+            by_model: dict[str, int] = {}
+            for r in rows:
+                by_model[r.model] = by_model.get(r.model, 0) + getattr(r, key)
+            out.family(writer, [((model,), value) for model, value in by_model.items()])
 
 
 _GENERATION_FAMILIES: list[tuple[str, str, str, str]] = [
@@ -447,6 +456,18 @@ _GENERATION_FAMILIES: list[tuple[str, str, str, str]] = [
         "counter",
     ),
     (
+        "prefix_queries",
+        "batchserve_prefix_cache_queries",
+        "Tokens of sequences admitted to a device, looked up in its prefix cache.",
+        "counter",
+    ),
+    (
+        "prefix_hits",
+        "batchserve_prefix_cache_hits",
+        "Of the tokens looked up in a prefix cache, those found there (not computed again).",
+        "counter",
+    ),
+    (
         "hung_steps",
         "batchserve_hung_steps",
         "Device calls (steps, releases) that ran past their budget (their sequences"
@@ -454,6 +475,22 @@ _GENERATION_FAMILIES: list[tuple[str, str, str, str]] = [
         "counter",
     ),
 ]
+
+
+_VLLM_PREFIX_FAMILIES = [
+    (
+        "prefix_queries",
+        "vllm:prefix_cache_queries",
+        "Prefix cache queries, in tokens (vLLM's name; batchserve_prefix_cache_queries).",
+    ),
+    (
+        "prefix_hits",
+        "vllm:prefix_cache_hits",
+        "Prefix cache hits, in tokens (vLLM's name; batchserve_prefix_cache_hits).",
+    ),
+]
+"""The prefix cache's counters under vLLM's names, as its dashboards and the inference
+gateway's tooling read them (per model, as vLLM labels them)."""
 
 
 def desired_replicas(arrival_rps: float, capacity_rps: float | None) -> int:
