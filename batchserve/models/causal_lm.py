@@ -23,10 +23,8 @@ chunks beside decodes) is not `generate`'s:
   decode), and sampling by each sequence's own params (`sampling.py`);
 - text out through `detokenizer.Detokenizer`, in whole characters.
 
-transformers' own cache classes keep one tensor per batch, so a sequence that joins or leaves
-copies every other's cache; its paged attention is written for its own `generate` loop. A
-few dozen lines of attention over our own cache fit the step contract and keep batch mates
-independent.
+transformers' own cache classes keep one tensor per batch (a sequence that joins or leaves
+copies every other's), and its paged attention serves its own `generate` loop.
 """
 
 from __future__ import annotations
@@ -34,39 +32,17 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
-from collections import OrderedDict
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..errors import StartupError
-from .detokenizer import Detokenizer
 from .generators import CachedPrefix, GeneratorSettings, Made, Seq, plain_chat_prompt
-from .kv_cache import BLOCK, PagedKV, block_keys, root_key
+from .kv_cache import BLOCK, PagedKV
 from .linears import LayerWeights, Products, layer_weights, mlp
 from .sampling import choose_tokens
+from .sequences import Held, Sequences
 
 DTYPE_NAMES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
-LOOKUPS_KEPT = 256
-"""Waiting sequences whose ids and block keys are kept between the scheduler's questions."""
-
-
-@dataclass(slots=True, eq=False)
-class _Held:
-    """One sequence on this device: the ids to feed (prompt, then what it made), how many
-    are in the cache, its text so far, and the keys of its whole blocks (chained from
-    `root`, its rows' identity and cache key)."""
-
-    ids: list[int]
-    fed: int
-    text: Detokenizer
-    root: bytes
-    keys: list[bytes] = field(default_factory=list)
-
-    def usable(self) -> list[bytes]:
-        """Keys of the blocks that may come from the cache: never the one holding the last
-        id, which is fed so that the sequence has logits."""
-        return self.keys[: (len(self.ids) - 1) // BLOCK]
 
 
 class CausalLM:
@@ -114,9 +90,6 @@ class CausalLM:
         self.kv_budget_tokens = self.cache.capacity
         """The whole cache is the device's budget; the context length bounds each sequence."""
         self.max_seq_tokens = min(self.cache.capacity, config.max_position_embeddings)
-        self._identity = f"{getattr(config, '_name_or_path', '')}|{type(model).__name__}|{dtype}"
-        """What the rows depend on besides the tokens: part of every block's key."""
-        self._lookups: OrderedDict[str, _Held] = OrderedDict()
         self._eos = _eos_ids(model, tokenizer)
         self._products = Products(torch, device)
         self._weights = [layer_weights(torch, layer, self._products) for layer in self._layers]
@@ -124,10 +97,11 @@ class CausalLM:
         self._empty_prompt = [
             tokenizer.bos_token_id if tokenizer.bos_token_id is not None else min(self._eos)
         ]
-        self._held: dict[str, _Held] = {}
+        identity = f"{getattr(config, '_name_or_path', '')}|{type(model).__name__}|{dtype}"
+        self._seqs = Sequences(tokenizer, self._encode, identity)
 
     def __repr__(self) -> str:
-        return f"<CausalLM {self.device} sequences={len(self._held)} {self.cache!r}>"
+        return f"<CausalLM {self.device} sequences={len(self._seqs)} {self.cache!r}>"
 
     # The contract
 
@@ -148,8 +122,7 @@ class CausalLM:
 
     def release(self, seq_ids: list[str]) -> None:
         for seq_id in seq_ids:
-            self._held.pop(seq_id, None)
-            self._lookups.pop(seq_id, None)
+            self._seqs.drop(seq_id)
             self.cache.release(seq_id)
 
     # Prefix caching (`generators.PrefixCache`)
@@ -162,28 +135,24 @@ class CausalLM:
         return self.cache.own_rows(seq_id)
 
     def cached_prefix(self, seq: Seq) -> CachedPrefix:
-        held = self._lookups.pop(seq.id, None) or self._new_held(seq)
-        self._lookups[seq.id] = held
-        while len(self._lookups) > LOOKUPS_KEPT:
-            self._lookups.popitem(last=False)
+        held = self._seqs.ask(seq)
         match = self.cache.match(held.usable(), seq.id)
         return CachedPrefix(len(match.blocks) * BLOCK, match.idle * BLOCK, match.expected)
 
     def attach(self, seq: Seq) -> int:
         """Takes the cached blocks of the sequence's prefix; it is expected to compute the
         rest of its whole blocks. Answers how many tokens it has in the cache."""
-        held = self._lookups.pop(seq.id, None) or self._new_held(seq)
+        held = self._seqs.take(seq)
         match = self.cache.match(held.usable(), seq.id)
         self.cache.adopt(seq.id, match.blocks, held.keys[len(match.blocks) :])
         held.fed = len(match.blocks) * BLOCK
-        self._held[seq.id] = held
         return held.fed
 
     # The step
 
     def _step(self, seqs: list[Seq]) -> list[Made]:
         torch = self._torch
-        held = [self._hold(seq) for seq in seqs]
+        held = [self._seqs.hold(seq) for seq in seqs]
         chunks = [
             len(h.ids) - h.fed if seq.chunk is None else min(seq.chunk, len(h.ids) - h.fed)
             for seq, h in zip(seqs, held, strict=True)
@@ -224,7 +193,7 @@ class CausalLM:
             h, chunk = held[i], chunks[i]
             offset += chunk
             h.fed += chunk
-            self._seal(seqs[i].id, h)
+            self.cache.seal(seqs[i].id, h.fed_keys())
             if h.fed == len(h.ids):
                 ends.append(offset - 1)
                 makers.append(i)
@@ -243,7 +212,7 @@ class CausalLM:
                 answers[i] = self._made(seqs[i], held[i], token)
         return answers
 
-    def _made(self, seq: Seq, held: _Held, token: int) -> Made:
+    def _made(self, seq: Seq, held: Held, token: int) -> Made:
         if token in self._eos:
             return Made(held.text.flush(), end=True)
         held.ids.append(token)
@@ -332,31 +301,6 @@ class CausalLM:
         rows = torch.tensor(self.cache.rows(seq_id), device=self.device)
         mask = torch.ones(chunk, fed + chunk, dtype=torch.bool, device=self.device).tril(fed)
         return rows, mask
-
-    def _hold(self, seq: Seq) -> _Held:
-        """The sequence's state, made on first sight unless it was attached: after a release
-        it is recomputed from its prompt and the ids it made, and its text goes on where it
-        left off."""
-        held = self._held.get(seq.id)
-        if held is None:
-            held = self._held[seq.id] = self._new_held(seq)
-        return held
-
-    def _new_held(self, seq: Seq) -> _Held:
-        made = list(seq.token_ids)
-        text = Detokenizer(self.tokenizer, made, sum(map(len, seq.tokens)))
-        ids = self._encode(seq.prompt) + made
-        root = root_key(self._identity, seq.cache_key)
-        return _Held(ids, 0, text, root, block_keys(root, ids))
-
-    def _seal(self, seq_id: str, held: _Held) -> None:
-        """Registers the sequence's blocks that the step filled (keys of the ids it made are
-        added as they make whole blocks)."""
-        whole = held.fed // BLOCK
-        if len(held.keys) < whole:
-            parent = held.keys[-1] if held.keys else held.root
-            held.keys += block_keys(parent, held.ids[len(held.keys) * BLOCK : whole * BLOCK])
-        self.cache.seal(seq_id, held.keys)
 
     def _encode(self, text: str) -> list[int]:
         ids: list[int] = self.tokenizer.encode(text)
