@@ -144,6 +144,21 @@ class Config:
         help="bytes of KV cache a real generator preallocates on each device; its token budget"
         " is this over the model's bytes per token (layers x 2 x KV heads x head size x dtype)",
     )
+    prefix_caching: bool = setting(
+        True,
+        help="a real generator keeps whole 16-token blocks of KV cache after a sequence ends,"
+        " and a sequence that starts with the same tokens (a shared system prompt) takes"
+        " them instead of computing them again; cached blocks no one holds are evicted,"
+        " least recently used first, only when rows are needed. Off: every prompt is"
+        " computed in full",
+    )
+    prefix_cache_shared: bool = setting(
+        False,
+        help="with tenants (--keys-file, or the gateway's headers): on lets every tenant's"
+        " requests share cached prefixes; off (the default) keeps each tenant's to itself,"
+        " since a shared cache lets one tenant time another's prompts. A request's"
+        " cache_salt separates it further either way",
+    )
     step_tokens: int = setting(
         256,
         help="tokens one generation step processes at most (chunked prefill): each decoding"

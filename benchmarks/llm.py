@@ -22,6 +22,8 @@ before the server's window and once after (their mean is the baseline of the rep
 - `prefill`: 4 streams decoding, then one 1,500-token prompt; the longest gap between the
   running streams' tokens while it prefills, with chunked prefill (`--step-tokens 256`) and
   without (`--step-tokens 100000`).
+- `shared-prefix`: chats sharing a long system prompt with `--prefix-caching` on and off, and
+  distinct prompts on and off (`shared_prefix.py`).
 
 Medians over repeats; the ratios are taken within a repeat.
 """
@@ -358,7 +360,7 @@ def prefill(long_tokens: int, repeats: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("part", choices=("streams", "mix", "prefill", "all"))
+    parser.add_argument("part", choices=("streams", "mix", "prefill", "shared-prefix", "all"))
     parser.add_argument("--levels", default="1,4,16,32")
     parser.add_argument("--seconds", type=float, default=24.0)
     parser.add_argument("--repeats", type=int, default=1)
@@ -368,6 +370,8 @@ def main() -> None:
     )
     parser.add_argument("--rate", type=float, default=1.5, help="mix: offered requests/s")
     parser.add_argument("--long-tokens", type=int, default=1500)
+    parser.add_argument("--chats", type=int, default=16, help="shared-prefix: chats at once")
+    parser.add_argument("--system-tokens", type=int, default=1000, help="shared-prefix")
     args = parser.parse_args()
     os.sched_setaffinity(0, {1})  # the load's core; the server and baselines take core 0
     started = time.monotonic()
@@ -378,6 +382,10 @@ def main() -> None:
         mix(args.rate, args.seconds * 2.5, args.repeats)
     if args.part in ("prefill", "all"):
         prefill(args.long_tokens, args.repeats)
+    if args.part in ("shared-prefix", "all"):
+        from shared_prefix import shared_prefix  # it imports this module's server and client
+
+        shared_prefix(args.chats, args.system_tokens)
     print(f"\n({time.monotonic() - started:.0f} s)", file=sys.stderr)
 
 

@@ -1,13 +1,16 @@
 """`POST /api/generate`: one prompt, its text whole or streamed as server-sent events.
 
     {"prompt": "...", "max_tokens": 64, "stop": ["\\n"], "params": {}, "stream": true,
-     "timeout_ms": 2000, "model": "...", "version": "..."}
+     "timeout_ms": 2000, "model": "...", "version": "...", "cache_salt": "..."}
 
 `params` goes to the generator: its sampling keys (`temperature`, `top_p`, `top_k`, `seed`,
 `ignore_eos`, `min_tokens`) are checked by `rules/sampling_params.py` (400 naming the key; `null` is
 absent), and any other key passes through unchanged for a custom generator to read.
 
-Not streaming: 200 {"output", "tokens", "finish_reason", "ttft_ms", "latency_ms", ...}.
+`cache_salt` (vLLM's) keeps the request's cached prefixes to requests with the same salt.
+
+Not streaming: 200 {"output", "tokens", "finish_reason", "ttft_ms", "latency_ms", ...};
+`cached_tokens` are the prompt's tokens taken from the prefix cache.
 Streaming: `data: {"token": "..."}` per piece, a final event with `finish_reason` and the
 timings, then `data: [DONE]`; a failure once the stream has started is `event: error` with
 `data: {"error": {"code", "message"}}`, and the stream ends.
@@ -27,6 +30,8 @@ from ..rules.sampling_params import SCHEMAS
 from .generation_answer import Events, answer_generation, data_event
 from .openapi import REQUEST_ID, TIMEOUT, Answer, ModelName, Operation, errors
 from .wire import (
+    CACHE_SALT_SCHEMA,
+    cache_salt_of,
     model_fields,
     read_call,
     refuse_unknown_fields,
@@ -36,7 +41,17 @@ from .wire import (
 GENERATE_LIKE = '{"prompt": "...", "max_tokens": 16}'
 """What the body of /api/generate looks like, for a body that does not."""
 _FIELDS = frozenset(
-    {"prompt", "max_tokens", "stop", "params", "stream", "timeout_ms", "model", "version"}
+    {
+        "prompt",
+        "max_tokens",
+        "stop",
+        "params",
+        "stream",
+        "timeout_ms",
+        "model",
+        "version",
+        "cache_salt",
+    }
 )
 
 
@@ -49,6 +64,7 @@ class GenerateBody(NamedTuple):
     timeout_ms: float | None
     model: str | None
     version: str | None
+    cache_salt: str | None
 
 
 def parse_generate(payload: dict[str, Any], request: web.Request) -> GenerateBody:
@@ -70,6 +86,7 @@ def parse_generate(payload: dict[str, Any], request: web.Request) -> GenerateBod
         timeout_ms_of(payload.get("timeout_ms"), request),
         model,
         version,
+        cache_salt_of(payload),
     )
 
 
@@ -97,6 +114,7 @@ class GenerateApi:
             request_id=call.request_id,
             tenant=call.tenant,
             arrival=arrival,
+            cache_salt=body.cache_salt,
         )
         return await answer_generation(
             request,
@@ -158,6 +176,7 @@ def generate_operation(config: Config) -> Operation:
             "timeout_ms": {"type": ["number", "null"], "exclusiveMinimum": 0},
             "model": ModelName("generation", nullable=True),
             "version": {"type": ["string", "null"]},
+            "cache_salt": CACHE_SALT_SCHEMA,
         },
     }
     answer = {
@@ -177,6 +196,7 @@ def generate_operation(config: Config) -> Operation:
             "output": {"type": "string"},
             "tokens": {"type": "integer", "minimum": 0},
             "prompt_tokens": {"type": "integer", "minimum": 0},
+            "cached_tokens": {"type": "integer", "minimum": 0},
             "finish_reason": {"type": ["string", "null"]},
             "ttft_ms": {"type": ["number", "null"]},
             "latency_ms": {"type": "number"},

@@ -8,7 +8,9 @@
 Both run one generation through the engine, exactly as `/api/generate` does; a chat's
 messages become one prompt by the generator's `chat_prompt(messages)` when it has one, else
 by a plain role-tagged template. `temperature`, `top_p`, `seed` and vLLM's `top_k`,
-`ignore_eos` and `min_tokens` go to the generator as params. OpenAI's other fields are taken
+`ignore_eos` and `min_tokens` go to the generator as params; vLLM's `cache_salt` keeps the
+request's cached prefixes to requests with the same salt, and `usage.prompt_tokens_details.
+cached_tokens` says how many prompt tokens came from the cache. OpenAI's other fields are taken
 where their value changes nothing here (`tools: []`, `n: 1`, `store`, ...) and refused (400,
 naming the field) where it would change the answer (`openai_fields.py`), never ignored.
 Errors carry OpenAI's body shape, which its clients raise as typed exceptions; a failure
@@ -31,7 +33,7 @@ from .generate_api import SSE, STOP, max_tokens_schema
 from .generation_answer import Events, answer_generation, data_event
 from .openai_fields import check_fields, neutral_schemas, sampling_params
 from .openapi import REQUEST_ID, TIMEOUT, Answer, ModelName, Operation, errors
-from .wire import read_call, timeout_ms_of
+from .wire import CACHE_SALT_SCHEMA, cache_salt_of, read_call, timeout_ms_of
 
 
 class Completion(NamedTuple):
@@ -47,6 +49,7 @@ class Completion(NamedTuple):
     stream: bool
     include_usage: bool
     timeout_ms: float | None
+    cache_salt: str | None
 
 
 class OpenAICompletionsApi:
@@ -89,6 +92,7 @@ class OpenAICompletionsApi:
             tenant=call.tenant,
             arrival=arrival,
             route=route,
+            cache_salt=body.cache_salt,
         )
         events = Events(
             piece=shape.piece,
@@ -154,12 +158,13 @@ class _Shape:
         return self._head
 
 
-def _usage(gen: Generation) -> dict[str, int]:
+def _usage(gen: Generation) -> dict[str, Any]:
     made = len(gen.seq.tokens)
     return {
         "prompt_tokens": gen.prompt_tokens,
         "completion_tokens": made,
         "total_tokens": gen.prompt_tokens + made,
+        "prompt_tokens_details": {"cached_tokens": gen.cached_tokens},
     }
 
 
@@ -193,6 +198,7 @@ def _read_completion(payload: dict[str, Any], request: web.Request, *, chat: boo
         stream,
         options.get("include_usage") is True,
         timeout_ms_of(None, request),
+        cache_salt_of(payload),
     )
 
 
@@ -244,6 +250,12 @@ _CHOICE = {"type": "object", "required": ["index", "finish_reason"]}
 _USAGE = {
     "type": "object",
     "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
+    "properties": {
+        "prompt_tokens_details": {
+            "type": "object",
+            "properties": {"cached_tokens": {"type": "integer", "minimum": 0}},
+        }
+    },
     "additionalProperties": {"type": "integer", "minimum": 0},
 }
 
@@ -278,6 +290,7 @@ def completion_operation(config: Config, *, chat: bool) -> Operation:
             **text,
             "max_tokens": max_tokens_schema(config),
             "stop": STOP,
+            "cache_salt": CACHE_SALT_SCHEMA,
             "stream": {"type": ["boolean", "null"]},
             "stream_options": {
                 "type": ["object", "null"],

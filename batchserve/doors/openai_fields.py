@@ -2,7 +2,8 @@
 
 Clients and benchmark tools send OpenAI's whole vocabulary. A field is one of three kinds:
 
-- read: the prompt or messages, `max_tokens`, `stop`, `stream`, and the sampling fields
+- read: the prompt or messages, `max_tokens`, `stop`, `stream`, vLLM's `cache_salt`, and the
+  sampling fields
   (`temperature`, `top_p`, `seed`, and vLLM's `top_k`, `ignore_eos`, `min_tokens`), which go
   to the generator as params (`rules/sampling_params.py` checks them);
 - neutral: taken and ignored at a value that changes nothing about the answer here
@@ -23,7 +24,9 @@ from ..errors import InvalidInput
 
 SAMPLING_FIELDS = ("temperature", "top_p", "seed", "top_k", "ignore_eos", "min_tokens")
 """Top-level fields that become the generation's params, as given."""
-READ = frozenset({"model", "max_tokens", "stop", "stream", "stream_options", *SAMPLING_FIELDS})
+READ = frozenset(
+    {"model", "max_tokens", "stop", "stream", "stream_options", "cache_salt", *SAMPLING_FIELDS}
+)
 COMPLETION_READ = READ | {"prompt"}
 CHAT_READ = READ | {"messages", "max_completion_tokens"}
 

@@ -215,6 +215,22 @@ def model_fields(payload: dict[str, Any]) -> tuple[str | None, str | None, dict[
     return model, version, params
 
 
+def cache_salt_of(payload: dict[str, Any]) -> str | None:
+    """vLLM's per-request `cache_salt`: a non-empty string; only requests with the same one
+    share cached prefixes (null: none)."""
+    salt = payload.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise InvalidInput('"cache_salt" must be a non-empty string')
+    return salt
+
+
+CACHE_SALT_SCHEMA = {
+    "type": ["string", "null"],
+    "minLength": 1,
+    "description": "only requests with the same salt share cached prefixes (vLLM's)",
+}
+
+
 def _json_problem(exc: orjson.JSONDecodeError) -> str:
     """orjson's words for bad UTF-8 ("surrogates not allowed") mislead; say what is wrong."""
     if "not valid UTF-8" in exc.msg:

@@ -134,7 +134,12 @@ class Engine:
             self._tracer = Tracer(tracer_provider or global_provider(), self.clock)
             self._pool.on_call = self._tracer.batch_call
         self.generation = GenerationPath(
-            self.clock, self._intake, self._generators, self._recorder, self._tracer
+            self.clock,
+            self._intake,
+            self._generators,
+            self._recorder,
+            self._tracer,
+            tenants_share_prefixes=config.prefix_cache_shared,
         )
         """The generation request path (generating.py)."""
         self.generate = self.generation.generate

@@ -4,7 +4,9 @@ and record it when its caller is done; no HTTP.
 The engine holds one and hands `generate` on (`engine.generate(...)`). Admission is the one
 of batch requests (`intake.py`); what is particular to generation follows it: the prompt's
 tokens against the device's budget, the sampling parameters' rules, the first-token deadline,
-and cancelling a sequence whose caller left.
+the sequence's prefix-cache key (its tenant's, unless --prefix-cache-shared, and the request's
+`cache_salt`: only sequences with the same key share cached KV rows), and cancelling a
+sequence whose caller left.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ class GenerationPath:
         generators: Generators,
         recorder: Recorder,
         tracer: Tracer | None,
+        *,
+        tenants_share_prefixes: bool = False,
     ) -> None:
         self._clock = clock
         self._intake = intake
@@ -44,6 +48,7 @@ class GenerationPath:
         self._recorder = recorder
         self._tracer = tracer
         self._route = intake.generation_model
+        self._tenants_share_prefixes = tenants_share_prefixes
         self.idle = asyncio.Event()
         """Set while no generation is in flight: what a drain waits for."""
         self.idle.set()
@@ -63,6 +68,7 @@ class GenerationPath:
         tenant: Tenant | None = None,
         arrival: float | None = None,
         route: str = "generate",
+        cache_salt: str | None = None,
     ) -> AsyncIterator[Generation]:
         """Starts one generation; read its text as it comes with `gen.pieces()`, or whole
         with `await gen.result()`:
@@ -75,6 +81,7 @@ class GenerationPath:
         break `rules/sampling_params.py`'s rules, so the generator never sees them. `timeout_ms`
         bounds the wait for the first token; the sequence then runs to its end. Leaving the
         block before it ends cancels it: its sequence is released before the next step.
+        `cache_salt` (vLLM's): only requests with the same salt share cached prefixes.
         """
         arrival = self._clock.time() if arrival is None else arrival
         request_id = request_id or new_request_id()
@@ -83,6 +90,7 @@ class GenerationPath:
                 prompt, model, version, max_tokens, stop, params, timeout_ms,
                 request_id, tenant, arrival,
             )  # fmt: skip
+            gen.seq.cache_key = self._cache_key(tenant, cache_salt)
         except BatchserveError as error:
             now = self._clock.time()
             self._recorder.record(route, request_id, tenant, now - arrival, error, now)
@@ -151,6 +159,14 @@ class GenerationPath:
             left_s = deadline - self._clock.time()
             refuse_if_late(*forecast, deadline_s=left_s, tokens=gen.prefill_tokens)
         return generation_model, gen, in_flight
+
+    def _cache_key(self, tenant: Tenant | None, cache_salt: str | None) -> str:
+        """Whose cached prefixes the sequence may share: its tenant's (a shared cache would
+        let one tenant time another's prompts) unless the operator shares them, and only
+        those of requests with the same `cache_salt`."""
+        owner = "" if tenant is None or self._tenants_share_prefixes else tenant.name
+        salt = "" if cache_salt is None else cache_salt
+        return f"{len(owner)}:{owner}:{salt}"
 
     def chat_prompt(self, model: str | None, messages: list[dict[str, str]]) -> str:
         """A chat's messages as one prompt, in the template of `model`'s generator."""

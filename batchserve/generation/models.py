@@ -87,6 +87,7 @@ def build_generation_model(
         dtype=spec.dtype or config.dtype,
         kv_cache_bytes=config.kv_cache_bytes,
         weights_cache=config.weights_cache,
+        prefix_caching=config.prefix_caching,
     )
     return GenerationModel(
         spec,
@@ -118,6 +119,10 @@ class GenerationStats:
     preemptions: int
     step_failures: int
     hung_steps: int
+    prefix_queries: int
+    """Tokens of sequences admitted, looked up in their device's prefix cache."""
+    prefix_hits: int
+    """Of them, those found cached (not computed again)."""
 
 
 class GenerationModel:
@@ -152,13 +157,15 @@ class GenerationModel:
         self.count_tokens: Callable[[str], int] = len
         self.chat_prompt: Callable[[list[dict[str, str]]], str] = plain_chat_prompt
         self.kv_budget = 0
-        """The smallest device budget: what a lone sequence must fit."""
+        """What a lone sequence must fit: the smallest device budget, or context length."""
         self.steps = 0
         self.token_rate = DecayedRate()
         """Tokens made a second, recent."""
         self.preemptions = 0
         self.step_failures = 0
         self.hung_steps = 0
+        self.prefix_queries = 0
+        self.prefix_hits = 0
 
     def __repr__(self) -> str:
         return f"<GenerationModel {self.spec.label} waiting={self.waiting}>"
@@ -190,6 +197,8 @@ class GenerationModel:
             preemptions=self.preemptions,
             step_failures=self.step_failures,
             hung_steps=self.hung_steps,
+            prefix_queries=self.prefix_queries,
+            prefix_hits=self.prefix_hits,
         )
 
     async def start(self) -> None:
@@ -206,7 +215,7 @@ class GenerationModel:
             self._raise_failed(outcomes)
         self.count_tokens = token_counter(outcomes[0])
         self.chat_prompt = chat_formatter(outcomes[0])
-        self.kv_budget = min(loop.kv_budget for loop in self.loops)
+        self.kv_budget = min(loop.max_seq_tokens for loop in self.loops)
         for loop in self.loops:
             self._tasks.start(loop.run(self.mode), name=f"batchserve-steps-{loop.device}")
 

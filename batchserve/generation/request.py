@@ -70,6 +70,9 @@ class Generation:
         self.times_passed = 0
         self.computed = 0
         """Its tokens in its device's KV cache; 0 once released (preempted, handed on)."""
+        self.cached_tokens = 0
+        """Prompt tokens its device's cache held when the prefill that made its first token
+        began: reported as `usage.prompt_tokens_details.cached_tokens`."""
         """Sequences admitted past it while it waited for room (the scheduler bounds it)."""
         self._stops = tuple(s for s in stops if s)
         self._min_tokens = int(seq.params.get("min_tokens") or 0)
@@ -213,6 +216,7 @@ class Generation:
         return {
             "tokens": len(self.seq.tokens),
             "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
             "finish_reason": self.finish_reason,
             "ttft_ms": None if first is None else round((first - self.arrival) * 1e3, 3),
             "latency_ms": round((ended - self.arrival) * 1e3, 3),

@@ -1,12 +1,19 @@
 """Iteration-level (continuous) batching: one scheduler per device of a generation model.
 
 Before each step a device drops the sequences that ended or whose waiter left (releasing
-them in the model before the step), then admits waiting ones while they fit its KV budget
-as they stand now (prompt + tokens so far + 1). Admission is optimistic: sequences grow a
-token a step, and when the running ones no longer fit, the newest is preempted (released, and
-put back at the head of the line with its tokens, to be recomputed when it runs again). A
-sequence alone always fits, since a prompt whose tokens plus `max_tokens` exceed the budget is
-refused at once (413). Steps then run back to back while any sequence runs.
+them in the model), then admits waiting ones while they fit its KV budget as they stand now
+(prompt + tokens so far + 1). With a generator that caches prefixes (`PrefixCache`) a
+sequence counts only what its device's cache does not hold yet: admitting it attaches it to
+its cached prefix, its prefill starts after it, and the budget counts the rows the device
+holds (a shared row once) plus what each running sequence still needs; one whose next block
+another running sequence is computing waits for it, so a prefix is computed once.
+
+Admission is optimistic: sequences grow a token a step, and when the running ones no longer
+fit, the newest is preempted (released, and put back at the head of the line with its tokens,
+to be recomputed when it runs again: from its cached blocks, where they are still cached). A
+sequence alone always fits, since a prompt whose tokens plus `max_tokens` exceed the budget
+(or the context length) is refused at once (413). Steps then run back to back while any
+sequence runs.
 
 Admission is first fit: a sequence that does not fit (a long prompt, or a preempted sequence
 with its tokens) keeps its place at the head of the line, and the ones behind it that fit go
@@ -48,7 +55,14 @@ from ..clock import Clock
 from ..config import GenerateMode
 from ..devices.thread import DeviceThread
 from ..errors import BackendError
-from ..models.generators import Generator, GeneratorFactory, StepAnswer, check_step
+from ..models.generators import (
+    CachedPrefix,
+    Generator,
+    GeneratorFactory,
+    PrefixCache,
+    StepAnswer,
+    check_step,
+)
 from ..rules.capacity import BatchBudget, DecayedRate, PrefillCost, StepCost
 from ..rules.prefill import fair_split
 from .request import Generation, GenState
@@ -77,6 +91,8 @@ class LineOwner(Protocol):
     preemptions: int
     step_failures: int
     hung_steps: int
+    prefix_queries: int
+    prefix_hits: int
 
     @property
     def max_batch_size(self) -> int: ...
@@ -119,6 +135,10 @@ class StepLoop:
         """A step ran past its budget and has not returned yet."""
         self._thread = DeviceThread(device)
         self._generator: Generator | None = None
+        self._cache: PrefixCache | None = None
+        """The generator, if it caches prefixes (and prefills in chunks, to start after them)."""
+        self._rows_held = 0
+        """The cache's rows held by some sequence, read between steps."""
         self.running: list[Generation] = []
         """In the order they were admitted: the newest is preempted first."""
         self._to_release: list[str] = []
@@ -131,8 +151,17 @@ class StepLoop:
         return 0 if self._generator is None else self._generator.kv_budget_tokens
 
     @property
+    def max_seq_tokens(self) -> int:
+        """What one sequence may hold: the context length where the generator says it."""
+        return self.kv_budget if self._cache is None else self._cache.max_seq_tokens
+
+    @property
     def kv_used(self) -> int:
-        return sum(gen.held_tokens for gen in self.running)
+        """The budget the running sequences take: what each holds after its next step, or
+        (prefix caching) the rows held, a shared one once, plus what each still needs."""
+        if self._cache is None:
+            return sum(gen.held_tokens for gen in self.running)
+        return self._rows_held + sum(gen.held_tokens - gen.computed for gen in self.running)
 
     @property
     def chunked(self) -> bool:
@@ -154,6 +183,8 @@ class StepLoop:
         self._thread.start(asyncio.get_running_loop())
         self._generator = await self._thread.submit(factory, self.device)
         self._chunked = getattr(self._generator, "chunked_prefill", False) is True
+        if self._chunked and isinstance(self._generator, PrefixCache):
+            self._cache = self._generator
         return self._generator
 
     async def stop(self, wait_s: float) -> None:
@@ -166,6 +197,9 @@ class StepLoop:
         """Steps back to back while anything runs; sleeps until work arrives otherwise."""
         while True:
             self._sweep()
+            if self._to_release:  # first, so that their rows count no more
+                released, self._to_release = self._to_release, []
+                await self._release(released)
             if mode == "continuous" or not self.running:
                 self._admit(reserve=mode == "static")
             self._preempt_over_budget()
@@ -213,19 +247,22 @@ class StepLoop:
         stand now, passing over those that do not (first fit); or (`reserve`, static mode)
         strictly in order, each with room for all its `max_tokens`."""
         budget = self.kv_budget
-        used = sum(self._need(gen, reserve) for gen in self.running)
+        used = sum(self._need(gen, True) for gen in self.running) if reserve else self.kv_used
         limit = self._model.max_batch_size if reserve else None
         passed: list[Generation] = []
         while limit is None or len(self.running) < limit:
             gen = self._model.take()
             if gen is None:
                 break
-            if used + self._need(gen, reserve) > budget:
+            cached = self._cached_prefix(gen)
+            need = self._need(gen, reserve) - cached.tokens + cached.idle
+            if (cached.expected and not reserve) or used + need > budget:
                 passed.append(gen)
                 if reserve or gen.times_passed >= PASS_LIMIT or len(passed) == PASS_DEPTH:
                     break
                 continue
-            used += self._need(gen, reserve)
+            used += need
+            self._attach(gen)
             gen.state, gen.device = GenState.RUNNING, self.device
             self.running.append(gen)
             for waiting in passed:
@@ -239,12 +276,27 @@ class StepLoop:
     def _need(gen: Generation, reserve: bool) -> int:
         return gen.prompt_tokens + gen.max_tokens if reserve else gen.held_tokens
 
+    def _cached_prefix(self, gen: Generation) -> CachedPrefix:
+        return CachedPrefix() if self._cache is None else self._cache.cached_prefix(gen.seq)
+
+    def _attach(self, gen: Generation) -> None:
+        """Admitted: it takes its cached prefix, and its prefill starts after it."""
+        if self._cache is None:
+            return
+        gen.computed = self._cache.attach(gen.seq)
+        self._rows_held = self._cache.kv_rows_held
+        if gen.first_token_at is None:
+            gen.cached_tokens = min(gen.computed, gen.prompt_tokens)
+        self._model.prefix_queries += gen.prompt_tokens + len(gen.seq.tokens)
+        self._model.prefix_hits += gen.computed
+
     def _preempt_over_budget(self) -> None:
         """Grown past the budget: the newest sequences go back to the head of the line."""
         used = self.kv_used  # summed once, not once for each sequence put back
         while len(self.running) > 1 and used > self.kv_budget:
             gen = self.running.pop()
-            used -= gen.held_tokens
+            own = gen.computed if self._cache is None else self._cache.own_rows(gen.seq.id)
+            used -= gen.held_tokens - gen.computed + own
             gen.state = GenState.WAITING
             gen.computed = 0
             gen.preemptions += 1
@@ -296,6 +348,8 @@ class StepLoop:
         self._model.steps += 1
         for gen in gens:
             gen.computed += gen.tokens_this_step
+        if self._cache is not None:
+            self._rows_held = self._cache.kv_rows_held
         return list(zip(gens, made, strict=True))
 
     async def _watched(
@@ -345,6 +399,8 @@ class StepLoop:
         try:
             budget_s = self._budget.seconds(self.step_cost.predict(0))
             await self._watched(generator.release, seq_ids, "release", budget_s)
+            if self._cache is not None:
+                self._rows_held = self._cache.kv_rows_held
         except _Hung:
             return  # the running sequences went on elsewhere meanwhile
         except Exception as exc:

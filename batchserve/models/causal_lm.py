@@ -14,17 +14,17 @@ chunks beside decodes) is not `generate`'s:
   sequence's one, each prefilling sequence's chunk) are packed into one row, so the
   projections and MLPs run as single matrix products over all of them (`linears.py`: fused,
   and prepacked for oneDNN on the CPU);
-- attention reads the paged cache (`kv_cache.PagedKV`): the decoding sequences together,
+- attention reads the paged cache (`kv_cache.PagedKV`), whose whole blocks are shared by
+  every sequence with the same prefix (`PrefixCache`: a sequence attached to a cached prefix
+  starts its prefill after it): the decoding sequences together,
   padded to the longest and masked, in one `scaled_dot_product_attention` a layer; a prefill
   chunk on its own, causally masked against its sequence's cached tokens;
 - logits only for the last token of each sequence that makes one (a finished prompt, or a
   decode), and sampling by each sequence's own params (`sampling.py`);
 - text out through `detokenizer.Detokenizer`, in whole characters.
 
-transformers' own cache classes keep one tensor per batch, so a sequence that joins or leaves
-copies every other's cache; its paged attention is written for its own `generate` loop. A
-few dozen lines of attention over our own cache fit the step contract and keep batch mates
-independent.
+transformers' own cache classes keep one tensor per batch (a sequence that joins or leaves
+copies every other's), and its paged attention serves its own `generate` loop.
 """
 
 from __future__ import annotations
@@ -32,29 +32,18 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ..errors import StartupError
-from .detokenizer import Detokenizer
-from .generators import GeneratorSettings, Made, Seq, plain_chat_prompt
-from .kv_cache import PagedKV
+from .generators import CachedPrefix, GeneratorSettings, Made, Seq, plain_chat_prompt
+from .kv_cache import BLOCK, PagedKV
 from .linears import LayerWeights, Products, layer_weights, mlp
 from .sampling import choose_tokens
+from .sequences import Held, Sequences
 from .weights import load_pretrained, phase
 
 DTYPE_NAMES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
-
-
-@dataclass(slots=True, eq=False)
-class _Held:
-    """One sequence on this device: the ids to feed (prompt, then what it made), how many
-    are in the cache, and its text so far."""
-
-    ids: list[int]
-    fed: int
-    text: Detokenizer
 
 
 class CausalLM:
@@ -62,7 +51,15 @@ class CausalLM:
 
     chunked_prefill = True
 
-    def __init__(self, model: Any, tokenizer: Any, device: str, *, kv_cache_bytes: int) -> None:
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        device: str,
+        *,
+        kv_cache_bytes: int,
+        prefix_caching: bool = True,
+    ) -> None:
         torch = _import("torch")
         self._torch = torch
         self.device = device
@@ -80,16 +77,20 @@ class CausalLM:
         self._kv_heads = getattr(config, "num_key_value_heads", None) or self._heads
         self._head_dim = getattr(config, "head_dim", None) or config.hidden_size // self._heads
         self._scale = getattr(attention, "scaling", self._head_dim**-0.5)
+        dtype = next(model.parameters()).dtype
         self.cache = PagedKV(
             torch,
             layers=len(self._layers),
             kv_heads=self._kv_heads,
             head_dim=self._head_dim,
-            dtype=next(model.parameters()).dtype,
+            dtype=dtype,
             device=device,
             budget_bytes=kv_cache_bytes,
+            prefix_caching=prefix_caching,
         )
-        self.kv_budget_tokens = min(self.cache.capacity, config.max_position_embeddings)
+        self.kv_budget_tokens = self.cache.capacity
+        """The whole cache is the device's budget; the context length bounds each sequence."""
+        self.max_seq_tokens = min(self.cache.capacity, config.max_position_embeddings)
         self._eos = _eos_ids(model, tokenizer)
         self._products = Products(torch, device)
         self._weights = [layer_weights(torch, layer, self._products) for layer in self._layers]
@@ -97,10 +98,11 @@ class CausalLM:
         self._empty_prompt = [
             tokenizer.bos_token_id if tokenizer.bos_token_id is not None else min(self._eos)
         ]
-        self._held: dict[str, _Held] = {}
+        identity = f"{getattr(config, '_name_or_path', '')}|{type(model).__name__}|{dtype}"
+        self._seqs = Sequences(tokenizer, self._encode, identity)
 
     def __repr__(self) -> str:
-        return f"<CausalLM {self.device} sequences={len(self._held)} {self.cache!r}>"
+        return f"<CausalLM {self.device} sequences={len(self._seqs)} {self.cache!r}>"
 
     # The contract
 
@@ -121,7 +123,7 @@ class CausalLM:
 
     def release(self, seq_ids: list[str]) -> None:
         for seq_id in seq_ids:
-            self._held.pop(seq_id, None)
+            self._seqs.drop(seq_id)
             self.cache.release(seq_id)
 
     def warm_up(self) -> None:
@@ -131,11 +133,34 @@ class CausalLM:
         self.step([seq])
         self.release([seq.id])
 
+    # Prefix caching (`generators.PrefixCache`)
+
+    @property
+    def kv_rows_held(self) -> int:
+        return self.cache.held
+
+    def own_rows(self, seq_id: str) -> int:
+        return self.cache.own_rows(seq_id)
+
+    def cached_prefix(self, seq: Seq) -> CachedPrefix:
+        held = self._seqs.ask(seq)
+        match = self.cache.match(held.usable(), seq.id)
+        return CachedPrefix(len(match.blocks) * BLOCK, match.idle * BLOCK, match.expected)
+
+    def attach(self, seq: Seq) -> int:
+        """Takes the cached blocks of the sequence's prefix; it is expected to compute the
+        rest of its whole blocks. Answers how many tokens it has in the cache."""
+        held = self._seqs.take(seq)
+        match = self.cache.match(held.usable(), seq.id)
+        self.cache.adopt(seq.id, match.blocks, held.keys[len(match.blocks) :])
+        held.fed = len(match.blocks) * BLOCK
+        return held.fed
+
     # The step
 
     def _step(self, seqs: list[Seq]) -> list[Made]:
         torch = self._torch
-        held = [self._hold(seq) for seq in seqs]
+        held = [self._seqs.hold(seq) for seq in seqs]
         chunks = [
             len(h.ids) - h.fed if seq.chunk is None else min(seq.chunk, len(h.ids) - h.fed)
             for seq, h in zip(seqs, held, strict=True)
@@ -176,6 +201,7 @@ class CausalLM:
             h, chunk = held[i], chunks[i]
             offset += chunk
             h.fed += chunk
+            self.cache.seal(seqs[i].id, h.fed_keys())
             if h.fed == len(h.ids):
                 ends.append(offset - 1)
                 makers.append(i)
@@ -194,7 +220,7 @@ class CausalLM:
                 answers[i] = self._made(seqs[i], held[i], token)
         return answers
 
-    def _made(self, seq: Seq, held: _Held, token: int) -> Made:
+    def _made(self, seq: Seq, held: Held, token: int) -> Made:
         if token in self._eos:
             return Made(held.text.flush(), end=True)
         held.ids.append(token)
@@ -284,18 +310,6 @@ class CausalLM:
         mask = torch.ones(chunk, fed + chunk, dtype=torch.bool, device=self.device).tril(fed)
         return rows, mask
 
-    def _hold(self, seq: Seq) -> _Held:
-        """The sequence's state, made on first sight: after a release it is recomputed from
-        its prompt and the ids it made, and its text goes on where it left off."""
-        held = self._held.get(seq.id)
-        if held is None:
-            prompt = self._encode(seq.prompt)
-            made = list(seq.token_ids)
-            given = sum(map(len, seq.tokens))
-            held = _Held(prompt + made, 0, Detokenizer(self.tokenizer, made, given))
-            self._held[seq.id] = held
-        return held
-
     def _encode(self, text: str) -> list[int]:
         ids: list[int] = self.tokenizer.encode(text)
         return ids or list(self._empty_prompt)
@@ -318,7 +332,13 @@ def load(device: str, settings: GeneratorSettings | None = None) -> CausalLM:
     except (OSError, ValueError) as exc:
         raise StartupError(f"--model-path {folder}: cannot load it: {exc}") from None
     with phase(f"moving the model to {device} and preparing its products"):
-        generator = CausalLM(model, tokenizer, device, kv_cache_bytes=settings.kv_cache_bytes)
+        generator = CausalLM(
+            model,
+            tokenizer,
+            device,
+            kv_cache_bytes=settings.kv_cache_bytes,
+            prefix_caching=settings.prefix_caching,
+        )
     with phase(f"warm-up step on {device}"):
         generator.warm_up()
     return generator

@@ -16,6 +16,13 @@ yet. A generator that sets `chunked_prefill = True` is handed at most `Seq.chunk
 sequence's uncomputed tokens a step, and answers `Made()` (nothing yet) until its prompt is
 all in: the scheduler then spreads a long prefill over several steps beside the decoding
 sequences.
+
+A chunked generator may also cache prefixes (`PrefixCache`): before admitting a sequence the
+scheduler asks how many of its leading tokens the device's cache holds (`cached_prefix`), and
+admitting it, `attach`es it, so that its prefill starts after them; its budget then counts
+only the rows the device really holds (`kv_rows_held`, a shared row once), and
+`kv_budget_tokens` is the whole cache, while `max_seq_tokens` (the context length) bounds one
+sequence. Two sequences share cached rows only where their `Seq.cache_key` is the same.
 """
 
 from __future__ import annotations
@@ -53,6 +60,9 @@ class Seq:
     chunk: int | None = None
     """For a `chunked_prefill` generator: how many of its uncomputed tokens this step takes
     (None: all of them)."""
+    cache_key: str = ""
+    """For a `PrefixCache`: sequences share cached rows only with this the same (the tenant
+    and a request's `cache_salt`, set by the engine)."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -81,6 +91,38 @@ class Generator(Protocol):
 GeneratorFactory = Callable[[str], Generator]
 
 
+@dataclass(slots=True, frozen=True)
+class CachedPrefix:
+    """What a device's cache holds of a sequence: its first `tokens` (whole blocks, never
+    its last token, which must be fed to make logits), of which `idle` are in blocks no
+    running sequence holds (they leave the free rows when taken), and whether the block
+    after them is `expected` from a running sequence now computing it."""
+
+    tokens: int = 0
+    idle: int = 0
+    expected: bool = False
+
+
+@runtime_checkable
+class PrefixCache(Protocol):
+    """A generator that shares its KV cache by prefix. The scheduler calls these between
+    steps (on the loop, the device idle): `cached_prefix` may be asked of a sequence many
+    times while it waits; `attach` takes the cached rows for it and says how many tokens
+    they hold, so that its first step starts after them; `own_rows` are the rows its release
+    would give back (blocks shared with others stay held)."""
+
+    max_seq_tokens: int
+
+    @property
+    def kv_rows_held(self) -> int: ...
+
+    def cached_prefix(self, seq: Seq) -> CachedPrefix: ...
+
+    def attach(self, seq: Seq) -> int: ...
+
+    def own_rows(self, seq_id: str) -> int: ...
+
+
 @dataclass(slots=True, frozen=True, kw_only=True)
 class GeneratorSettings:
     """What the server's flags (or a models file entry) say about a real model, handed to a
@@ -94,6 +136,8 @@ class GeneratorSettings:
     """The KV cache preallocated on each device, from which its token budget follows."""
     weights_cache: str | None = None
     """Where a GGUF file's converted copy is kept ("off": nowhere); None: the XDG cache."""
+    prefix_caching: bool = True
+    """Share cached blocks of KV between sequences with the same prefix."""
 
 
 class BadStep(RuntimeError):

@@ -12,7 +12,6 @@ with its help text, next to the snapshot it is written from.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import math
 import time
@@ -32,6 +31,7 @@ from ..generation.request import Generation
 from ..gpu_pool import GpuPool, PoolStats
 from ..models.registry import Registry
 from .exposition import Child, FamilyText, Gauges, HistogramText, Scrape, TextCollector
+from .generation_metrics import GenerationCollector
 from .loop_metrics import LoopCount, LoopCounters, LoopHistogram, LoopHistograms
 from .picker import PickerCollector
 from .window import ROW, RecentWindow, keep_recent, percentile_ms, window_numbers
@@ -134,7 +134,7 @@ class Metrics:
         self.registry.register(picker)
         self._state = _StateCollector(batcher, pool, registry, clock, slo_s)
         self.registry.register(self._state)
-        self._generation_state = _GenerationCollector(generators, clock)
+        self._generation_state = GenerationCollector(generators, clock)
         self.registry.register(self._generation_state)
         self.picker_registry = CollectorRegistry(auto_describe=False)
         """The gateway picker's gauges alone, for /metrics/picker (the same collector as in
@@ -392,68 +392,6 @@ def _batch_sizes(sizes: Mapping[int, int]) -> list[Child]:
     for size, count in sizes.items():
         counts[bisect_left(BATCH_BUCKETS, size)] += count  # le bounds are inclusive
     return [((), counts, sum(size * count for size, count in sizes.items()))]
-
-
-class _GenerationCollector(TextCollector):
-    """Reads the generation models' snapshots at scrape time."""
-
-    def __init__(self, generators: Generators, clock: Clock) -> None:
-        self._generators = generators
-        self._clock = clock
-        self._writers = [
-            (key, FamilyText(name, text, kind, ["model", "version"]))
-            for key, name, text, kind in _GENERATION_FAMILIES
-        ]
-
-    def summary(self, now: float) -> list[dict[str, Any]]:
-        return [
-            {**dataclasses.asdict(stats), "devices": list(stats.devices)}
-            for stats in (model.stats(now) for model in self._generators)
-        ]
-
-    def scrape(self, out: Scrape) -> None:
-        now = self._clock.time()
-        rows = [model.stats(now) for model in self._generators]
-        for key, writer in self._writers:
-            out.family(writer, [((r.model, r.version), getattr(r, key)) for r in rows])
-
-
-_GENERATION_FAMILIES: list[tuple[str, str, str, str]] = [
-    ("running", "batchserve_sequences_running", "Sequences in steps now.", "gauge"),
-    ("waiting", "batchserve_sequences_waiting", "Sequences waiting to run.", "gauge"),
-    (
-        "kv_used_tokens",
-        "batchserve_kv_used_tokens",
-        "KV-cache tokens the running sequences hold, over all devices.",
-        "gauge",
-    ),
-    (
-        "kv_budget_tokens",
-        "batchserve_kv_budget_tokens",
-        "KV-cache tokens the devices can hold at once, summed.",
-        "gauge",
-    ),
-    ("steps", "batchserve_generation_steps", "Decoding steps run.", "counter"),
-    (
-        "preemptions",
-        "batchserve_preemptions",
-        "Sequences put back in line because the running ones outgrew the budget.",
-        "counter",
-    ),
-    (
-        "step_failures",
-        "batchserve_step_failures",
-        "Steps that raised or answered badly (each is retried in halves).",
-        "counter",
-    ),
-    (
-        "hung_steps",
-        "batchserve_hung_steps",
-        "Device calls (steps, releases) that ran past their budget (their sequences"
-        " went on elsewhere).",
-        "counter",
-    ),
-]
 
 
 def desired_replicas(arrival_rps: float, capacity_rps: float | None) -> int:
