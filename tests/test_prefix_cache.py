@@ -317,3 +317,19 @@ def test_a_prompt_cached_whole_still_computes_its_last_token_for_logits(tok, tin
         cached = generator.attach(seq)
         made.append((cached, generator.step([seq])[0].token_id))
     assert made == [(0, made[0][1]), (len(tok.encode(prompt)) - BLOCK, made[0][1])]
+
+
+async def test_a_cached_prefix_is_not_predicted_as_prefill_while_it_waits(tok, tiny):
+    """The first-token forecast at arrival, and the line's prefill that later arrivals are
+    forecast behind, count only what the cache leaves: a shared system prompt already
+    cached is not counted again for each request that waits with it."""
+    cached = (len(tok.encode(f"{PREFIX} b")) - 1) // BLOCK * BLOCK
+    for caching in (True, False):
+        engine, _ = engine_of(tiny, tok, caching=caching)
+        async with engine:
+            await outputs(engine, [f"{PREFIX} a"], 2)
+            async with engine.generate(f"{PREFIX} b", max_tokens=2, params=GREEDY) as gen:
+                expected = cached if caching else 0
+                assert gen.cached_at_arrival == expected
+                assert gen.prefill_tokens == gen.prompt_tokens - expected
+                await gen.result()

@@ -241,13 +241,15 @@ class GenerationModel:
     def first_token_forecast(self, gen: Generation) -> tuple[float, float] | None:
         """Seconds from now to `gen`'s first token were it to join the line now, and with
         nothing ahead of it: the prefill done before its last token is in (with chunks, as
-        the fair shares of `rules/prefill.py` give it; else all that waits), the work ahead
-        spread over the devices that take work, on the one that would finish first. None
-        while a device cannot predict it: no grounds to refuse anything. One pass over the
-        running sequences, and a few steps for each tenant in line."""
+        the fair shares of `rules/prefill.py` give it; else all that waits), less the prefix
+        a device has cached (noted on `gen` for its wait in line), the work ahead spread
+        over the devices that take work, on the one that would finish first. None while a
+        device cannot predict it: no grounds to refuse anything. One pass over the running
+        sequences, and a few steps for each tenant in line."""
         loops = [loop for loop in self.loops if not loop.hung]
         if not loops:
             return None
+        gen.cached_at_arrival = max(loop.cached_tokens(gen) for loop in loops)
         new = gen.prefill()
         tenants = self._line_prefill.with_running(
             g.prefill() for loop in loops for g in loop.running if g.prefill_tokens

@@ -70,6 +70,9 @@ class Generation:
         self.times_passed = 0
         self.computed = 0
         """Its tokens in its device's KV cache; 0 once released (preempted, handed on)."""
+        self.cached_at_arrival = 0
+        """Prompt tokens a device's cache held when it arrived: while it waits, its prefill
+        is predicted as the rest (a shared system prompt is not counted again for each)."""
         self.cached_tokens = 0
         """Prompt tokens its device's cache held when the prefill that made its first token
         began: reported as `usage.prompt_tokens_details.cached_tokens`."""
@@ -103,6 +106,8 @@ class Generation:
         count of a request's prefill work, which fair shares and the first-token forecast
         read (a cache of prefixes makes it count only what is not cached)."""
         uncomputed = self.uncomputed
+        if self.state is GenState.WAITING and not self.computed:
+            uncomputed = max(1, uncomputed - self.cached_at_arrival)
         return uncomputed if uncomputed > 1 else 0
 
     def prefill(self) -> Prefill:

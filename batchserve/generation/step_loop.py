@@ -276,6 +276,11 @@ class StepLoop:
     def _need(gen: Generation, reserve: bool) -> int:
         return gen.prompt_tokens + gen.max_tokens if reserve else gen.held_tokens
 
+    def cached_tokens(self, gen: Generation) -> int:
+        """How much of `gen`'s prompt this device's cache holds now: lookups only, which a
+        step running beside them cannot spoil."""
+        return self._cached_prefix(gen).tokens
+
     def _cached_prefix(self, gen: Generation) -> CachedPrefix:
         return CachedPrefix() if self._cache is None else self._cache.cached_prefix(gen.seq)
 
