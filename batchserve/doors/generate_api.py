@@ -10,7 +10,7 @@ absent), and any other key passes through unchanged for a custom generator to re
 Not streaming: 200 {"output", "tokens", "finish_reason", "ttft_ms", "latency_ms", ...}.
 Streaming: `data: {"token": "..."}` per piece, a final event with `finish_reason` and the
 timings, then `data: [DONE]`; a failure once the stream has started is `event: error` with
-`data: {"error": {"code", "message"}}`, and the stream ends.
+`data: {"error": {"code", "message"}}`, then `data: [DONE]`.
 """
 
 from __future__ import annotations

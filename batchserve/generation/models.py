@@ -227,8 +227,9 @@ class GenerationModel:
                     self.put_back(gen)
             return
         error = BackendError(
-            f"{call} ran past its budget of {budget_s * 1e3:.0f} ms and no"
-            " other device can go on with the sequence"
+            f"{call} ran past its budget of {budget_s * 1e3:.0f} ms without progress and no"
+            " other device can go on with the sequence; if the device is only slow, raise"
+            " --batch-timeout-ms"
         )
         for gen in gens:
             gen.fail(error, now)

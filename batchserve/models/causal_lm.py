@@ -97,6 +97,9 @@ class CausalLM:
             tokenizer.bos_token_id if tokenizer.bos_token_id is not None else min(self._eos)
         ]
         self._held: dict[str, _Held] = {}
+        self.progress = 0
+        """Layers run, bumped on the device's thread: the watchdog gives a step that is
+        still advancing another budget (a busy CPU's slow step is not a hang)."""
 
     def __repr__(self) -> str:
         return f"<CausalLM {self.device} sequences={len(self._held)} {self.cache!r}>"
@@ -160,6 +163,7 @@ class CausalLM:
         for index, (layer, weights) in enumerate(zip(self._layers, self._weights, strict=True)):
             x = x + self._attention(index, layer, weights, x, rope, rows, *views)
             x = x + mlp(layer, weights, products, layer.post_attention_layernorm(x))
+            self.progress += 1
         # Logits for each sequence whose chunk reaches the end of what it has to feed.
         ends: list[int] = []
         makers: list[int] = []

@@ -5,7 +5,9 @@ file entry's `generator`), called on that device's thread with its name (and, if
 takes a keyword `settings`, the server's `GeneratorSettings`: a model path, dtype, KV cache
 bytes). What it returns has `kv_budget_tokens`, `step(seqs)` (one decoding step; a sequence's
 first step includes its prompt's prefill) and `release(seq_ids)`, and may have
-`count_tokens(text)`; without it a prompt's UTF-8 bytes count. A sequence in a step holds
+`count_tokens(text)`; without it a prompt's UTF-8 bytes count. It may keep `progress`, an int
+it bumps as a step advances (once a layer): a step past its hang budget that still advances
+is then given another budget rather than taken for a hang. A sequence in a step holds
 `count_tokens(prompt) + len(tokens) + 1` tokens of the budget. The scheduler
 (`generation/step_loop.py`) keeps to the contract; this module checks what a generator gives back.
 
