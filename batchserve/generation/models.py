@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +29,7 @@ from ..models.generators import (
     GeneratorSettings,
     chat_formatter,
     generator_factory,
+    max_token_bytes,
     plain_chat_prompt,
     simulated_generator_factory,
     token_counter,
@@ -130,6 +132,11 @@ class GenerationModel:
         self._work = asyncio.Event()
         self._tasks = TaskSet(on_crash)
         self.count_tokens: Callable[[str], int] = len
+        self.max_token_bytes: int | None = None
+        """The most prompt bytes one token stands for (None: unknown): the bound a prompt's
+        bytes are checked against before it is tokenized."""
+        self._tokenizer: ThreadPoolExecutor | None = None
+        """Counts prompts' tokens off the event loop (a 1 MiB prompt takes seconds)."""
         self.chat_prompt: Callable[[list[dict[str, str]]], str] = plain_chat_prompt
         self.kv_budget = 0
         """The smallest device budget: what a lone sequence must fit."""
@@ -186,14 +193,25 @@ class GenerationModel:
                     f" {type(outcome).__name__}: {outcome}"
                 )
         self.count_tokens = token_counter(outcomes[0])  # type: ignore[arg-type]
+        self.max_token_bytes = max_token_bytes(outcomes[0])  # type: ignore[arg-type]
+        self._tokenizer = ThreadPoolExecutor(1, f"batchserve-tokenize-{self.spec.label}")
         self.chat_prompt = chat_formatter(outcomes[0])  # type: ignore[arg-type]
         self.kv_budget = min(loop.kv_budget for loop in self.loops)
         for loop in self.loops:
             self._tasks.start(loop.run(self.mode), name=f"batchserve-steps-{loop.device}")
 
     async def aclose(self) -> None:
+        if self._tokenizer is not None:
+            self._tokenizer.shutdown(wait=False, cancel_futures=True)
         await self._tasks.aclose()
         await asyncio.gather(*(loop.stop(self._stop_wait_s) for loop in self.loops))
+
+    async def prompt_tokens(self, prompt: str) -> int:
+        """`prompt`'s tokens, counted on the model's tokenizer thread, not the event loop:
+        a long prompt would stall every stream, probe and step watchdog meanwhile."""
+        assert self._tokenizer is not None, "the model has not started"
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenizer, self.count_tokens, prompt)
 
     def submit(self, gen: Generation) -> None:
         self._waiting.push(gen)

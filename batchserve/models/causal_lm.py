@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -97,6 +98,7 @@ class CausalLM:
             tokenizer.bos_token_id if tokenizer.bos_token_id is not None else min(self._eos)
         ]
         self._held: dict[str, _Held] = {}
+        self.max_token_bytes = token_bytes_bound(tokenizer)
         self.progress = 0
         """Layers run, bumped on the device's thread: the watchdog gives a step that is
         still advancing another budget (a busy CPU's slow step is not a hang)."""
@@ -316,6 +318,26 @@ def load(device: str, settings: GeneratorSettings | None = None) -> CausalLM:
     except (OSError, ValueError) as exc:
         raise StartupError(f"--model-path {folder}: cannot load it: {exc}") from None
     return CausalLM(model, tokenizer, device, kv_cache_bytes=settings.kv_cache_bytes)
+
+
+def token_bytes_bound(tokenizer: Any) -> int | None:
+    """The most prompt bytes one token stands for, from the vocabulary, so that a prompt too
+    long by its bytes alone is refused before it is tokenized; None where a normalizer may
+    shrink text first (or the tokenizer is not a fast one). A byte-level token's characters
+    are its bytes; any other token's text is at least as long as what it stands for."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    setup = json.loads(backend.to_str())
+    if setup.get("normalizer") is not None:
+        return None
+    byte_level = (setup.get("decoder") or {}).get("type") == "ByteLevel"
+    added = set(tokenizer.get_added_vocab())
+    sizes = (
+        len(token) if byte_level and token not in added else len(token.encode())
+        for token in tokenizer.get_vocab()
+    )
+    return max(sizes, default=None)
 
 
 def resolve_dtype(torch: Any, name: str, device: str) -> str:
