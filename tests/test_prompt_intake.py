@@ -4,14 +4,20 @@ a prompt too long by its bytes alone is refused before any tokenizer runs."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from typing import Any
 
 import pytest
 
-from batchserve.errors import InputTooLarge
+from batchserve.config import Config
+from batchserve.engine.core import Engine
+from batchserve.errors import DuplicateRequestId, InputTooLarge
+from batchserve.models.specs import ModelSpec
 
 from . import tiny_llama
+from .conftest import HANG_GUARD_S
+from .test_generation import RecordingGenerator, generate
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -75,3 +81,51 @@ async def test_a_prompt_too_long_by_its_bytes_is_refused_without_tokenizing(lm_p
             async with engine.generate("a" * (model.kv_budget + 5), max_tokens=1):
                 pass
         assert len(watched.encoded_on) == 1
+
+
+class SlowCounter(RecordingGenerator):
+    """Counts a prompt's tokens only once the test lets it: a prompt still being tokenized."""
+
+    counting = threading.Event()
+    go = threading.Event()
+
+    def count_tokens(self, text: str) -> int:
+        self.counting.set()
+        assert self.go.wait(HANG_GUARD_S), "the test never let the count go"
+        return len(text)
+
+
+def slow_counting_engine() -> tuple[Engine, type[SlowCounter]]:
+    class Counter(SlowCounter):
+        counting = threading.Event()
+        go = threading.Event()
+
+    spec = ModelSpec(name="writer", version="1", generator=Counter, devices="sim:1")  # type: ignore[arg-type]
+    return Engine(Config(), models=[spec]), Counter
+
+
+async def test_an_id_admitted_twice_while_tokenizing_is_refused_once():
+    engine, counter = slow_counting_engine()
+    async with engine:
+        first = asyncio.ensure_future(generate(engine, "abc", request_id="same"))
+        assert await asyncio.to_thread(counter.counting.wait, HANG_GUARD_S)
+        second = asyncio.ensure_future(generate(engine, "xyz", request_id="same"))
+        await asyncio.sleep(0)  # admitted too: its count waits behind the first's
+        counter.go.set()
+        assert (await first)[0] == "cba"
+        with pytest.raises(DuplicateRequestId):
+            await second
+
+
+async def test_a_drain_waits_for_a_prompt_being_tokenized():
+    engine, counter = slow_counting_engine()
+    async with engine:
+        running = asyncio.ensure_future(generate(engine, "drained"))
+        assert await asyncio.to_thread(counter.counting.wait, HANG_GUARD_S)
+        drained = asyncio.ensure_future(engine.drain())
+        for _ in range(100):  # loop passes enough for a drain with nothing in flight
+            await asyncio.sleep(0)
+        assert not drained.done()
+        counter.go.set()
+        assert (await running)[0] == "deniard"
+        await drained
