@@ -338,7 +338,9 @@ class Config:
         " its requests (or sequences, tokens and all) go to another device and it gets no"
         " work until a probe answers in time (a generation device: until the step returns)."
         " 0 derives it: 5x the typical call (the longest step), at least 1000 ms (10 s"
-        " until a call has been seen)",
+        " until a call has been seen). A generation step that is still making progress (the"
+        " generator counts its layers) is given another budget: only a whole budget without"
+        " progress is a hang",
     )
     bisect_failures: bool = setting(
         True,

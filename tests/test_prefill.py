@@ -9,6 +9,7 @@ import asyncio
 import math
 import queue
 import threading
+import time
 
 import pytest
 
@@ -85,6 +86,15 @@ async def run_to_end(engine: Engine, prompt: str, request_id: str, **asks: objec
         return await gen.result()
 
 
+async def in_line(engine: Engine, waiting: int) -> None:
+    """Until `waiting` generations wait in line (their prompts are counted on a thread)."""
+    assert engine.metrics is not None
+    deadline = time.monotonic() + HANG_GUARD_S
+    while engine.metrics.snapshot()["generation"][0]["waiting"] < waiting:
+        assert time.monotonic() < deadline, "they never joined the line"
+        await asyncio.sleep(0)
+
+
 async def test_a_long_prompt_in_line_holds_short_first_tokens_only_to_their_fair_share():
     generator = ChunkedGenerator()
     async with chunked_engine(generator) as engine:
@@ -94,7 +104,7 @@ async def test_a_long_prompt_in_line_holds_short_first_tokens_only_to_their_fair
             asyncio.ensure_future(run_to_end(engine, "s" * 10, f"s{n}", max_tokens=1))
             for n in range(3)
         ]
-        await asyncio.sleep(0)
+        await in_line(engine, 3)  # each counted on the tokenizer's thread, then in line
         generator.first_step_go.set()
         assert await asyncio.gather(*shorts) == ["s"] * 3
         await long
@@ -206,7 +216,7 @@ async def test_a_generation_predicted_to_miss_its_first_token_is_refused_at_arri
             await refused_at_entry(engine, "x" * 2500, "never")
         # One that makes it is taken: 1,500 + 200 tokens, 1.71 s.
         fits = asyncio.ensure_future(run_to_end(engine, "f" * 200, "fits", max_tokens=1))
-        await asyncio.sleep(0)
+        await in_line(engine, 1)  # admitted before the clock moves
         clock.advance(cost)
         generator.go.set()
         driver = asyncio.ensure_future(drive(generator, clock, 1))

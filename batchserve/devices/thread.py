@@ -30,6 +30,12 @@ class DeviceThread:
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._work, name=f"batchserve-{device}", daemon=True)
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.submitted = 0
+        """Calls submitted so far: the number of the latest."""
+        self.returned = 0
+        """Calls that came back, counted on this thread as each returns (before the loop
+        hears of it): a watchdog that looks late, on a stalled loop, still sees the device
+        answered in time."""
 
     def __repr__(self) -> str:
         return f"<DeviceThread {self._thread.name} alive={self._thread.is_alive()}>"
@@ -51,6 +57,7 @@ class DeviceThread:
     def submit(self, fn: Callable[[Arg], Ret], arg: Arg) -> asyncio.Future[Ret]:
         assert self._loop is not None, "submit only to a started thread"
         future: asyncio.Future[Ret] = self._loop.create_future()
+        self.submitted += 1
         self._jobs.put((future, fn, arg))
         return future
 
@@ -63,6 +70,7 @@ class DeviceThread:
                 outcome = functools.partial(_set_result, future, fn(arg))
             except Exception as exc:
                 outcome = functools.partial(_set_exception, future, exc)
+            self.returned += 1
             # The loop may have closed while a hung call ran: nobody waits for it any more.
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(outcome)

@@ -13,7 +13,7 @@ Not streaming: 200 {"output", "tokens", "finish_reason", "ttft_ms", "latency_ms"
 `cached_tokens` are the prompt's tokens taken from the prefix cache.
 Streaming: `data: {"token": "..."}` per piece, a final event with `finish_reason` and the
 timings, then `data: [DONE]`; a failure once the stream has started is `event: error` with
-`data: {"error": {"code", "message"}}`, and the stream ends.
+`data: {"error": {"code", "message"}}`, then `data: [DONE]`.
 """
 
 from __future__ import annotations

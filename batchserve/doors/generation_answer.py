@@ -4,8 +4,10 @@ events (one event per piece of text as soon as it is made).
 The stream opens only once the first piece is made (or the generation ends), so a request
 that fails before its first token (a deadline, a failed first step) still gets a plain HTTP
 error answer with the right status. A failure after that arrives as an event the door
-shapes, and the stream ends. A client that leaves makes a write raise (or the handler is
-cancelled): leaving `async with engine.generate(...)` then cancels the sequence.
+shapes, then `data: [DONE]` as after any stream (vLLM's order; a client that waits for the
+terminator is not left hanging), and the stream ends. A client that leaves makes a write
+raise (or the handler is cancelled): leaving `async with engine.generate(...)` then
+cancels the sequence.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ _HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
 
 class Events(NamedTuple):
-    """How a door writes its stream: each piece, the ending (before [DONE]), a failure."""
+    """How a door writes its stream: each piece, the ending or a failure (before [DONE])."""
 
     piece: Callable[[str], bytes]
     ending: Callable[[Generation], bytes]
@@ -85,6 +87,6 @@ async def _stream(
                     await response.write(events.piece(text))
             await response.write(events.ending(gen) + DONE)
         except BatchserveError as error:
-            await response.write(events.failure(error))
+            await response.write(events.failure(error) + DONE)
         await response.write_eof()
         return response

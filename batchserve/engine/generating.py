@@ -3,10 +3,11 @@ and record it when its caller is done; no HTTP.
 
 The engine holds one and hands `generate` on (`engine.generate(...)`). Admission is the one
 of batch requests (`intake.py`); what is particular to generation follows it: the prompt's
-tokens against the device's budget, the sampling parameters' rules, the first-token deadline,
-the sequence's prefix-cache key (its tenant's, unless --prefix-cache-shared, and the request's
-`cache_salt`: only sequences with the same key share cached KV rows), and cancelling a
-sequence whose caller left.
+tokens against the device's budget (its bytes first, then its tokens, counted on the model's
+tokenizer thread: never on the event loop), the sampling parameters' rules, the first-token
+deadline, the sequence's prefix-cache key (its tenant's, unless --prefix-cache-shared, and the
+request's `cache_salt`: only sequences with the same key share cached KV rows), and cancelling
+a sequence whose caller left.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 
 from ..batching.request import new_request_id
 from ..clock import Clock
-from ..errors import BatchserveError
+from ..errors import BatchserveError, DuplicateRequestId
 from ..generation.models import GenerationModel, Generators
 from ..generation.request import Generation
 from ..models.generators import Seq
@@ -50,8 +51,10 @@ class GenerationPath:
         self._route = intake.generation_model
         self._tenants_share_prefixes = tenants_share_prefixes
         self.idle = asyncio.Event()
-        """Set while no generation is in flight: what a drain waits for."""
+        """Set while no generation is in flight or being admitted: what a drain waits for."""
         self.idle.set()
+        self._admitting = 0
+        """Generations between admission and their line: their prompts being tokenized."""
 
     @contextlib.asynccontextmanager
     async def generate(
@@ -85,18 +88,21 @@ class GenerationPath:
         """
         arrival = self._clock.time() if arrival is None else arrival
         request_id = request_id or new_request_id()
+        self._admitting += 1  # a drain waits for it while its prompt is tokenized
+        self.idle.clear()
         try:
-            generation_model, gen, in_flight = self._admit(
+            generation_model, gen, in_flight = await self._admit(
                 prompt, model, version, max_tokens, stop, params, timeout_ms,
-                request_id, tenant, arrival,
+                request_id, tenant, arrival, cache_salt,
             )  # fmt: skip
-            gen.seq.cache_key = self._cache_key(tenant, cache_salt)
+            self._intake.generating[in_flight] = gen
         except BatchserveError as error:
             now = self._clock.time()
             self._recorder.record(route, request_id, tenant, now - arrival, error, now)
             raise
-        self.idle.clear()
-        self._intake.generating[in_flight] = gen
+        finally:
+            self._admitting -= 1
+            self._settle()
         generation_model.submit(gen)
         expiry = self._clock.call_at(gen.deadline, self._expire, generation_model, gen)
         try:
@@ -107,14 +113,17 @@ class GenerationPath:
                 gen.cancel()
                 generation_model.discard(gen)
             del self._intake.generating[in_flight]
-            if not self._intake.generating:
-                self.idle.set()
+            self._settle()
             now = self._clock.time()
             self._recorder.record_generation(route, tenant, gen, now)
             if self._tracer is not None:
                 self._tracer.generation(route, gen)
 
-    def _admit(
+    def _settle(self) -> None:
+        if not self._intake.generating and not self._admitting:
+            self.idle.set()
+
+    async def _admit(
         self,
         prompt: str,
         model: str | None,
@@ -126,18 +135,24 @@ class GenerationPath:
         request_id: str,
         tenant: Tenant | None,
         arrival: float,
+        cache_salt: str | None,
     ) -> tuple[GenerationModel, Generation, InFlightKey]:
         """Admits a generation as the engine admits a batch request (intake.py), then checks
         its tokens: a prompt that can never fit a device's budget is refused at once (413),
         and one whose first token is predicted past its deadline (503, or 504 where its own
-        prefill alone cannot make it: rules/prefill.py)."""
+        prefill alone cannot make it: rules/prefill.py); by its bytes before the tokenizer
+        runs where they say so, then by its tokens, counted off the event loop."""
         generation_model, deadline, in_flight = self._intake.admit(
             self._route, model, version, prompt, timeout_ms, request_id, tenant, arrival,
             first_token=True,
         )  # fmt: skip
-        prompt_tokens = generation_model.count_tokens(prompt)
         rules = self._intake.rules
-        limit = rules.new_tokens(prompt_tokens, max_tokens, generation_model.kv_budget)
+        budget = generation_model.kv_budget
+        rules.check_prompt_bytes(prompt, generation_model.max_token_bytes, max_tokens, budget)
+        prompt_tokens = await generation_model.prompt_tokens(prompt)
+        if in_flight in self._intake.generating:  # admitted beside it while it was tokenized
+            raise DuplicateRequestId(f"request id {request_id} is already in flight")
+        limit = rules.new_tokens(prompt_tokens, max_tokens, budget)
         sampling = checked_params(params, limit)
         gen = Generation(
             # The sequence's id is the generator's handle, unique across tenants.
@@ -154,6 +169,7 @@ class GenerationPath:
         if tenant is not None:
             gen.tenant, gen.tier_rank = tenant.name, tenant.rank
             gen.tenant_weight = tenant.weight
+        gen.seq.cache_key = self._cache_key(tenant, cache_salt)  # before the cache is asked
         forecast = generation_model.first_token_forecast(gen)
         if forecast is not None:
             left_s = deadline - self._clock.time()

@@ -12,6 +12,7 @@ import asyncio
 import math
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +30,7 @@ from ..models.generators import (
     GeneratorSettings,
     chat_formatter,
     generator_factory,
+    max_token_bytes,
     plain_chat_prompt,
     simulated_generator_factory,
     token_counter,
@@ -155,6 +157,11 @@ class GenerationModel:
         self._work = asyncio.Event()
         self._tasks = TaskSet(on_crash)
         self.count_tokens: Callable[[str], int] = len
+        self.max_token_bytes: int | None = None
+        """The most prompt bytes one token stands for (None: unknown): the bound a prompt's
+        bytes are checked against before it is tokenized."""
+        self._tokenizer: ThreadPoolExecutor | None = None
+        """Counts prompts' tokens off the event loop (a 1 MiB prompt takes seconds)."""
         self.chat_prompt: Callable[[list[dict[str, str]]], str] = plain_chat_prompt
         self.kv_budget = 0
         """What a lone sequence must fit: the smallest device budget, or context length."""
@@ -214,6 +221,8 @@ class GenerationModel:
             )
             self._raise_failed(outcomes)
         self.count_tokens = token_counter(outcomes[0])
+        self.max_token_bytes = max_token_bytes(outcomes[0])
+        self._tokenizer = ThreadPoolExecutor(1, f"batchserve-tokenize-{self.spec.label}")
         self.chat_prompt = chat_formatter(outcomes[0])
         self.kv_budget = min(loop.max_seq_tokens for loop in self.loops)
         for loop in self.loops:
@@ -230,8 +239,17 @@ class GenerationModel:
                 )
 
     async def aclose(self) -> None:
+        if self._tokenizer is not None:
+            self._tokenizer.shutdown(wait=False, cancel_futures=True)
         await self._tasks.aclose()
         await asyncio.gather(*(loop.stop(self._stop_wait_s) for loop in self.loops))
+
+    async def prompt_tokens(self, prompt: str) -> int:
+        """`prompt`'s tokens, counted on the model's tokenizer thread, not the event loop:
+        a long prompt would stall every stream, probe and step watchdog meanwhile."""
+        assert self._tokenizer is not None, "the model has not started"
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenizer, self.count_tokens, prompt)
 
     def submit(self, gen: Generation) -> None:
         self._waiting.push(gen)
@@ -299,8 +317,9 @@ class GenerationModel:
                     self.put_back(gen)
             return
         error = BackendError(
-            f"{call} ran past its budget of {budget_s * 1e3:.0f} ms and no"
-            " other device can go on with the sequence"
+            f"{call} ran past its budget of {budget_s * 1e3:.0f} ms without progress and no"
+            " other device can go on with the sequence; if the device is only slow, raise"
+            " --batch-timeout-ms"
         )
         for gen in gens:
             gen.fail(error, now)

@@ -37,11 +37,18 @@ device's prefill cost, from which the model predicts a new request's first token
 A step that runs past its budget (`--batch-timeout-ms`, or 5x the step's predicted time,
 `a + b x tokens` learned from the steps before it over the tokens it processes, and past the
 largest step seen no less than that step's time scaled by the tokens; at least 1 s)
-hangs its device: its sequences go back to the head of the line with their tokens, for
-another device to recompute and go on with (500 where no other device can), and the device
-takes nothing new until the step returns; what it returns then is dropped, and the sequences
-it held are released on it. A release (of ended or preempted sequences) runs under the same
-watchdog: one that hangs hands the running sequences on in the same way.
+without progress hangs its device: its sequences go back to the head of the line with their
+tokens, for another device to recompute and go on with (500 where no other device can), and
+the device takes nothing new until the step returns; what it returns then is dropped, and the
+sequences it held are released on it. A release (of ended or preempted sequences) runs under
+the same watchdog: one that hangs hands the running sequences on in the same way.
+
+The watchdog judges the device by its thread, not by when the loop got round to looking:
+when the budget is up it is not hung if its thread has already returned the call (the loop
+was stalled: tokenizing, a slow handler), nor if the generator's `progress` counter (bumped
+as it works, e.g. once a layer) moved in the last budget: a busy machine's slow step gets
+another budget, as many as it keeps advancing. Only a call that made no progress for a whole
+budget is hung; with one device that fails its streams, the last resort.
 """
 
 from __future__ import annotations
@@ -51,7 +58,7 @@ import logging
 from collections.abc import Callable
 from typing import Protocol, TypeVar
 
-from ..clock import Clock
+from ..clock import Clock, Timer
 from ..config import GenerateMode
 from ..devices.thread import DeviceThread
 from ..errors import BackendError
@@ -142,6 +149,8 @@ class StepLoop:
         self.running: list[Generation] = []
         """In the order they were admitted: the newest is preempted first."""
         self._to_release: list[str] = []
+        self._watchdog: Timer | None = None
+        """The running call's: it looks at the device when the call's budget is up."""
 
     def __repr__(self) -> str:
         return f"<StepLoop {self.device} running={len(self.running)}>"
@@ -364,27 +373,48 @@ class StepLoop:
         its budget the running sequences are handed back at once, and this waits for the
         late call."""
         done = self._thread.submit(call, arg)
-        watchdog = self._clock.call_at(self._clock.time() + budget_s, self._hang, budget_s, what)
+        self._look_later(self._thread.submitted, self._progress(), budget_s, what)
         try:
             returned = await done
         except Exception:
             if not self.hung:
                 raise
         finally:
-            watchdog.cancel()
+            assert self._watchdog is not None
+            self._watchdog.cancel()
         if self.hung:  # it returned at last: what it made is dropped
             log.warning("%s: the hung %s returned; its results were discarded", self.device, what)
             self.hung = False
             raise _Hung
         return returned
 
+    def _look_later(self, call: int, seen: int | None, budget_s: float, what: str) -> None:
+        when = self._clock.time() + budget_s
+        self._watchdog = self._clock.call_at(when, self._look, call, seen, budget_s, what)
+
+    def _look(self, call: int, seen: int | None, budget_s: float, what: str) -> None:
+        """The budget of call number `call` is up: hung only if it has not returned and
+        made no progress since the last look (`seen`)."""
+        if self._thread.returned >= call:
+            return  # it came back in time; the loop was late to hear of it
+        progress = self._progress()
+        if progress != seen:
+            self._look_later(call, progress, budget_s, what)  # slow, still advancing
+            return
+        self._hang(budget_s, what)
+
+    def _progress(self) -> int | None:
+        """The generator's work counter, if it keeps one (`Generator.progress`)."""
+        progress = getattr(self._generator, "progress", None)
+        return progress if isinstance(progress, int) else None
+
     def _hang(self, budget_s: float, what: str) -> None:
         """The watchdog: the device is hung; its sequences go on elsewhere, or fail."""
         self.hung = True
         self._model.hung_steps += 1
         log.error(
-            "%s: a %s ran past its budget of %.0f ms; the device takes no new sequences"
-            " until it returns",
+            "%s: a %s ran past its budget of %.0f ms without progress; the device takes no"
+            " new sequences until it returns",
             self.device,
             what,
             budget_s * 1e3,

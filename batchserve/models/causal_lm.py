@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -100,6 +101,10 @@ class CausalLM:
         ]
         identity = f"{getattr(config, '_name_or_path', '')}|{type(model).__name__}|{dtype}"
         self._seqs = Sequences(tokenizer, self._encode, identity)
+        self.max_token_bytes = token_bytes_bound(tokenizer)
+        self.progress = 0
+        """Layers run, bumped on the device's thread: the watchdog gives a step that is
+        still advancing another budget (a busy CPU's slow step is not a hang)."""
 
     def __repr__(self) -> str:
         return f"<CausalLM {self.device} sequences={len(self._seqs)} {self.cache!r}>"
@@ -193,6 +198,7 @@ class CausalLM:
         for index, (layer, weights) in enumerate(zip(self._layers, self._weights, strict=True)):
             x = x + self._attention(index, layer, weights, x, rope, rows, *views)
             x = x + mlp(layer, weights, products, layer.post_attention_layernorm(x))
+            self.progress += 1
         # Logits for each sequence whose chunk reaches the end of what it has to feed.
         ends: list[int] = []
         makers: list[int] = []
@@ -342,6 +348,26 @@ def load(device: str, settings: GeneratorSettings | None = None) -> CausalLM:
     with phase(f"warm-up step on {device}"):
         generator.warm_up()
     return generator
+
+
+def token_bytes_bound(tokenizer: Any) -> int | None:
+    """The most prompt bytes one token stands for, from the vocabulary, so that a prompt too
+    long by its bytes alone is refused before it is tokenized; None where a normalizer may
+    shrink text first (or the tokenizer is not a fast one). A byte-level token's characters
+    are its bytes; any other token's text is at least as long as what it stands for."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    setup = json.loads(backend.to_str())
+    if setup.get("normalizer") is not None:
+        return None
+    byte_level = (setup.get("decoder") or {}).get("type") == "ByteLevel"
+    added = set(tokenizer.get_added_vocab())
+    sizes = (
+        len(token) if byte_level and token not in added else len(token.encode())
+        for token in tokenizer.get_vocab()
+    )
+    return max(sizes, default=None)
 
 
 def resolve_dtype(torch: Any, name: str, device: str) -> str:

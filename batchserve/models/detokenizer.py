@@ -3,10 +3,13 @@
 A byte-level tokenizer's token can end inside a character ("日" is three tokens of SmolLM2's),
 so decoding token by token writes U+FFFD where a character spans tokens. Instead each step
 decodes every token made so far and gives out what is new, holding it back while it ends in
-an incomplete character; the last token (the end, or `max_tokens`) gives out the rest. The
-pieces then add up to exactly `tokenizer.decode` of all the ids made, since decoding a longer
-run of ids only adds text at the end. A sequence's ids are a few hundred: the decode of them
-all costs tens of microseconds a step, far below the model's forward pass.
+an incomplete character; the last token (the end, or `max_tokens`) gives out the rest but an
+incomplete character at the very end: a sequence cut inside a character (a Japanese answer
+stopped by `max_tokens`) has its token counted, but its broken bytes are never sent as U+FFFD.
+The pieces then add up to exactly `tokenizer.decode` of all the ids made, less that
+incomplete end, since decoding a longer run of ids only adds text at the end. A sequence's
+ids are a few hundred: the decode of them all costs tens of microseconds a step, far below
+the model's forward pass.
 """
 
 from __future__ import annotations
@@ -32,16 +35,17 @@ class Detokenizer:
         """The whole characters that `token_id` completes (all that is left, if `last`)."""
         self.made.append(token_id)
         text = self.text()
-        if not last and text.endswith(INCOMPLETE):
-            return ""
-        piece = text[self._given :]
-        self._given = len(text)
-        return piece
+        if not text.endswith(INCOMPLETE):
+            return self._give(text)
+        return self.flush() if last else ""
 
     def flush(self) -> str:
-        """What was held back, at the end of the sequence."""
-        piece = self.text()[self._given :]
-        self._given += len(piece)
+        """What was held back, at the end of the sequence, less an incomplete character."""
+        return self._give(self.text().rstrip(INCOMPLETE))
+
+    def _give(self, text: str) -> str:
+        piece = text[self._given :]
+        self._given = max(self._given, len(text))
         return piece
 
     def text(self) -> str:

@@ -5,7 +5,11 @@ file entry's `generator`), called on that device's thread with its name (and, if
 takes a keyword `settings`, the server's `GeneratorSettings`: a model path, dtype, KV cache
 bytes). What it returns has `kv_budget_tokens`, `step(seqs)` (one decoding step; a sequence's
 first step includes its prompt's prefill) and `release(seq_ids)`, and may have
-`count_tokens(text)`; without it a prompt's UTF-8 bytes count. A sequence in a step holds
+`count_tokens(text)` (without it a prompt's UTF-8 bytes count) and `max_token_bytes`, the most
+prompt bytes one token stands for, so that a prompt too long by its bytes alone is refused
+before it is tokenized. It may keep `progress`, an int
+it bumps as a step advances (once a layer): a step past its hang budget that still advances
+is then given another budget rather than taken for a hang. A sequence in a step holds
 `count_tokens(prompt) + len(tokens) + 1` tokens of the budget. The scheduler
 (`generation/step_loop.py`) keeps to the contract; this module checks what a generator gives back.
 
@@ -162,6 +166,15 @@ def token_counter(generator: Generator) -> Callable[[str], int]:
     return lambda text: len(text.encode())
 
 
+def max_token_bytes(generator: Generator) -> int | None:
+    """The most UTF-8 bytes of a prompt one of the generator's tokens stands for: its own
+    `max_token_bytes`, 1 where its tokens are the bytes, else None (no bound known)."""
+    bound = getattr(generator, "max_token_bytes", None)
+    if isinstance(bound, int) and not isinstance(bound, bool) and bound >= 1:
+        return bound
+    return None if callable(getattr(generator, "count_tokens", None)) else 1
+
+
 def plain_chat_prompt(messages: list[dict[str, str]]) -> str:
     """A chat as one prompt, for generators without a template of their own."""
     turns = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages)
@@ -214,6 +227,9 @@ class SimulatedGenerator:
 
     def __repr__(self) -> str:
         return f"<SimulatedGenerator {self.device} steps={self.steps}>"
+
+    max_token_bytes = 4
+    """A token is a character: at most 4 UTF-8 bytes."""
 
     def count_tokens(self, text: str) -> int:
         return len(text)

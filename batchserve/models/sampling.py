@@ -7,6 +7,12 @@ seeded by `seed` and the number of tokens made so far, so the same request with 
 writes the same text however it is batched, preempted or recomputed. Without a seed the draw
 is random. `ignore_eos`, and `min_tokens` until that many are made, keep the end of sequence
 from being chosen.
+
+Every value `rules/sampling_params.py` accepts is computed: scores are the logits less their
+maximum, over the temperature, in float64, so the best token scores 0 however small the
+temperature (a tiny one is greedy, never an overflow to NaN), and `top_p` always keeps the
+most likely token (a `top_p` that rounds to 0 is greedy, never an empty distribution). A step
+carries other requests: no accepted value may make it raise.
 """
 
 from __future__ import annotations
@@ -51,7 +57,8 @@ def choose_tokens(
 
 
 def _sample(torch: Any, logits: Any, params: dict[str, Any], temperature: float, made: int) -> int:
-    scores = logits.float() / temperature
+    logits = logits.double()
+    scores = (logits - logits.max()) / temperature
     top_k = int(params.get("top_k") or 0)
     if 0 < top_k < scores.numel():
         kth = torch.topk(scores, top_k).values[-1]
@@ -62,6 +69,7 @@ def _sample(torch: Any, logits: Any, params: dict[str, Any], temperature: float,
         ordered, order = torch.sort(probabilities, descending=True)
         # Keep the smallest head whose mass reaches top_p (always the most likely token).
         outside = (ordered.cumsum(0) - ordered) >= top_p
+        outside[0] = False
         ordered = ordered.masked_fill(outside, 0.0)
         probabilities = torch.zeros_like(probabilities).scatter(0, order, ordered)
     seed = params.get("seed")

@@ -84,9 +84,13 @@ class Sequences:
 
     def _asked_before(self, seq: Seq) -> Held:
         """The state made at an earlier question, unless the sequence ran (on another
-        device) and made tokens since."""
+        device) and made tokens since, or its cache key changed (its blocks' keys with it)."""
         held = self._asked.pop(seq.id, None)
-        if held is None or len(held.text.made) != len(seq.token_ids):
+        if (
+            held is None
+            or len(held.text.made) != len(seq.token_ids)
+            or held.root != root_key(self._identity, seq.cache_key)
+        ):
             return self._new(seq)
         return held
 

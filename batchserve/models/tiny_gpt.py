@@ -73,6 +73,8 @@ class TinyGPT:
     def __repr__(self) -> str:
         return f"<TinyGPT {self.device} sequences={len(self._caches)}>"
 
+    max_token_bytes = 1
+
     def count_tokens(self, text: str) -> int:
         return len(text.encode())
 

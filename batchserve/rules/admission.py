@@ -131,6 +131,25 @@ class Admission:
             return cap_ms / 1e3
         return min(checked_timeout_ms(timeout_ms), cap_ms) / 1e3
 
+    def check_prompt_bytes(
+        self, prompt: str, max_token_bytes: int | None, max_tokens: object, budget: int
+    ) -> None:
+        """Refuses (413), before any tokenizer runs, a prompt too long for the budget by its
+        UTF-8 bytes alone: one token stands for at most `max_token_bytes` of them (None: the
+        tokenizer gives no such bound), so it is at least bytes / that many tokens. A 1 MiB
+        prompt costs the tokenizer seconds; its byte count, a millisecond."""
+        if max_token_bytes is None:
+            return
+        size = len(prompt) if prompt.isascii() else len(prompt.encode())
+        fewest = -(-size // max_token_bytes)
+        limit = _max_tokens(max_tokens, self._max_tokens_cap) or 1
+        if fewest + limit > budget:
+            raise InputTooLarge(
+                f"the prompt is {size} bytes, at least {fewest} tokens (a token stands for at"
+                f" most {max_token_bytes} bytes); with {limit} new tokens it cannot fit a"
+                f" device's budget of {budget} tokens: shorten the prompt"
+            )
+
     def new_tokens(self, prompt_tokens: int, max_tokens: object, budget: int) -> int:
         """The most tokens a generation may make: its `max_tokens`, else the server's
         default; refused (413) when the prompt and that many new tokens cannot fit a

@@ -1,0 +1,131 @@
+"""A prompt is never tokenized on the event loop (issue #39, item 2: one 512 KiB prompt,
+itself answered 413, stalled the loop long enough for four healthy streams to be failed), and
+a prompt too long by its bytes alone is refused before any tokenizer runs."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any
+
+import pytest
+
+from batchserve.config import Config
+from batchserve.engine.core import Engine
+from batchserve.errors import DuplicateRequestId, InputTooLarge
+from batchserve.models.specs import ModelSpec
+
+from . import tiny_llama
+from .conftest import HANG_GUARD_S
+from .test_generation import RecordingGenerator, generate
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+from batchserve.models.causal_lm import CausalLM
+
+from .test_causal_lm import KV_BYTES, engine_for
+
+
+class WatchedTokenizer:
+    """The tiny Llama's real tokenizer, recording the thread of every `encode`."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self.encoded_on: list[threading.Thread] = []
+
+    def encode(self, text: str) -> list[int]:
+        self.encoded_on.append(threading.current_thread())
+        ids: list[int] = self._inner.encode(text)
+        return ids
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+@pytest.fixture(scope="module")
+def lm_parts() -> tuple[Any, Any]:
+    tok = tiny_llama.tokenizer()
+    return tok, tiny_llama.model(len(tok), tok.eos_token_id)
+
+
+def watched_engine(lm_parts: tuple[Any, Any]) -> tuple[Any, WatchedTokenizer]:
+    tok, model = lm_parts
+    watched = WatchedTokenizer(tok)
+    engine = engine_for(lambda device: CausalLM(model, watched, device, kv_cache_bytes=KV_BYTES))
+    return engine, watched
+
+
+async def test_the_prompt_is_tokenized_off_the_event_loop(lm_parts):
+    engine, watched = watched_engine(lm_parts)
+    async with engine, engine.generate("the cat sat on the mat", max_tokens=3) as gen:
+        await gen.result()
+    loop_thread = threading.current_thread()
+    assert watched.encoded_on  # counted at admission, then encoded again on the device
+    assert loop_thread not in watched.encoded_on
+    assert gen.prompt_tokens == len(lm_parts[0].encode("the cat sat on the mat"))
+
+
+async def test_a_prompt_too_long_by_its_bytes_is_refused_without_tokenizing(lm_parts):
+    engine, watched = watched_engine(lm_parts)
+    async with engine:
+        (model,) = list(engine._generators)
+        longest = model.max_token_bytes
+        assert longest == max(len(token) for token in lm_parts[0].get_vocab())
+        prompt = "a" * (model.kv_budget * longest + 1)
+        with pytest.raises(InputTooLarge, match=f"at least {model.kv_budget + 1} tokens"):
+            async with engine.generate(prompt, max_tokens=1):
+                pass
+        assert watched.encoded_on == []
+        # One that may fit by its bytes is tokenized, then judged by its tokens.
+        with pytest.raises(InputTooLarge, match="the prompt is"):
+            async with engine.generate("a" * (model.kv_budget + 5), max_tokens=1):
+                pass
+        assert len(watched.encoded_on) == 1
+
+
+class SlowCounter(RecordingGenerator):
+    """Counts a prompt's tokens only once the test lets it: a prompt still being tokenized."""
+
+    counting = threading.Event()
+    go = threading.Event()
+
+    def count_tokens(self, text: str) -> int:
+        self.counting.set()
+        assert self.go.wait(HANG_GUARD_S), "the test never let the count go"
+        return len(text)
+
+
+def slow_counting_engine() -> tuple[Engine, type[SlowCounter]]:
+    class Counter(SlowCounter):
+        counting = threading.Event()
+        go = threading.Event()
+
+    spec = ModelSpec(name="writer", version="1", generator=Counter, devices="sim:1")  # type: ignore[arg-type]
+    return Engine(Config(), models=[spec]), Counter
+
+
+async def test_an_id_admitted_twice_while_tokenizing_is_refused_once():
+    engine, counter = slow_counting_engine()
+    async with engine:
+        first = asyncio.ensure_future(generate(engine, "abc", request_id="same"))
+        assert await asyncio.to_thread(counter.counting.wait, HANG_GUARD_S)
+        second = asyncio.ensure_future(generate(engine, "xyz", request_id="same"))
+        await asyncio.sleep(0)  # admitted too: its count waits behind the first's
+        counter.go.set()
+        assert (await first)[0] == "cba"
+        with pytest.raises(DuplicateRequestId):
+            await second
+
+
+async def test_a_drain_waits_for_a_prompt_being_tokenized():
+    engine, counter = slow_counting_engine()
+    async with engine:
+        running = asyncio.ensure_future(generate(engine, "drained"))
+        assert await asyncio.to_thread(counter.counting.wait, HANG_GUARD_S)
+        drained = asyncio.ensure_future(engine.drain())
+        for _ in range(100):  # loop passes enough for a drain with nothing in flight
+            await asyncio.sleep(0)
+        assert not drained.done()
+        counter.go.set()
+        assert (await running)[0] == "deniard"
+        await drained
