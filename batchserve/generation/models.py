@@ -69,6 +69,7 @@ def build_generation_model(
         model_path=spec.model_path or config.model_path,
         dtype=spec.dtype or config.dtype,
         kv_cache_bytes=config.kv_cache_bytes,
+        cpu_threads=config.cpu_threads,
     )
     return GenerationModel(
         spec,
