@@ -39,6 +39,7 @@ import sys
 import time
 
 import aiohttp
+from cpuinfo import describe
 from servers import ROOT, start_server, stop_server
 
 PORT = 8767
@@ -358,6 +359,7 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=1.5, help="mix: offered requests/s")
     parser.add_argument("--long-tokens", type=int, default=1500)
     args = parser.parse_args()
+    print(describe())
     os.sched_setaffinity(0, {1})  # the load's core; the server and baselines take core 0
     started = time.monotonic()
     if args.part in ("streams", "all"):
