@@ -6,10 +6,12 @@ loads, narrowing that thread to the compute cores (the OpenMP workers it starts 
 them) and, where cores are left over, moving the event loop's thread onto those, so a step's
 workers and the loop never take each other's core.
 
-`--cpu-threads 0` (the default) computes on every core but the loop's; on two cores or
-fewer, on all of them, the loop sharing: the loop mostly waits while a step runs, and
-SmolLM2 on two cores made 1.6-1.9x the tokens/s with two compute threads than with one
-(benchmarks/README.md).
+`--cpu-threads 0` (the default) computes on every core but the loop's (one core alone: that
+one, shared). On two cores that is one compute thread: two were measured beside one on this
+repository's 2-core machine while other work ran on it, and lost several-fold (an OpenMP
+step waits at each barrier for its slowest thread, and a busy neighbour or the loop's own
+turn stalls one); `--cpu-threads 2` is for a machine the server has to itself
+(benchmarks/README.md, section 10b).
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ class CorePlan:
 
 def plan_cores(threads: int, allowed: Set[int]) -> CorePlan:
     """`threads` compute cores out of `allowed` (the process's), the lowest left to the
-    loop. 0: every core but one, where there are three or more; all of them on two or one."""
+    loop. 0: every core but one (a single core: that one, shared)."""
     cores = sorted(allowed)
     if threads < 0:
         raise StartupError(f"--cpu-threads {threads}: give 0 (every core but the loop's) or more")
@@ -54,7 +56,7 @@ def plan_cores(threads: int, allowed: Set[int]) -> CorePlan:
             f" ({_ranges(cores)})"
         )
     if threads == 0:
-        threads = len(cores) - 1 if len(cores) >= 3 else len(cores)
+        threads = max(1, len(cores) - 1)
     compute = frozenset(cores[len(cores) - threads :])
     return CorePlan(compute, frozenset(cores) - compute)
 
