@@ -137,8 +137,8 @@ class Config:
     cpu_threads: int = setting(
         0,
         help="a real generator's compute threads on a CPU device, each core pinned, the event"
-        " loop kept on the cores left over; 0: every core but the loop's (one on two cores;"
-        " give 2 there only on a machine the server has to itself)",
+        " loop kept on the cores left over; 0: every core but the loop's, or both of two (on a"
+        " machine busy with other work, 1 there)",
     )
     preload: bool = setting(
         False,

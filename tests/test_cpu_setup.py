@@ -48,10 +48,9 @@ def test_the_thread_setting_parses_and_rejects_negatives() -> None:
         Config(cpu_threads=-1)
 
 
-def test_the_default_leaves_the_loop_one_core() -> None:
+def test_the_default_leaves_the_loop_a_core_only_where_three_or_more() -> None:
     assert plan_cores(0, {0, 1, 2, 3}) == CorePlan(frozenset({1, 2, 3}), frozenset({0}))
-    assert plan_cores(0, {0, 1}) == CorePlan(frozenset({1}), frozenset({0}))
-    assert plan_cores(2, {0, 1}) == CorePlan(frozenset({0, 1}), frozenset())
+    assert plan_cores(0, {0, 1}) == CorePlan(frozenset({0, 1}), frozenset())
     assert plan_cores(0, {5}) == CorePlan(frozenset({5}), frozenset())
     assert plan_cores(1, {0, 1}) == CorePlan(frozenset({1}), frozenset({0}))
     assert plan_cores(2, {2, 4, 6}) == CorePlan(frozenset({4, 6}), frozenset({2}))

@@ -6,11 +6,11 @@ loads, narrowing that thread to the compute cores (the OpenMP workers it starts 
 them) and, where cores are left over, moving the event loop's thread onto those, so a step's
 workers and the loop never take each other's core.
 
-`--cpu-threads 0` (the default) computes on every core but the loop's (one core alone: that
-one, shared). On two cores that is one compute thread: two were measured beside one on this
-repository's 2-core machine while other work ran on it, and lost several-fold (an OpenMP
-step waits at each barrier for its slowest thread, and a busy neighbour or the loop's own
-turn stalls one); `--cpu-threads 2` is for a machine the server has to itself
+`--cpu-threads 0` (the default) computes on every core but the loop's where there are three
+or more; on two, on both, the loop sharing: it mostly waits while a step runs, and on this
+repository's 2-core machine two threads made 1.3-1.65x one's tokens/s when the machine was
+quiet. Busy with other processes, two lost 2-8x (an OpenMP step waits at each barrier for a
+thread something else preempted): a shared machine wants `--cpu-threads 1`
 (benchmarks/README.md, section 10b).
 """
 
@@ -46,7 +46,7 @@ class CorePlan:
 
 def plan_cores(threads: int, allowed: Set[int]) -> CorePlan:
     """`threads` compute cores out of `allowed` (the process's), the lowest left to the
-    loop. 0: every core but one (a single core: that one, shared)."""
+    loop. 0: every core but one, where there are three or more; all of them on two or one."""
     cores = sorted(allowed)
     if threads < 0:
         raise StartupError(f"--cpu-threads {threads}: give 0 (every core but the loop's) or more")
@@ -56,7 +56,7 @@ def plan_cores(threads: int, allowed: Set[int]) -> CorePlan:
             f" ({_ranges(cores)})"
         )
     if threads == 0:
-        threads = max(1, len(cores) - 1)
+        threads = len(cores) - 1 if len(cores) >= 3 else len(cores)
     compute = frozenset(cores[len(cores) - threads :])
     return CorePlan(compute, frozenset(cores) - compute)
 

@@ -95,7 +95,7 @@ class GeneratorSettings:
     """The KV cache preallocated on each device, from which its token budget follows."""
     cpu_threads: int = 0
     """A CPU device's compute threads, each pinned to a core; 0: every core but the event
-    loop's (a single core: that one, shared)."""
+    loop's (all of them on two cores or fewer)."""
 
 
 class BadStep(RuntimeError):
