@@ -18,6 +18,7 @@ from typing import NamedTuple
 
 from aiohttp import web
 
+from . import preload
 from .config import Config
 from .doors.uds import UnixSocketPath
 from .engine.core import Engine
@@ -339,6 +340,26 @@ def _route_access_log_to_stdout() -> None:
     access.propagate = False
 
 
+def _preload(config: Config) -> None:
+    """--preload on: this process again, with tcmalloc and Intel OpenMP preloaded where they
+    are installed and not loaded (preload.py); the process so started says what it got."""
+    done = preload.preloaded(os.environ)
+    if done is not None:
+        log.info("preloaded: %s", done)
+    elif config.preload:
+        env = preload.preload_env(
+            os.environ, dirs=preload.library_dirs(), exists=os.path.exists,
+            loaded=preload.current_maps(),
+        )  # fmt: skip
+        if env is None:
+            log.info("--preload on: nothing to preload (tcmalloc and Intel OpenMP are"
+                     " not installed, or are loaded already)")  # fmt: skip
+        else:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.execve(sys.executable, sys.orig_argv, env)
+
+
 def main(argv: Sequence[str] | None = None, prog: str = "batchserve") -> int:
     """`batchserve` and `python -m batchserve`: 0 after a clean drain, 1 if it could not
     start (one line on stderr) or its engine failed."""
@@ -350,6 +371,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "batchserve") -> int:
             level=log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s"
         )
         _route_access_log_to_stdout()
+        if argv is None:  # the process's own command line: it may start again, preloaded
+            _preload(config)
         provider = otlp_provider() if config.trace else None
         try:
             engine = Engine(config, tracer_provider=provider)

@@ -29,7 +29,8 @@ PolicyName = Literal["adaptive", "fixed"]
 GenerateMode = Literal["continuous", "static"]
 GENERATE_MODES: tuple[GenerateMode, ...] = ("continuous", "static")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-"""A real generator's precision; auto: float32 on CPU, bfloat16 on a GPU that has it."""
+"""A real generator's precision; auto: bfloat16 where the CPU or GPU has it natively, else
+float32 on a CPU and float16 on a GPU."""
 POLICIES: tuple[PolicyName, ...] = ("adaptive", "fixed")
 
 POISON_MARKER = "!poison!"
@@ -135,9 +136,23 @@ class Config:
     )
     dtype: str = setting(
         "auto",
-        help="a real generator's precision: auto (float32 on CPU, bfloat16 on a GPU that has"
-        " it), float32, bfloat16 or float16",
+        help="a real generator's precision: auto (bfloat16 on a CPU whose flags have"
+        " avx512_bf16 or amx_bf16 and on a GPU that has it; else float32 on CPU, float16 on a"
+        " GPU), float32, bfloat16 or float16",
         choices=DTYPES,
+    )
+    cpu_threads: int = setting(
+        0,
+        help="a real generator's compute threads on a CPU device, each core pinned, the event"
+        " loop kept on the cores left over; 0: every core but the loop's, or both of two (on a"
+        " machine busy with other work, 1 there)",
+    )
+    preload: bool = setting(
+        False,
+        help="on: the batchserve command starts itself again once with tcmalloc (Debian's"
+        " libtcmalloc-minimal4) and Intel OpenMP (pip's intel-openmp) in LD_PRELOAD, those of"
+        " them installed and not loaded yet, as vLLM recommends on CPUs; a log line names"
+        " them",
     )
     kv_cache_bytes: int = setting(
         256 * 2**20,
@@ -462,6 +477,7 @@ class Config:
             (min(self.sim_step_ms) >= 0, "sim_step_ms must be two numbers a,b of 0 or more"),
             (self.sim_kv_budget >= 1, "sim_kv_budget must be 1 or more"),
             (self.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}"),
+            (self.cpu_threads >= 0, "cpu_threads must be 0 (every core but the loop's) or more"),
             (self.kv_cache_bytes >= 2**20, "kv_cache_bytes must be 1 MiB (1048576) or more"),
             (self.step_tokens >= 1, "step_tokens must be 1 or more"),
             (

@@ -23,7 +23,7 @@ RESTART_ONLY = frozenset(
         "generator", "generate_mode", "metrics", "policy", "sim_latency_ms", "sim_cost",
         "sim_fail_rate", "sim_hang_rate", "sim_bad_output_rate", "sim_hang_ms", "sim_seed",
         "sim_step_ms", "sim_kv_budget", "bisect_failures", "retry_budget", "retry_reserve",
-        "poison_memory", "result_store", "result_store_size", "trace",
+        "poison_memory", "result_store", "result_store_size", "trace", "cpu_threads", "preload",
     }
 )  # fmt: skip
 """Settings a running server keeps until restarted: where it listens, its devices and

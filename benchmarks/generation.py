@@ -26,6 +26,7 @@ import sys
 import time
 
 import aiohttp
+from cpuinfo import describe
 from servers import ROOT, start_server, stop_server
 
 PORT = 8766
@@ -206,6 +207,7 @@ def main() -> None:
     if args.command == "direct":
         print(direct_rate(args.batch, args.tokens, args.seconds))
         return
+    print(describe())
     os.sched_setaffinity(0, {1})
     if args.command == "modes":
         modes([float(r) for r in args.rates.split(",")], args.seconds, args.repeats)

@@ -42,6 +42,7 @@ import sys
 import time
 
 import aiohttp
+from cpuinfo import describe
 from servers import ROOT, start_server, stop_server
 
 PORT = 8767
@@ -373,6 +374,7 @@ def main() -> None:
     parser.add_argument("--chats", type=int, default=16, help="shared-prefix: chats at once")
     parser.add_argument("--system-tokens", type=int, default=1000, help="shared-prefix")
     args = parser.parse_args()
+    print(describe())
     os.sched_setaffinity(0, {1})  # the load's core; the server and baselines take core 0
     started = time.monotonic()
     if args.part in ("streams", "all"):

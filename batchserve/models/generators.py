@@ -135,13 +135,17 @@ class GeneratorSettings:
     model_path: str | None = None
     """A local model folder or GGUF file; None: the factory's own default."""
     dtype: str = "auto"
-    """float32, bfloat16 or float16; auto: float32 on CPU, bfloat16 on a GPU that has it."""
+    """float32, bfloat16 or float16; auto: bfloat16 on a CPU or GPU that has it natively,
+    else float32 on a CPU and float16 on a GPU."""
     kv_cache_bytes: int = 256 * 2**20
     """The KV cache preallocated on each device, from which its token budget follows."""
     weights_cache: str | None = None
     """Where a GGUF file's converted copy is kept ("off": nowhere); None: the XDG cache."""
     prefix_caching: bool = True
     """Share cached blocks of KV between sequences with the same prefix."""
+    cpu_threads: int = 0
+    """A CPU device's compute threads, each pinned to a core; 0: every core but the event
+    loop's (all of them on two cores or fewer)."""
 
 
 class BadStep(RuntimeError):
