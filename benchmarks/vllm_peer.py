@@ -29,7 +29,6 @@ import asyncio
 import itertools
 import json
 import os
-import platform
 import signal
 import statistics
 import subprocess
@@ -39,6 +38,9 @@ import urllib.request
 from pathlib import Path
 
 import aiohttp
+from cpuinfo import describe
+
+from batchserve.models.cpu import cpu_flags, has_bf16
 
 ROOT = Path(__file__).resolve().parent.parent
 WEIGHTS = ROOT / "benchmarks/results/smollm2-fp32"
@@ -49,21 +51,6 @@ CHAT_TOKENS = 48
 CHATS = 16
 PHASES = {"cold": 1, "warm": 2}
 """The shared-prefix windows, each with turns of its own seed."""
-
-
-def cpu_line() -> str:
-    """The CPU's model and the flags that decide its kernels, for beside every number."""
-    info = Path("/proc/cpuinfo").read_text()
-    model = next((line.split(":", 1)[1].strip() for line in info.splitlines()
-                  if line.startswith("model name")), platform.processor())  # fmt: skip
-    flags = set(next(line for line in info.splitlines() if line.startswith("flags")).split())
-    shown = sorted(f for f in flags if f.startswith(("avx", "amx")) or f in ("fma", "f16c"))
-    return f"{model}, {os.cpu_count()} CPUs, flags: {' '.join(shown)}"
-
-
-def has_bf16() -> bool:
-    flags = Path("/proc/cpuinfo").read_text()
-    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def preloads() -> str:
@@ -79,7 +66,8 @@ def launch(name: str, setup: str, extra: list[str]) -> subprocess.Popen[bytes]:
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     cores = ["taskset", "-c", "0"] if setup == "same-threads" else []
     if name == "vllm":
-        dtype = "float32" if setup == "same-threads" or not has_bf16() else "bfloat16"
+        bf16 = has_bf16(cpu_flags())
+        dtype = "float32" if setup == "same-threads" or not bf16 else "bfloat16"
         env |= {
             "VLLM_CPU_KVCACHE_SPACE": "2",
             "VLLM_CPU_OMP_THREADS_BIND": "0"
@@ -92,11 +80,11 @@ def launch(name: str, setup: str, extra: list[str]) -> subprocess.Popen[bytes]:
                    str(WEIGHTS), "--served-model-name", "default", "--dtype", dtype,
                    "--max-model-len", "2048", "--port", port, *extra]  # fmt: skip
     else:
-        flags = ["--dtype", "float32"] if setup == "same-threads" else []
+        flags = ["--dtype", "float32", "--cpu-threads", "1"] if setup == "same-threads" else []
         command = [sys.executable, "-m", "batchserve", "--port", port, "--log-level",
                    "WARNING", "--generator", "batchserve.models.causal_lm:load",
-                   "--devices", "cpu", "--max-queue", "100000", "--timeout-ms", "600000",
-                   "--model-path", str(WEIGHTS),
+                   "--devices", "cpu", "--max-queue", "100000",
+                   "--first-token-timeout-ms", "600000", "--model-path", str(WEIGHTS),
                    *flags, *extra]  # fmt: skip
     log = (ROOT / f"benchmarks/results/peer-{name}.log").open("ab")
     server = subprocess.Popen([*cores, *command], cwd=ROOT, env=env, stdout=log, stderr=log,
@@ -215,7 +203,7 @@ def run(args: argparse.Namespace) -> None:
     """Both servers up, then each workload's windows alternating between them."""
     setup, levels = args.setup, [int(level) for level in args.levels.split(",")]
     os.sched_setaffinity(0, {1} if setup == "same-threads" else set(range(os.cpu_count() or 1)))
-    print(f"setup {setup}; CPU: {cpu_line()}", flush=True)
+    print(f"setup {setup}; {describe()}", flush=True)
     servers = {"batchserve": launch("batchserve", setup, args.ours.split())}
     servers["vllm"] = launch("vllm", setup, args.peer.split())
     rows: dict[str, list[dict[str, dict]]] = {}
