@@ -42,6 +42,9 @@ from ..tasks import CrashHandler, TaskSet
 from .request import Generation, GenState
 from .step_loop import StepLoop
 
+INLINE_CHARS = 1024
+"""Prompts up to this long are tokenized on the loop: about a millisecond at most."""
+
 
 def build_generation_model(
     config: Config, spec: ModelSpec, *, clock: Clock, on_crash: CrashHandler
@@ -208,7 +211,10 @@ class GenerationModel:
 
     async def prompt_tokens(self, prompt: str) -> int:
         """`prompt`'s tokens, counted on the model's tokenizer thread, not the event loop:
-        a long prompt would stall every stream, probe and step watchdog meanwhile."""
+        a long prompt would stall every stream, probe and step watchdog meanwhile. A short
+        one is counted here, where the hop to the thread would cost more than the count."""
+        if len(prompt) <= INLINE_CHARS:
+            return self.count_tokens(prompt)
         assert self._tokenizer is not None, "the model has not started"
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._tokenizer, self.count_tokens, prompt)
