@@ -13,6 +13,7 @@ import pytest
 from batchserve.config import Config
 from batchserve.engine.core import Engine
 from batchserve.errors import DuplicateRequestId, InputTooLarge
+from batchserve.generation.models import INLINE_CHARS
 from batchserve.models.specs import ModelSpec
 
 from . import tiny_llama
@@ -24,6 +25,9 @@ pytest.importorskip("transformers")
 from batchserve.models.causal_lm import CausalLM
 
 from .test_causal_lm import KV_BYTES, engine_for
+
+LONG = "the cat sat on the mat " * 60
+"""Longer than a prompt tokenized on the loop (`INLINE_CHARS`), and within the budget."""
 
 
 class WatchedTokenizer:
@@ -57,12 +61,13 @@ def watched_engine(lm_parts: tuple[Any, Any]) -> tuple[Any, WatchedTokenizer]:
 
 async def test_the_prompt_is_tokenized_off_the_event_loop(lm_parts):
     engine, watched = watched_engine(lm_parts)
-    async with engine, engine.generate("the cat sat on the mat", max_tokens=3) as gen:
+    async with engine, engine.generate(LONG, max_tokens=3) as gen:
         await gen.result()
+    assert len(LONG) > INLINE_CHARS
     loop_thread = threading.current_thread()
     assert watched.encoded_on  # counted at admission, then encoded again on the device
     assert loop_thread not in watched.encoded_on
-    assert gen.prompt_tokens == len(lm_parts[0].encode("the cat sat on the mat"))
+    assert gen.prompt_tokens == len(lm_parts[0].encode(LONG))
 
 
 async def test_a_prompt_too_long_by_its_bytes_is_refused_without_tokenizing(lm_parts):
@@ -107,12 +112,12 @@ def slow_counting_engine() -> tuple[Engine, type[SlowCounter]]:
 async def test_an_id_admitted_twice_while_tokenizing_is_refused_once():
     engine, counter = slow_counting_engine()
     async with engine:
-        first = asyncio.ensure_future(generate(engine, "abc", request_id="same"))
+        first = asyncio.ensure_future(generate(engine, "abc" * 400, request_id="same"))
         assert await asyncio.to_thread(counter.counting.wait, HANG_GUARD_S)
-        second = asyncio.ensure_future(generate(engine, "xyz", request_id="same"))
+        second = asyncio.ensure_future(generate(engine, "xyz" * 400, request_id="same"))
         await asyncio.sleep(0)  # admitted too: its count waits behind the first's
         counter.go.set()
-        assert (await first)[0] == "cba"
+        assert (await first)[0].startswith("cba")
         with pytest.raises(DuplicateRequestId):
             await second
 
@@ -120,12 +125,12 @@ async def test_an_id_admitted_twice_while_tokenizing_is_refused_once():
 async def test_a_drain_waits_for_a_prompt_being_tokenized():
     engine, counter = slow_counting_engine()
     async with engine:
-        running = asyncio.ensure_future(generate(engine, "drained"))
+        running = asyncio.ensure_future(generate(engine, "drained" * 200))
         assert await asyncio.to_thread(counter.counting.wait, HANG_GUARD_S)
         drained = asyncio.ensure_future(engine.drain())
         for _ in range(100):  # loop passes enough for a drain with nothing in flight
             await asyncio.sleep(0)
         assert not drained.done()
         counter.go.set()
-        assert (await running)[0] == "deniard"
+        assert (await running)[0].startswith("deniard")
         await drained

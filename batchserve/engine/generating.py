@@ -170,6 +170,9 @@ class GenerationPath:
             gen.tenant, gen.tier_rank = tenant.name, tenant.rank
             gen.tenant_weight = tenant.weight
         gen.seq.cache_key = self._cache_key(tenant, cache_salt)  # before the cache is asked
+        await generation_model.note_cached_prefix(gen)
+        if in_flight in self._intake.generating:  # admitted beside it meanwhile
+            raise DuplicateRequestId(f"request id {request_id} is already in flight")
         forecast = generation_model.first_token_forecast(gen)
         if forecast is not None:
             left_s = deadline - self._clock.time()

@@ -44,6 +44,9 @@ from ..tasks import CrashHandler, TaskSet
 from .request import Generation, GenState
 from .step_loop import StepLoop
 
+INLINE_CHARS = 1024
+"""Prompts up to this long are tokenized on the loop: about a millisecond at most."""
+
 
 def build_generation_model(
     config: Config, spec: ModelSpec, *, clock: Clock, on_crash: CrashHandler
@@ -247,10 +250,28 @@ class GenerationModel:
 
     async def prompt_tokens(self, prompt: str) -> int:
         """`prompt`'s tokens, counted on the model's tokenizer thread, not the event loop:
-        a long prompt would stall every stream, probe and step watchdog meanwhile."""
+        a long prompt would stall every stream, probe and step watchdog meanwhile. A short
+        one is counted here, where the hop to the thread would cost more than the count."""
+        if len(prompt) <= INLINE_CHARS:
+            return self.count_tokens(prompt)
         assert self._tokenizer is not None, "the model has not started"
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._tokenizer, self.count_tokens, prompt)
+
+    async def note_cached_prefix(self, gen: Generation) -> None:
+        """Notes on `gen` how much of its prompt a device's cache holds now, for the
+        first-token forecast and its wait in line; keying a long prompt's blocks means
+        tokenizing it, so that is done on the tokenizer thread too."""
+        loops = [loop for loop in self.loops if not loop.hung and loop.caches_prefixes]
+        if not loops:
+            return
+        if len(gen.seq.prompt) <= INLINE_CHARS:
+            gen.cached_at_arrival = max(loop.cached_tokens(gen) for loop in loops)
+            return
+        assert self._tokenizer is not None, "the model has not started"
+        gen.cached_at_arrival = await asyncio.get_running_loop().run_in_executor(
+            self._tokenizer, lambda: max(loop.cached_tokens(gen) for loop in loops)
+        )
 
     def submit(self, gen: Generation) -> None:
         self._waiting.push(gen)
@@ -261,14 +282,13 @@ class GenerationModel:
         """Seconds from now to `gen`'s first token were it to join the line now, and with
         nothing ahead of it: the prefill done before its last token is in (with chunks, as
         the fair shares of `rules/prefill.py` give it; else all that waits), less the prefix
-        a device has cached (noted on `gen` for its wait in line), the work ahead spread
-        over the devices that take work, on the one that would finish first. None while a
-        device cannot predict it: no grounds to refuse anything. One pass over the running
-        sequences, and a few steps for each tenant in line."""
+        a device has cached (`note_cached_prefix`), the work ahead spread over the devices
+        that take work, on the one that would finish first. None while a device cannot
+        predict it: no grounds to refuse anything. One pass over the running sequences, and
+        a few steps for each tenant in line."""
         loops = [loop for loop in self.loops if not loop.hung]
         if not loops:
             return None
-        gen.cached_at_arrival = max(loop.cached_tokens(gen) for loop in loops)
         new = gen.prefill()
         tenants = self._line_prefill.with_running(
             g.prefill() for loop in loops for g in loop.running if g.prefill_tokens

@@ -285,9 +285,14 @@ class StepLoop:
     def _need(gen: Generation, reserve: bool) -> int:
         return gen.prompt_tokens + gen.max_tokens if reserve else gen.held_tokens
 
+    @property
+    def caches_prefixes(self) -> bool:
+        return self._cache is not None
+
     def cached_tokens(self, gen: Generation) -> int:
-        """How much of `gen`'s prompt this device's cache holds now: lookups only, which a
-        step running beside them cannot spoil."""
+        """How much of `gen`'s prompt this device's cache holds now: lookups in the cache,
+        which a step running beside them cannot spoil (on the loop, or the model's
+        tokenizer thread for a long prompt)."""
         return self._cached_prefix(gen).tokens
 
     def _cached_prefix(self, gen: Generation) -> CachedPrefix:
