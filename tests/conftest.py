@@ -12,7 +12,7 @@ from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import pytest
 from aiohttp import ClientResponse
@@ -26,6 +26,8 @@ from batchserve.models.registry import Key, ModelVersion, build_version
 from batchserve.models.specs import BatchFn, default_spec
 from batchserve.rules.policy import Policy
 from batchserve.server import AppRunner, create_app
+
+from . import tiny_llama
 
 Factory = Callable[[str], BatchFn]
 
@@ -244,3 +246,15 @@ async def real_server(
         if process.returncode is None:
             process.kill()
             await process.wait()
+
+
+@pytest.fixture(scope="module")
+def tok() -> Any:
+    """The tiny Llama's tokenizer (tiny_llama.py), for the tests of real generators."""
+    return tiny_llama.tokenizer()
+
+
+@pytest.fixture(scope="module")
+def tiny(tok: Any) -> Any:
+    """The tiny Llama built from its seed."""
+    return tiny_llama.model(len(tok), tok.eos_token_id)

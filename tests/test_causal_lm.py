@@ -33,16 +33,6 @@ TIE = 1e-4
 KV_BYTES = 2**20
 
 
-@pytest.fixture(scope="module")
-def tok() -> Any:
-    return tiny_llama.tokenizer()
-
-
-@pytest.fixture(scope="module")
-def tiny(tok: Any) -> Any:
-    return tiny_llama.model(len(tok), tok.eos_token_id)
-
-
 class SteppingLM(CausalLM):
     """The real generator, telling the test loop after each step what the step carried."""
 

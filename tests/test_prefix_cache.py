@@ -33,16 +33,6 @@ PREFIX = " ".join(tiny_llama.CORPUS * 2)
 GREEDY = {"ignore_eos": True}
 
 
-@pytest.fixture(scope="module")
-def tok() -> Any:
-    return tiny_llama.tokenizer()
-
-
-@pytest.fixture(scope="module")
-def tiny(tok: Any) -> Any:
-    return tiny_llama.model(len(tok), tok.eos_token_id)
-
-
 def cache(rows: int) -> PagedKV:
     """A cache of `rows` rows (one layer of one head of one number each)."""
     return PagedKV(

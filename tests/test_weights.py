@@ -28,16 +28,6 @@ TEXT = "Say: the café 日本"
 LOGGER = "batchserve.models"
 
 
-@pytest.fixture(scope="module")
-def tok() -> Any:
-    return tiny_llama.tokenizer()
-
-
-@pytest.fixture(scope="module")
-def tiny(tok: Any) -> Any:
-    return tiny_llama.model(len(tok), tok.eos_token_id)
-
-
 @pytest.fixture
 def gguf_file(tmp_path: Path, tok: Any, tiny: Any) -> Path:
     path = tmp_path / "model" / "tiny.gguf"
