@@ -44,6 +44,7 @@ import time
 import aiohttp
 from cpuinfo import describe
 from servers import ROOT, start_server, stop_server
+from sse import events, piece
 
 PORT = 8767
 URL = f"http://127.0.0.1:{PORT}/v1/completions"
@@ -75,17 +76,11 @@ async def stream(
     loop = asyncio.get_running_loop()
     arrivals: list[float] = []
     made = 0
-    async with session.post(URL, json=body) as response:
-        if response.status != 200:
-            raise RuntimeError(f"{response.status}: {await response.text()}")
-        async for line in response.content:
-            if not line.startswith(b"data: {"):
-                continue
-            event = json.loads(line[6:])
-            if event.get("usage"):
-                made = event["usage"]["completion_tokens"]
-            if event.get("choices") and event["choices"][0].get("text"):
-                arrivals.append(loop.time())
+    async for event in events(session, URL, body):
+        if event.get("usage"):
+            made = event["usage"]["completion_tokens"]
+        if piece(event):
+            arrivals.append(loop.time())
     ttft = arrivals[0] - sent if arrivals else None
     return ttft, arrivals, made
 

@@ -17,12 +17,12 @@ The server runs pinned to core 0 (as in llm.py), this script on core 1.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 
 import aiohttp
 from llm import PORT, percentile, serve
 from servers import stop_server
+from sse import events, piece
 
 CHAT_URL = f"http://127.0.0.1:{PORT}/v1/chat/completions"
 COMPLETION_URL = f"http://127.0.0.1:{PORT}/v1/completions"
@@ -58,22 +58,14 @@ async def one(
     first: float | None = None
     text: list[str] = []
     made = cached = 0
-    async with session.post(url, json=body) as response:
-        if response.status != 200:
-            raise RuntimeError(f"{response.status}: {await response.text()}")
-        async for line in response.content:
-            if not line.startswith(b"data: {"):
-                continue
-            event = json.loads(line[6:])
-            if event.get("usage"):
-                made = event["usage"]["completion_tokens"]
-                details = event["usage"].get("prompt_tokens_details") or {}
-                cached = details.get("cached_tokens", 0)
-            for choice in event.get("choices") or ():
-                piece = choice.get("text") or (choice.get("delta") or {}).get("content")
-                if piece:
-                    first = time.monotonic() if first is None else first
-                    text.append(piece)
+    async for event in events(session, url, body):
+        if event.get("usage"):
+            made = event["usage"]["completion_tokens"]
+            details = event["usage"].get("prompt_tokens_details") or {}
+            cached = details.get("cached_tokens", 0)
+        if added := piece(event):
+            first = time.monotonic() if first is None else first
+            text.append(added)
     return (first or time.monotonic()) - sent, "".join(text), made, cached
 
 

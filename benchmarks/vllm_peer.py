@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
-import json
 import os
 import signal
 import statistics
@@ -39,6 +38,7 @@ from pathlib import Path
 
 import aiohttp
 from cpuinfo import describe
+from sse import events, piece
 
 from batchserve.models.cpu import cpu_flags, has_bf16
 
@@ -120,16 +120,9 @@ async def stream(session: aiohttp.ClientSession, url: str, body: dict) -> tuple[
     loop = asyncio.get_running_loop()
     sent, arrivals = loop.time(), []
     body = {**body, "model": "default", "stream": True, "ignore_eos": True}
-    async with session.post(url, json=body) as response:
-        if response.status != 200:
-            raise RuntimeError(f"{url} {response.status}: {await response.text()}")
-        async for line in response.content:
-            if not line.startswith(b"data: {"):
-                continue
-            choices = json.loads(line[6:]).get("choices") or [{}]
-            piece = choices[0].get("text") or (choices[0].get("delta") or {}).get("content")
-            if piece:
-                arrivals.append(loop.time())
+    async for event in events(session, url, body):
+        if piece(event):
+            arrivals.append(loop.time())
     return sent, arrivals
 
 
