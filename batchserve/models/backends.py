@@ -6,6 +6,7 @@ the device name ("sim:0", "cpu", "cuda:1"); it returns the batch function for th
 
 from __future__ import annotations
 
+import functools
 import importlib
 import random
 import threading
@@ -152,6 +153,8 @@ def device_factory(
         return _checked_factory(fn_per_device, getattr(fn_per_device, "__name__", "the factory"))
     if isinstance(spec.fn_per_device, str):
         factory = import_attr(spec.fn_per_device, factory_flag)
+        if spec.model_path is not None:  # a factory of many models: this one's folder
+            factory = functools.partial(factory, model_path=spec.model_path)
         return _checked_factory(factory, f"{factory_flag} {spec.fn_per_device}")
     if not all(name.startswith("sim:") for name in device_names):
         raise StartupError(

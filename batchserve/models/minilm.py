@@ -8,7 +8,9 @@ tokenizer pads every input to 128 tokens; here a batch pads to its longest input
 short inputs cost short compute, and inputs are cut at the model's 256 tokens. Embeddings are
 the attention-masked mean of the last hidden states, normalised, as sentence-transformers
 computes them. The batch function exposes `count_tokens` (for cost-aware batching and usage
-counts) and `embedding_dim` (it serves /v1/embeddings).
+counts), `embedding_dim` (it serves /v1/embeddings), and `tokenizer` and `max_input_tokens`
+(it serves Text Embeddings Inference's routes too, retrieval.py); it takes the params
+`normalize` (false: the pooled vectors as they are) and `truncation_direction`.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import StartupError
+from .text_tokens import DIRECTIONS, TextTokens
 
 MAX_TOKENS = 256
 """The model's max_seq_length (sentence_bert_config.json)."""
@@ -32,28 +35,34 @@ class MiniLM:
         torch, transformers, tokenizers, weights = _imports()
         self._torch = torch
         path = Path(weights.get_model_path())
-        self.tokenizer = tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
-        self.tokenizer.enable_padding(pad_id=0, pad_token="[PAD]")  # to the batch's longest
-        self.tokenizer.enable_truncation(max_length=_max_tokens(path))
+        self.max_input_tokens = _max_tokens(path)
+        # Padded to the batch's longest input, not the shipped file's 128.
+        self.tokenizer = TextTokens(
+            tokenizers, str(path / "tokenizer.json"), self.max_input_tokens, pad_id=0
+        )
         self.model = transformers.AutoModel.from_pretrained(str(path)).to(device).eval()
         self.device = device
         self.embedding_dim = int(self.model.config.hidden_size)
 
-    def __call__(self, inputs: list[str]) -> list[list[float]]:
+    def __call__(
+        self, inputs: list[str], normalize: bool = True, truncation_direction: str = "right"
+    ) -> list[list[float]]:
+        if truncation_direction not in DIRECTIONS:
+            raise ValueError(f"truncation_direction must be one of {', '.join(DIRECTIONS)}")
         torch = self._torch
-        encodings = self.tokenizer.encode_batch(inputs)
+        encodings = self.tokenizer.encode_batch(list(inputs), truncation_direction)
         ids = torch.tensor([e.ids for e in encodings], device=self.device)
         mask = torch.tensor([e.attention_mask for e in encodings], device=self.device)
         with torch.inference_mode():
             hidden = self.model(input_ids=ids, attention_mask=mask).last_hidden_state
             weights = mask.unsqueeze(-1).to(hidden.dtype)
             pooled = (hidden * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1e-9)
-            vectors = torch.nn.functional.normalize(pooled, p=2, dim=1)
+            vectors = torch.nn.functional.normalize(pooled, p=2, dim=1) if normalize else pooled
         result: list[list[float]] = vectors.cpu().tolist()
         return result
 
     def count_tokens(self, text: str) -> int:
-        return len(self.tokenizer.encode(text).ids)
+        return self.tokenizer.count_cut(text)
 
 
 def load(device: str) -> MiniLM:

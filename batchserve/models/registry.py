@@ -27,6 +27,7 @@ from ..rules.capacity import BatchBudget, CallTime, DecayedRate, LengthCost
 from ..rules.policy import Policy, make_policy
 from .backends import device_factory
 from .device_names import parse_devices
+from .retrieval import TextModel, text_model_of
 from .specs import DEFAULT_MODEL, MAX_NAME, BatchFn, DeviceFactory, ModelSpec
 
 LOADING_RETRY_AFTER_S = 1.0
@@ -55,6 +56,9 @@ class ModelVersion:
     """The model's own tokenizer count, when its batch function exposes one."""
     embedding_dim: int | None = None
     """Set when its batch function says it returns vectors of this length."""
+    text: TextModel | None = None
+    """Its tokenizer, longest input and labels, when its batch function exposes them (the
+    retrieval doors serve it then: retrieval.py)."""
     loaded_on: list[str] = field(default_factory=list)
     """The devices its batch function loaded on."""
     arrivals: DecayedRate = field(default_factory=DecayedRate)
@@ -87,6 +91,7 @@ class ModelVersion:
         self.count_tokens = counter if callable(counter) else None
         dim = getattr(fn, "embedding_dim", None)
         self.embedding_dim = dim if isinstance(dim, int) and not isinstance(dim, bool) else None
+        self.text = text_model_of(fn)
 
     def call_budget_s(self, padded_tokens: int) -> float:
         """How long a call over `padded_tokens` may run before its device counts as hung."""
@@ -360,6 +365,29 @@ class Registry(Routes[ModelVersion]):
         if dim is None or dims:
             raise InvalidInput(f"model {model} does not return embedding vectors")
         return dim
+
+    def dimensions(self, model: str) -> frozenset[int]:
+        """The vector lengths a request may ask of `model`: its width, and the Matryoshka
+        sizes under it that every one of its versions declares."""
+        dim = self.embedding_dim(model)
+        versions = self._versions_of(model).values()
+        declared = frozenset.intersection(*(frozenset(v.spec.dimensions) for v in versions))
+        return frozenset(size for size in declared if size < dim) | {dim}
+
+    def text_model(self, model: str | None) -> tuple[str, TextModel]:
+        """The name and the facts of the model a retrieval request names (None: the one
+        model); 400 if it exposes no tokenizer (retrieval.py), 503 while none has loaded."""
+        versions = self._versions_of(model)
+        name = next(iter(versions.values())).spec.name
+        for version in versions.values():
+            if version.text is not None:
+                return name, version.text
+        if any(v.state is VersionState.LOADING for v in versions.values()):
+            raise NotReady(f"{name} is still loading", retry_after_s=LOADING_RETRY_AFTER_S)
+        raise InvalidInput(
+            f"model {name} exposes no tokenizer and max_input_tokens: it cannot serve"
+            " the retrieval routes (docs/models.md)"
+        )
 
 
 Choice = TypeVar("Choice")

@@ -12,6 +12,8 @@
     max_batch_tokens = 8192     # optional, length models: batch size x longest input
     slo_ms = 300                # optional: derives the linger budget (see rules/policy.py)
     max_linger_ms = 20          # optional: overrides the derived linger budget
+    model_path = "/models/x"    # optional: a generator's, or an fn_per_device's folder
+    dimensions = [256, 128]     # optional, embedders: the Matryoshka sizes it was trained for
 
 Without `--models`, the flags define one model named `default`, version "1". Every check
 names the entry and the field, so a bad file fails start-up (or an admin PUT) with one line.
@@ -61,9 +63,13 @@ class ModelSpec:
     max_linger_ms: float | None = None
     """None: derived from `slo_ms` when given, else the server's --max-linger-ms."""
     model_path: str | None = None
-    """A generation model's local folder or GGUF file; None: the server's --model-path."""
+    """A generation model's local folder or GGUF file (None: the server's --model-path), or
+    the folder an `fn_per_device` factory loads (passed to it as `model_path`)."""
     dtype: str | None = None
     """A generation model's dtype; None: the server's --dtype."""
+    dimensions: tuple[int, ...] = ()
+    """An embedder's Matryoshka sizes: a request may ask for one of these (or the full
+    width), and gets its vectors cut to it and renormalised."""
 
     @property
     def label(self) -> str:
@@ -90,6 +96,7 @@ _KINDS: dict[str, tuple[type, ...]] = {
     "max_linger_ms": (int, float),
     "model_path": (str,),
     "dtype": (str,),
+    "dimensions": (list,),
 }
 FIELDS = frozenset(field.name for field in fields(ModelSpec))
 
@@ -110,6 +117,8 @@ def spec_from_fields(entry: Mapping[str, object], defaults: Config) -> ModelSpec
     values = dict(entry)
     values.setdefault("devices", defaults.devices)
     values.setdefault("max_batch_size", defaults.max_batch_size)
+    if "dimensions" in values:
+        values["dimensions"] = tuple(values["dimensions"])  # type: ignore[arg-type]
     spec = ModelSpec(**values)  # type: ignore[arg-type]
     _check(spec)
     return spec
@@ -148,7 +157,16 @@ def _check(spec: ModelSpec) -> None:
             spec.dtype is None or spec.dtype in DTYPES,
             f"must be one of {', '.join(DTYPES)}",
         ),
-        ("model_path", spec.model_path is None or spec.generator is not None, "needs a generator"),
+        (
+            "dimensions",
+            all(type(size) is int and size >= 1 for size in spec.dimensions),
+            "must be a list of whole numbers of 1 or more",
+        ),
+        (
+            "model_path",
+            spec.model_path is None or spec.generator is not None or spec.fn_per_device is not None,
+            "needs a generator or fn_per_device",
+        ),
         (
             "max_linger_ms",
             spec.max_linger_ms is None
