@@ -217,6 +217,12 @@ class Config:
     max_input_bytes: int = setting(
         1 << 20, help="largest input (UTF-8 bytes); larger gets 413 INPUT_TOO_LARGE"
     )
+    retrieval_max_inputs: int = setting(
+        10_000,
+        help="most inputs (or query-passage pairs) one /embed, /rerank, /predict or /v1/rerank"
+        " request may hold; each is one batch item, and every one waits in --max-queue; more"
+        " gets 413",
+    )
     drain_timeout_s: float = setting(
         30.0,
         help="on SIGTERM/SIGINT, how long accepted requests may take to finish before 503",
@@ -441,6 +447,7 @@ class Config:
             ),
             (self.max_queue >= 1, "max_queue must be 1 or more"),
             (self.max_input_bytes >= 1, "max_input_bytes must be 1 or more"),
+            (self.retrieval_max_inputs >= 1, "retrieval_max_inputs must be 1 or more"),
             (self.drain_timeout_s >= 0, "drain_timeout_s must be 0 or more"),
             (self.slo_ms > 0, "slo_ms must be more than 0"),
             (self.metrics_max_age_ms >= 0, "metrics_max_age_ms must be 0 or more"),

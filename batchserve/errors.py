@@ -3,6 +3,8 @@
 BatchserveError            one request's failure; its class declares the HTTP status and
 │                          the error code it is answered with
 ├── InvalidInput           the body or input is not what the API takes     (400)
+│   └── Unprocessable      a field of the wrong type or value, on a route
+│                          whose protocol answers that with 422 (TEI's)    (422)
 ├── OverTierBurst          a list of more inputs than the tier's burst     (400)
 ├── Unauthenticated        no API key, or one the server does not know     (401)
 ├── NotFound               no such request in the status store             (404)
@@ -42,6 +44,13 @@ class BatchserveError(Exception):
 
 class InvalidInput(BatchserveError):
     status, code = 400, "INVALID_INPUT"
+
+
+class Unprocessable(InvalidInput):
+    """Text Embeddings Inference answers a body it cannot read into its fields with 422;
+    its clients are told so on its routes."""
+
+    status, code = 422, "UNPROCESSABLE"
 
 
 class Unauthenticated(BatchserveError):

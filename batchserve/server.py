@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from typing import Any
 
 from aiohttp import hdrs, web
 
@@ -58,11 +59,16 @@ from .doors.openapi import (
     errors,
     json_answer,
 )
+from .doors.retrieval_api import RetrievalApi
+from .doors.retrieval_schemas import OPERATIONS as RETRIEVAL_OPERATIONS
 from .doors.status_api import POLL, SUBMIT, StatusApi
+from .doors.tei_bodies import Plan
 from .doors.wire import (
     INFERENCE_ANSWER,
     INFERENCE_BODY,
     INPUT_LIKE,
+    Call,
+    ErrorShape,
     answer_response,
     error_response,
     json_response,
@@ -292,6 +298,11 @@ def create_app(engine: Engine) -> web.Application:
     routes.add("GET", "/v1/models", openai.models, OPENAI_MODELS)
     routes.add("GET", "/v1/models/{model:.+}", openai.model, OPENAI_MODEL)
     OipApi(engine).mount(routes)
+    _retrieval(engine).mount(
+        lambda method, path, handler: routes.add(
+            method, path, handler, RETRIEVAL_OPERATIONS[(method, path)]
+        )
+    )
     completions = OpenAICompletionsApi(engine)
     chat = completion_operation(engine.config, chat=True)
     routes.add(
@@ -329,6 +340,32 @@ def create_app(engine: Engine) -> web.Application:
     # plain text); a route on the hot path pays nothing for it, unlike a middleware.
     app.router.add_route("*", "/{path:.*}", _no_route)
     return app
+
+
+def _retrieval(engine: Engine) -> RetrievalApi:
+    """The retrieval door, handed the engine's methods it calls and nothing more."""
+
+    def preamble(
+        request: web.Request,
+        route: str,
+        arrival: float,
+        parse_body: Callable[[dict[str, Any], web.Request], Plan],
+        *,
+        like: str,
+        shape: ErrorShape | None = None,
+    ) -> Awaitable[Call[Plan] | web.Response]:
+        return read_call(request, engine, route, arrival, parse_body, like=like, shape=shape)
+
+    return RetrievalApi(
+        now=lambda: engine.clock.time(),
+        preamble=preamble,
+        infer_all=engine.infer_all,
+        text_model=engine.view.text_model,
+        dimensions=engine.view.dimensions,
+        authenticate=engine.authenticate,
+        max_inputs=lambda: engine.config.retrieval_max_inputs,
+        version=__version__,
+    )
 
 
 class AppRunner(web.AppRunner):

@@ -24,6 +24,7 @@ from ..engine.core import MAX_INPUTS_PER_CALL, Engine
 from ..errors import BatchserveError, InvalidInput, ModelNotFound
 from ..models.specs import MAX_NAME
 from .openapi import REQUEST_ID, Dimensions, ModelName, Operation, errors, json_answer
+from .tei_bodies import cut, dimensions_of
 from .wire import (
     error_response,
     json_response,
@@ -51,7 +52,7 @@ class OpenAIApi:
         )  # fmt: skip
         if isinstance(call, web.Response):
             return call
-        request_id, tenant, (model, texts, base64_wanted) = call
+        request_id, tenant, (model, texts, base64_wanted, size) = call
         try:
             results = await engine.infer_all(
                 texts,
@@ -70,9 +71,9 @@ class OpenAIApi:
                 {
                     "object": "embedding",
                     "index": index,
-                    "embedding": _encoded(result.output) if base64_wanted else result.output,
+                    "embedding": _encoded(vector) if base64_wanted else vector,
                 }
-                for index, result in enumerate(results)
+                for index, vector in enumerate(cut(r.output, size, True) for r in results)
             ],
             "model": model,
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
@@ -105,13 +106,13 @@ class OpenAIApi:
 
     def _parse_embeddings(
         self, payload: dict[str, Any], request: web.Request
-    ) -> tuple[str, list[str], bool]:
-        """The model (one that returns vectors), the inputs and whether base64 is wanted."""
+    ) -> tuple[str, list[str], bool, int | None]:
+        """The model (one that returns vectors), the inputs, whether base64 is wanted, and
+        the Matryoshka size to cut the vectors to (None: as they are)."""
         model, texts, base64_wanted = _embeddings_request(payload)
-        dim = self._engine.view.embedding_dim(model)
-        if payload.get("dimensions") not in (None, dim):
-            raise InvalidInput(f"model {model} returns {dim} dimensions, not others")
-        return model, texts, base64_wanted
+        self._engine.view.embedding_dim(model)
+        size = dimensions_of(payload, lambda: self._engine.view.dimensions(model))
+        return model, texts, base64_wanted, size
 
 
 def _embeddings_request(payload: dict[str, Any]) -> tuple[str, list[str], bool]:

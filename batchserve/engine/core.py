@@ -256,11 +256,12 @@ class Engine:
         tenant: Tenant | None = None,
         arrival: float | None = None,
         route: str = "inference",
+        params: Mapping[str, Any] | None = None,
     ) -> list[Result]:
         """Runs each of `texts` as one request of `infer`, batched with everyone else's
         (perhaps in different batches); returns their results in the order given, or raises
         the error of the first input (by position) that failed, once all are done. Several
-        inputs are `part`s, with ids `<request_id>.<index>`.
+        inputs are `part`s, with ids `<request_id>.<index>`; `params` go with each.
 
         All or nothing: the list spends its tenant's tokens at once, and every input is
         admitted before any batch can form (nothing here awaits until then), so a refusal
@@ -270,7 +271,7 @@ class Engine:
         admitted: list[tuple[QueuedRequest, Timer | None]] = []
         try:
             for index, text in enumerate(texts):
-                ask = Ask(text, timeout_ms, model, version, None)
+                ask = Ask(text, timeout_ms, model, version, params)
                 part_id = f"{request_id}.{index}" if several else request_id
                 spends = len(texts) if index == 0 else 0
                 admitted.append(self.admit(route, ask, part_id, tenant, arrival, several, spends))

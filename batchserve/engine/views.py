@@ -16,7 +16,8 @@ from ..batching.request import Result
 from ..errors import InvalidInput, ModelNotFound
 from ..generation.models import Generators
 from ..gpu_pool import GpuPool
-from ..models.registry import Registry
+from ..models.registry import Registry, TextKind
+from ..models.retrieval import TextModel
 from .intake import Intake, Phase
 
 
@@ -86,6 +87,16 @@ class EngineView:
                     f"model {model} generates text, not embedding vectors: POST /v1/completions"
                 ) from None
             raise
+
+    def dimensions(self, model: str) -> frozenset[int]:
+        """The vector lengths a request may ask of `model` (Matryoshka sizes it declares)."""
+        self.embedding_dim(model)  # a generation model's name: said so
+        return self._registry.dimensions(model)
+
+    def text_model(self, model: str | None, kind: TextKind) -> tuple[str, TextModel]:
+        """The name and retrieval facts (tokenizer, longest input, labels) of `model`, or of
+        the one model of `kind` where none is named."""
+        return self._registry.text_model(model, kind)
 
     def count_tokens(self, result: Result, text: str) -> int:
         """`text`'s length in the tokens of the version that answered `result`."""

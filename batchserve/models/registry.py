@@ -17,7 +17,7 @@ import inspect
 import zlib
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Generic, NamedTuple, Protocol, TypeVar
+from typing import Any, Generic, Literal, NamedTuple, Protocol, TypeVar
 
 import orjson
 
@@ -343,6 +343,14 @@ class Routes(Generic[Version]):
         ]
 
 
+TextKind = Literal["embed", "rerank", "predict", "any"]
+_NOT_OF_KIND = {
+    "embed": "is not an embedder with a tokenizer: it cannot serve /embed",
+    "rerank": "is not a one-label classifier (a reranker): it cannot serve /rerank",
+    "predict": "is not a classifier: it cannot serve /predict",
+    "any": "exposes no tokenizer and max_input_tokens: it cannot serve the retrieval routes",
+}
+
 BATCH_WORDING = Wording(
     "model",
     "runs",
@@ -374,20 +382,38 @@ class Registry(Routes[ModelVersion]):
         declared = frozenset.intersection(*(frozenset(v.spec.dimensions) for v in versions))
         return frozenset(size for size in declared if size < dim) | {dim}
 
-    def text_model(self, model: str | None) -> tuple[str, TextModel]:
-        """The name and the facts of the model a retrieval request names (None: the one
-        model); 400 if it exposes no tokenizer (retrieval.py), 503 while none has loaded."""
+    def text_model(self, model: str | None, kind: TextKind) -> tuple[str, TextModel]:
+        """The name and the facts of the model a retrieval request names, or, unnamed, of
+        the one model of `kind`; 400 if it is not of that kind (or exposes no tokenizer:
+        retrieval.py), 503 while it loads."""
+        if model is None:
+            fitting = [name for name in self.names if self._text_of(name, kind) is not None]
+            if len(fitting) != 1 and not (len(self.names) == 1 and not fitting):
+                raise InvalidInput(
+                    f'name a "model": this server runs {len(fitting)} of this route\'s kind'
+                    f" ({', '.join(fitting) or 'none'})"
+                )
+            model = (fitting or self.names)[0]
         versions = self._versions_of(model)
         name = next(iter(versions.values())).spec.name
-        for version in versions.values():
-            if version.text is not None:
-                return name, version.text
+        facts = self._text_of(name, kind)
+        if facts is not None:
+            return name, facts
         if any(v.state is VersionState.LOADING for v in versions.values()):
             raise NotReady(f"{name} is still loading", retry_after_s=LOADING_RETRY_AFTER_S)
-        raise InvalidInput(
-            f"model {name} exposes no tokenizer and max_input_tokens: it cannot serve"
-            " the retrieval routes (docs/models.md)"
-        )
+        raise InvalidInput(f"model {name} {_NOT_OF_KIND[kind]} (docs/models.md, Retrieval)")
+
+    def _text_of(self, name: str, kind: TextKind) -> TextModel | None:
+        for version in self._by_name[name].values():
+            facts = version.text
+            if facts is not None and (
+                kind == "any"
+                or (kind == "embed" and facts.labels is None and version.embedding_dim)
+                or (kind == "predict" and facts.labels is not None)
+                or (kind == "rerank" and facts.labels is not None and len(facts.labels) == 1)
+            ):
+                return facts
+        return None
 
 
 Choice = TypeVar("Choice")
