@@ -4,17 +4,21 @@ models file; bad bodies refused with TEI's shape and status before any device se
 
 from __future__ import annotations
 
+import asyncio
 import math
+import threading
 from pathlib import Path
 
 import pytest
 
+from batchserve.clock import FakeClock
 from batchserve.config import Config
 from batchserve.engine.core import Engine
+from batchserve.models.specs import ModelSpec
 from batchserve.server import create_app
 
 from . import tiny_cross_encoder
-from .conftest import BatchserveTestServer
+from .conftest import HANG_GUARD_S, BatchserveTestServer, reach
 
 QUERY = "what is a cat"
 TEXTS = ["taxes are due in april", "a cat is a small furry animal", "paris is in france"]
@@ -208,3 +212,85 @@ def _transformers_logits(folder: Path, pairs: list[tuple[str, str]]) -> list[lis
     )
     with torch.inference_mode():
         return model(**batch).logits.tolist()  # type: ignore[no-any-return]
+
+
+KEYS = """
+[keys."sk-alice"]
+tenant = "alice"
+tier = "paid"
+
+[keys."sk-bob"]
+tenant = "bob"
+tier = "paid"
+
+[tiers.paid]
+rate = 1000
+burst = 1000
+"""
+
+
+class GatedEmbedder:
+    """An embedder whose calls wait for `gate`; it records each call's inputs, and exposes a
+    word tokenizer, so that the retrieval door serves it."""
+
+    embedding_dim = 1
+    max_input_tokens = 64
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+        self.calls: list[list[str]] = []
+        self.tokenizer = WordTokens()
+
+    def __call__(self, inputs: list[str]) -> list[list[float]]:
+        self.calls.append(list(inputs))
+        self.entered.set()
+        assert self.gate.wait(HANG_GUARD_S)
+        return [[float(len(text))] for text in inputs]
+
+
+class WordTokens:
+    def count(self, item: object) -> int:
+        return len(str(item).split()) + 2
+
+    def tokens(self, text: str, add_special_tokens: bool) -> list[dict[str, object]]:
+        return []
+
+    def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
+        return ""
+
+
+async def test_a_large_list_is_split_over_batches_and_another_tenant_takes_its_turn(
+    aiohttp_client, tmp_path
+):
+    """Alice's 40 inputs wait as 40 batch items; Bob's one input, sent after all of them,
+    runs in the next call, beside Alice's, not after her ten: the tenants take turns."""
+    keys = tmp_path / "keys.toml"
+    keys.write_text(KEYS)
+    embedder = GatedEmbedder()
+    spec = ModelSpec(
+        name="e", version="1", fn_per_device=lambda device: embedder, devices="sim:1",
+        max_batch_size=4, max_linger_ms=0,
+    )  # fmt: skip
+    engine = Engine(Config(keys_file=str(keys)), models=[spec], clock=FakeClock())
+    client = await aiohttp_client(BatchserveTestServer(create_app(engine)))
+    alice, bob = ({"Authorization": f"Bearer sk-{name}"} for name in ("alice", "bob"))
+
+    async def embed(texts: list[str], headers: dict[str, str]) -> list[list[float]]:
+        answer = await client.post("/embed", json={"inputs": texts}, headers=headers)
+        assert answer.status == 200, await answer.text()
+        return await answer.json()  # type: ignore[no-any-return]
+
+    held = asyncio.ensure_future(embed(["hold"], bob))
+    assert await asyncio.to_thread(embedder.entered.wait, HANG_GUARD_S)
+    big = [f"a{'x' * (n % 7)}" for n in range(40)]
+    large = asyncio.ensure_future(embed(big, alice))
+    await reach(engine, lambda stats: stats.queued == 40)
+    small = asyncio.ensure_future(embed(["bob"], bob))
+    await reach(engine, lambda stats: stats.queued == 41)
+    embedder.gate.set()
+    assert await small == [[3.0]]
+    assert await large == [[float(len(text))] for text in big]  # in the order given
+    await held
+    assert "bob" in embedder.calls[1]
+    assert sorted(len(call) for call in embedder.calls[1:]) == [1] + [4] * 10
