@@ -70,6 +70,12 @@ include-path = "/v1/embeddings"
 checks.positive_data_acceptance.expected-statuses = {_POSITIVE_WITH_400}
 
 [[operations]]
+# Retrieval: a route serves only a model that exposes a tokenizer, of the route's kind (no
+# model here does: 400), and an input over the model's length is 413 unless truncated.
+include-path = ["/embed", "/rerank", "/predict", "/tokenize", "/decode", "/info", "/v1/rerank"]
+checks.positive_data_acceptance.expected-statuses = ["2xx", "400", "401", "404", "413", "429"]
+
+[[operations]]
 # A batch request's params: only the keyword arguments its model's function takes (the
 # simulated default takes none), which differ by model and version.
 include-path = ["/api/inference", "/api/requests"]
@@ -223,7 +229,7 @@ def test_the_admin_put_body_names_the_fields_a_batch_version_takes(tmp_path):
     assert body == {"$ref": "#/components/schemas/VersionSpec"}
     assert PUT_BODY["additionalProperties"] is False
     # a generation model is added only by --models and a restart (a PUT of one is 400)
-    assert set(PUT_BODY["properties"]) == FIELDS - {"generator", "model_path"}
+    assert set(PUT_BODY["properties"]) == FIELDS - {"generator"}
 
 
 async def test_the_default_server_publishes_only_what_it_can_serve(tmp_path):

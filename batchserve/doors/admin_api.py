@@ -103,9 +103,10 @@ PUT_BODY: dict[str, Any] = {
     "type": "object",
     "additionalProperties": False,
     "description": "a models-file entry's fields (docs/models.md). A generation model"
-    " (generator, model_path) is added only by --models and a restart. Rules JSON Schema"
+    " (generator) is added only by --models and a restart. Rules JSON Schema"
     " cannot state are 400: fn and fn_per_device not both; max_batch_tokens needs cost"
-    f" length; the path's name and version are 1 to {MAX_NAME} letters, digits or -_.",
+    " length; model_path needs fn_per_device (a reranker's folder, say); the path's name"
+    f" and version are 1 to {MAX_NAME} letters, digits or -_.",
     "properties": {
         "name": _PATH_ECHO,
         "version": _PATH_ECHO,
@@ -120,6 +121,9 @@ PUT_BODY: dict[str, Any] = {
         "slo_ms": {"type": "number", "exclusiveMinimum": 0},
         "max_linger_ms": {"type": "number", "minimum": 0},
         "dtype": {"enum": list(DTYPES)},
+        "model_path": {"type": "string", "description": "the folder fn_per_device loads"},
+        "dimensions": {"type": "array", "items": {"type": "integer", "minimum": 1},
+                       "description": "an embedder's Matryoshka sizes"},
     },
 }  # fmt: skip
 """The admin PUT's body: the models file's fields (models/specs.py) a batch version takes."""
