@@ -85,8 +85,9 @@ def test_a_prompts_logprobs_come_from_every_position_of_a_chunked_prefill(tok, t
     assert made.end
     assert made.token_id is None
     reference = reference_logprobs(tiny, ids)
-    assert [lp.token_id for lp in made.prompt_logprobs] == ids[1:]
-    for position, lp in enumerate(made.prompt_logprobs):
+    assert [lp.token_id for lp in made.prompt_logprobs] == ids
+    assert made.prompt_logprobs[0].logprob is None  # nothing precedes the first token
+    for position, lp in enumerate(made.prompt_logprobs[1:]):
         assert lp.logprob == pytest.approx(float(reference[position, ids[position + 1]]), abs=1e-4)
         assert [c.token_id for c in lp.top] == torch.topk(reference[position], 2).indices.tolist()
 

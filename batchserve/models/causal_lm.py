@@ -239,7 +239,7 @@ class CausalLM:
         offset = 0
         for i in order:
             h, chunk = held[i], chunks[i]
-            if asks(seqs[i].params, "prompt_logprobs") is not None and h.fed < h.prompt - 1:
+            if asks(seqs[i].params, "prompt_logprobs") is not None and h.fed < h.prompt:
                 spans.append((i, offset, h.fed, min(h.fed + chunk, h.prompt - 1)))
             offset += chunk
             h.fed += chunk
@@ -263,24 +263,36 @@ class CausalLM:
             for j, (i, token) in enumerate(zip(makers, chosen, strict=True)):
                 answers[i] = self._made(seqs[i], held[i], token, scored.get(j))
         for i, start, first, stop in spans:
-            logits = self._logits(x[start : start + stop - first])
             top = asks(seqs[i].params, "prompt_logprobs") or 0
-            targets = held[i].ids[first + 1 : stop + 1]
-            scored_prompt = rows_logprobs(
-                torch, logits, targets, [top] * len(targets), self._token_bytes
-            )
-            answers[i] = replace(
-                answers[i], prompt_logprobs=tuple(scored_prompt), prompt_start=first + 1
-            )
+            answers[i] = self._with_prompt_logprobs(answers[i], x, held[i], top, start, first, stop)
         return answers
 
     def _logits(self, hidden: Any) -> Any:
         last = self.model.model.norm(hidden)
         return self._products(last, self._lm_head, self.model.lm_head.bias).float()
 
+    def _with_prompt_logprobs(
+        self, made: Made, x: Any, held: Held, top: int, start: int, first: int, stop: int
+    ) -> Made:
+        """`made` with the log-probabilities of prompt tokens `first + 1` to `stop`, from
+        the hidden states of positions `first` to `stop - 1` (at `start` in the step's row);
+        the first token's entry (no log-probability: nothing precedes it) with position 0."""
+        ids = held.ids
+        targets = ids[first + 1 : stop + 1]
+        scored = []
+        if targets:
+            logits = self._logits(x[start : start + stop - first])
+            scored = rows_logprobs(
+                self._torch, logits, targets, [top] * len(targets), self._token_bytes
+            )
+        if first == 0:
+            scored.insert(0, TokenLogprob(ids[0], self._token_bytes(ids[0]), None))
+        start_at = 0 if first == 0 else first + 1
+        return replace(made, prompt_logprobs=tuple(scored), prompt_start=start_at)
+
     def _made(self, seq: Seq, held: Held, token: int, logprob: TokenLogprob | None) -> Made:
-        if token in self._eos:
-            return Made(held.text.flush(), end=True)
+        if token in self._eos:  # its log-probability is reported, as vLLM does
+            return Made(held.text.flush(), end=True, logprob=logprob)
         held.ids.append(token)
         last = seq.max_tokens is not None and len(held.text.made) + 1 >= seq.max_tokens
         return Made(held.text.push(token, last=last), token, logprob=logprob)

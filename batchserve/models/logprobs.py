@@ -17,9 +17,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-MAX_LOGPROBS = 20
-"""The most alternatives a token's `top_logprobs` may list (OpenAI's and vLLM's bound)."""
-
 
 @dataclass(frozen=True, slots=True)
 class Candidate:
@@ -37,7 +34,8 @@ class TokenLogprob:
 
     token_id: int
     token: bytes
-    logprob: float
+    logprob: float | None
+    """None for a prompt's first token, which nothing precedes."""
     top: tuple[Candidate, ...] = ()
 
 
