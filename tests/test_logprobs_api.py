@@ -169,3 +169,12 @@ async def test_bad_chat_fields_are_refused(served, body, named):
     fields = {"model": "llm", "messages": MESSAGES} | body
     with pytest.raises(openai.BadRequestError, match=named):
         await client.post("/chat/completions", body=fields, cast_to=object)
+
+
+async def test_the_native_route_refuses_logprobs_it_has_no_place_to_answer(served):
+    _, url, _ = served
+    body = {"prompt": "hi", "params": {"logprobs": 2}}
+    generate = url.replace("/v1", "/api/generate")
+    async with aiohttp.ClientSession() as http, http.post(generate, json=body) as got:
+        assert got.status == 400
+        assert "/v1/completions" in (await got.json())["message"]
