@@ -12,7 +12,7 @@ import sys
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from batchserve.models.causal_lm import smollm2_gguf
+from batchserve.models.weights import smollm2_gguf
 
 PROMPT = "The capital of France is"
 

@@ -571,8 +571,8 @@ async def test_the_openai_client_completes_chats_and_streams_against_a_live_serv
             await client.chat.completions.create(
                 model="nope", messages=[{"role": "user", "content": "a"}]
             )
-        with pytest.raises(openai.BadRequestError, match='"n" must be 1'):
-            await client.completions.create(model="default", prompt="a", n=2)
+        with pytest.raises(openai.BadRequestError, match='"n" must be a whole number from 1'):
+            await client.completions.create(model="default", prompt="a", n=17)
         with pytest.raises(openai.APIStatusError) as too_big:
             await client.completions.create(model="default", prompt="a" * 20_000, max_tokens=4096)
         assert too_big.value.status_code == 413

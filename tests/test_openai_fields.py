@@ -97,12 +97,12 @@ async def test_the_openai_client_retrieves_a_model_by_id(aiohttp_client):
 
 
 REFUSED = [
-    ({"n": 2}, "n"),
+    ({"n": 17}, "n"),
     ({"n": True}, "n"),
     ({"best_of": 3}, "best_of"),
     ({"logprobs": True}, "logprobs"),
     ({"logprobs": 2}, "logprobs"),
-    ({"echo": True}, "echo"),
+    ({"echo": 1}, "echo"),
     ({"suffix": "end"}, "suffix"),
     ({"presence_penalty": 0.5}, "presence_penalty"),
     ({"logit_bias": {"50256": -100}}, "logit_bias"),
@@ -115,7 +115,7 @@ CHAT_REFUSED = [
     ({"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
     ({"top_logprobs": 3}, "top_logprobs"),
     ({"logprobs": True}, "logprobs"),
-    ({"n": 4}, "n"),
+    ({"n": 0}, "n"),
     ({"modalities": ["text", "audio"]}, "modalities"),
     ({"store": "yes"}, "store"),
     ({"echo": False}, "echo"),  # a completions field, unknown to chat

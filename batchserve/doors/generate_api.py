@@ -26,7 +26,7 @@ from ..config import Config
 from ..engine.core import Engine
 from ..errors import BatchserveError, InvalidInput
 from ..rules.admission import MAX_STOP_CHARS, MAX_STOPS
-from ..rules.sampling_params import SCHEMAS
+from ..rules.sampling_params import LOGPROBS, SCHEMAS
 from .generation_answer import Events, answer_generation, data_event
 from .openapi import REQUEST_ID, TIMEOUT, Answer, ModelName, Operation, errors
 from .wire import (
@@ -77,6 +77,12 @@ def parse_generate(payload: dict[str, Any], request: web.Request) -> GenerateBod
     if not isinstance(stream, bool):
         raise InvalidInput('"stream" must be true or false')
     model, version, params = model_fields(payload)
+    asked = [name for name in LOGPROBS if (params or {}).get(name) is not None]
+    if asked:  # this answer has no place for them: never computed to be dropped
+        raise InvalidInput(
+            f'params "{asked[0]}": log probabilities are answered on /v1/completions and'
+            " /v1/chat/completions"
+        )
     return GenerateBody(
         prompt,
         payload.get("max_tokens"),
@@ -169,7 +175,7 @@ def generate_operation(config: Config) -> Operation:
             "stop": STOP,
             "params": {
                 "type": ["object", "null"],
-                "properties": SCHEMAS,
+                "properties": SCHEMAS | {name: {"type": "null"} for name in LOGPROBS},
                 "description": "sampling params; other keys go to the generator",
             },
             "stream": {"type": "boolean"},

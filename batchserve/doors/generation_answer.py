@@ -24,7 +24,7 @@ from ..generation.request import Generation
 from .wire import error_response, json_response
 
 DONE = b"data: [DONE]\n\n"
-_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+STREAM_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
 
 class Events(NamedTuple):
@@ -78,7 +78,7 @@ async def _stream(
             first = None
         except BatchserveError as error:
             return error_response(error, headers["X-Request-Id"], openai_shape=openai_shape)
-        response = web.StreamResponse(headers=_HEADERS | headers)
+        response = web.StreamResponse(headers=STREAM_HEADERS | headers)
         await response.prepare(request)
         try:
             if first is not None:

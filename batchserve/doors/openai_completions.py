@@ -11,14 +11,17 @@ by a plain role-tagged template. `temperature`, `top_p`, `seed` and vLLM's `top_
 `ignore_eos` and `min_tokens` go to the generator as params; vLLM's `cache_salt` keeps the
 request's cached prefixes to requests with the same salt, and `usage.prompt_tokens_details.
 cached_tokens` says how many prompt tokens came from the cache. OpenAI's other fields are taken
-where their value changes nothing here (`tools: []`, `n: 1`, `store`, ...) and refused (400,
+where their value changes nothing here (`tools: []`, `store`, ...) and refused (400,
 naming the field) where it would change the answer (`openai_fields.py`), never ignored.
+`n`, log probabilities and `echo` are `openai_choices.py`'s; a completion's prompt may be
+token ids (a list of ints, or a list of one such list), as evaluators send it.
 Errors carry OpenAI's body shape, which its clients raise as typed exceptions; a failure
 mid-stream is a `data: {"error": ...}` chunk, which the official client raises.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any, NamedTuple
 
@@ -28,9 +31,22 @@ from ..config import Config
 from ..engine.core import Engine
 from ..errors import BatchserveError, InvalidInput
 from ..generation.request import Generation
-from ..rules.sampling_params import SCHEMAS
+from ..models.logprobs import TokenLogprob
+from ..rules.sampling_params import LOGPROBS, MAX_LOGPROBS, SCHEMAS
 from .generate_api import SSE, STOP, max_tokens_schema
-from .generation_answer import Events, answer_generation, data_event
+from .generation_answer import data_event
+from .openai_choices import (
+    MAX_N,
+    Choices,
+    Event,
+    all_choices,
+    answer_choices,
+    chat_logprobs,
+    choice_params,
+    completion_logprobs,
+    prompt_text,
+    read_choices,
+)
 from .openai_fields import check_fields, neutral_schemas, sampling_params
 from .openapi import REQUEST_ID, TIMEOUT, Answer, ModelName, Operation, errors
 from .wire import CACHE_SALT_SCHEMA, cache_salt_of, read_call, timeout_ms_of
@@ -50,6 +66,9 @@ class Completion(NamedTuple):
     include_usage: bool
     timeout_ms: float | None
     cache_salt: str | None
+    prompt_ids: list[int] | None
+    """A completion's prompt given as token ids (`prompt` is then "")."""
+    choices: Choices
 
 
 class OpenAICompletionsApi:
@@ -80,77 +99,129 @@ class OpenAICompletionsApi:
         if isinstance(call, web.Response):
             return call
         body = call.body
-        shape = _Shape(chat, f"{'chatcmpl' if chat else 'cmpl'}-{call.request_id}", body.model)
-        generating = engine.generate(
-            body.prompt,
-            model=body.model,
-            max_tokens=body.max_tokens,
-            stop=body.stop,
-            params=body.params,
-            timeout_ms=body.timeout_ms,
-            request_id=call.request_id,
-            tenant=call.tenant,
-            arrival=arrival,
-            route=route,
-            cache_salt=body.cache_salt,
-        )
-        events = Events(
-            piece=shape.piece,
-            ending=lambda gen: shape.ending(gen, body.include_usage),
-            failure=_failure_chunk,
-        )
-        return await answer_generation(
+        answer_id = f"{'chatcmpl' if chat else 'cmpl'}-{call.request_id}"
+        shape = _Shape(chat, answer_id, body.model, body.choices, body.include_usage)
+
+        def start(index: int) -> contextlib.AbstractAsyncContextManager[Generation]:
+            """Choice `index`; the others copy the first's prompt rows (one prefill)."""
+            return engine.generate(
+                body.prompt,
+                model=body.model,
+                max_tokens=body.max_tokens,
+                stop=body.stop,
+                params=choice_params(body.params, body.choices, index, body.prompt_ids),
+                timeout_ms=body.timeout_ms,
+                request_id=call.request_id if index == 0 else f"{call.request_id}.{index}",
+                tenant=call.tenant,
+                arrival=arrival,
+                route=route,
+                cache_salt=body.cache_salt,
+                prompt_ids=body.prompt_ids,
+                fork_of=call.request_id if index else None,
+            )
+
+        return await answer_choices(
             request,
-            generating,
+            all_choices(start, body.choices.n),
             call.request_id,
             stream=body.stream,
-            events=events,
-            whole=shape.whole,
-            openai_shape=True,
+            shape=shape,
         )
 
 
 class _Shape:
-    """How one answer is written: a completion or a chat completion, whole or in chunks."""
+    """How one answer is written: a completion or a chat completion, whole or in chunks,
+    with its choices and, where asked, their log-probabilities."""
 
-    def __init__(self, chat: bool, answer_id: str, model: str) -> None:
+    def __init__(
+        self, chat: bool, answer_id: str, model: str, choices: Choices, include_usage: bool
+    ) -> None:
         self._chat = chat
+        self._choices = choices
+        self._include_usage = include_usage
         self._head = {
             "id": answer_id,
             "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()),
             "model": model,
         }
-        self._started = False
+        self._started: set[int] = set()
+        self._sent = [0] * choices.n
+        """Each choice's log-probabilities streamed so far."""
+        self._offset = [0] * choices.n
+        """Each choice's text streamed so far (where its next token's text starts)."""
 
-    def whole(self, gen: Generation, output: str) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0, "finish_reason": gen.finish_reason}
+    def whole(self, gens: list[Generation], outputs: list[str]) -> dict[str, Any]:
+        choices = []
+        for index, (gen, output) in enumerate(zip(gens, outputs, strict=True)):
+            choice: dict[str, Any] = {"index": index, "finish_reason": gen.finish_reason}
+            if self._chat:
+                choice["message"] = {"role": "assistant", "content": output}
+                choice["logprobs"] = self._chat_logprobs(gen.logprobs)
+            else:
+                text, logprobs = self._completion(index, gen, output, gen.logprobs)
+                choice |= {"text": text, "logprobs": logprobs}
+            choices.append(choice)
+        return self._head | {"choices": choices, "usage": _usage(gens)}
+
+    def event(self, event: Event, gens: list[Generation]) -> bytes:
+        """One choice's piece, or (its text None) its ending, as a chunk."""
+        index, gen = event.choice, gens[event.choice]
+        ended = event.text is None
+        entries = gen.logprobs[self._sent[index] : None if ended else event.tokens]
+        self._sent[index] += len(entries)
+        choice: dict[str, Any] = {
+            "index": index,
+            "finish_reason": gen.finish_reason if ended else None,
+        }
+        first = index not in self._started
+        self._started.add(index)
         if self._chat:
-            choice["message"] = {"role": "assistant", "content": output}
-        else:
-            choice |= {"text": output, "logprobs": None}
-        return self._head | {"choices": [choice], "usage": _usage(gen)}
-
-    def piece(self, text: str) -> bytes:
-        return self._chunk(text, None)
-
-    def ending(self, gen: Generation, include_usage: bool) -> bytes:
-        ending = self._chunk("", gen.finish_reason)
-        if include_usage:
-            ending += data_event(self._chunk_head() | {"choices": [], "usage": _usage(gen)})
-        return ending
-
-    def _chunk(self, text: str, finish_reason: str | None) -> bytes:
-        choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason}
-        if self._chat:
-            delta: dict[str, str] = {} if finish_reason else {"content": text}
-            if not self._started:
+            delta: dict[str, str] = {} if ended else {"content": event.text or ""}
+            if first:
                 delta["role"] = "assistant"
             choice["delta"] = delta
+            if self._choices.logprobs is not None:
+                choice["logprobs"] = self._chat_logprobs(entries)
         else:
-            choice |= {"text": text, "logprobs": None}
-        self._started = True
+            text, logprobs = self._completion(index, gen, event.text or "", entries, first)
+            choice |= {"text": text, "logprobs": logprobs}
         return data_event(self._chunk_head() | {"choices": [choice]})
+
+    def closing(self, gens: list[Generation]) -> bytes:
+        """After every choice's ending: the usage chunk, where asked."""
+        if not self._include_usage:
+            return b""
+        return data_event(self._chunk_head() | {"choices": [], "usage": _usage(gens)})
+
+    def failure(self, error: BatchserveError) -> bytes:
+        return data_event(
+            {"error": {"message": str(error), "type": error.code.lower(), "code": error.code}}
+        )
+
+    def _chat_logprobs(self, entries: list[TokenLogprob]) -> dict[str, Any] | None:
+        return None if self._choices.logprobs is None else chat_logprobs(entries)
+
+    def _completion(
+        self,
+        index: int,
+        gen: Generation,
+        text: str,
+        entries: list[TokenLogprob],
+        first: bool = True,
+    ) -> tuple[str, dict[str, Any] | None]:
+        """A completion choice's text (the prompt first, where echoed) and log-probabilities
+        (the echoed prompt's first), with each token's offset in the choice's text."""
+        echo = self._choices.echo and first
+        shown: list[TokenLogprob | None] = list(entries)
+        if echo:
+            text = prompt_text(gen) + text
+            shown = [*(gen.prompt_logprobs or ()), *shown]
+        offset = self._offset[index]
+        self._offset[index] += len(text)
+        if self._choices.logprobs is None:
+            return text, None
+        return text, completion_logprobs(shown, offset)
 
     def _chunk_head(self) -> dict[str, Any]:
         if self._chat:
@@ -158,20 +229,16 @@ class _Shape:
         return self._head
 
 
-def _usage(gen: Generation) -> dict[str, Any]:
-    made = len(gen.seq.tokens)
+def _usage(gens: list[Generation]) -> dict[str, Any]:
+    """The prompt once (its choices share it), every choice's tokens."""
+    first = gens[0]
+    made = sum(len(gen.seq.tokens) for gen in gens)
     return {
-        "prompt_tokens": gen.prompt_tokens,
+        "prompt_tokens": first.prompt_tokens,
         "completion_tokens": made,
-        "total_tokens": gen.prompt_tokens + made,
-        "prompt_tokens_details": {"cached_tokens": gen.cached_tokens},
+        "total_tokens": first.prompt_tokens + made,
+        "prompt_tokens_details": {"cached_tokens": first.cached_tokens},
     }
-
-
-def _failure_chunk(error: BatchserveError) -> bytes:
-    return data_event(
-        {"error": {"message": str(error), "type": error.code.lower(), "code": error.code}}
-    )
 
 
 def _read_completion(payload: dict[str, Any], request: web.Request, *, chat: bool) -> Completion:
@@ -180,7 +247,7 @@ def _read_completion(payload: dict[str, Any], request: web.Request, *, chat: boo
     if not isinstance(model, str):
         raise InvalidInput('the body needs a string field "model"')
     messages = _messages(payload.get("messages")) if chat else None
-    prompt = "" if chat else _prompt(payload.get("prompt"))
+    prompt, prompt_ids = ("", None) if chat else _prompt(payload.get("prompt"))
     max_tokens = payload.get("max_completion_tokens")
     if max_tokens is None:
         max_tokens = payload.get("max_tokens")
@@ -199,15 +266,23 @@ def _read_completion(payload: dict[str, Any], request: web.Request, *, chat: boo
         options.get("include_usage") is True,
         timeout_ms_of(None, request),
         cache_salt_of(payload),
+        prompt_ids,
+        read_choices(payload, chat=chat),
     )
 
 
-def _prompt(given: object) -> str:
-    if isinstance(given, list) and len(given) == 1:
+def _prompt(given: object) -> tuple[str, list[int] | None]:
+    """The prompt's text, or its token ids: a string or a list of ints, or a list of one
+    of either (what evaluators send, one prompt a request)."""
+    if isinstance(given, list) and len(given) == 1 and isinstance(given[0], str | list):
         given = given[0]
-    if not isinstance(given, str):
-        raise InvalidInput('"prompt" must be a string (or a list of one string)')
-    return given
+    if isinstance(given, str):
+        return given, None
+    if isinstance(given, list) and given and all(type(i) is int for i in given):
+        return "", given
+    raise InvalidInput(
+        '"prompt" must be a string or a non-empty list of token ids (or a list of one of either)'
+    )
 
 
 def _messages(given: object) -> list[dict[str, str]]:
@@ -264,21 +339,30 @@ def completion_operation(config: Config, *, chat: bool) -> Operation:
     """POST /v1/completions (or, `chat`, /v1/chat/completions) as the OpenAPI document
     describes it: the fields `_read_completion` reads, and the neutral ones at the value
     they take (`openai_fields.py`); any other field is 400."""
+    top = {"type": ["integer", "null"], "minimum": 0, "maximum": MAX_LOGPROBS}
+    ids = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}
     text = (
         {
             "messages": {"type": "array", "minItems": 1, "items": _MESSAGE},
             "max_completion_tokens": max_tokens_schema(config),
+            "logprobs": {"type": ["boolean", "null"]},
+            "top_logprobs": top | {"description": "needs logprobs: true"},
         }
         if chat
         else {
             "prompt": {
                 "anyOf": [
                     {"type": "string"},
-                    {"type": "array", "minItems": 1, "maxItems": 1, "items": {"type": "string"}},
+                    ids,
+                    {"type": "array", "minItems": 1, "maxItems": 1,
+                     "items": {"anyOf": [{"type": "string"}, ids]}},
                 ]
-            }
+            },
+            "logprobs": top,
+            "echo": {"type": ["boolean", "null"], "description": "the prompt before the"
+                     " completion (with logprobs, its tokens' too; max_tokens 0 with it)"},
         }
-    )
+    )  # fmt: skip
     name = "ChatCompletion" if chat else "Completion"
     body = {
         "title": f"{name}Request",
@@ -288,7 +372,8 @@ def completion_operation(config: Config, *, chat: bool) -> Operation:
         "properties": {
             "model": ModelName("generation"),
             **text,
-            "max_tokens": max_tokens_schema(config),
+            "max_tokens": max_tokens_schema(config)
+            | ({} if chat else {"minimum": 0, "description": "0 only with echo and logprobs"}),
             "stop": STOP,
             "cache_salt": CACHE_SALT_SCHEMA,
             "stream": {"type": ["boolean", "null"]},
@@ -296,7 +381,8 @@ def completion_operation(config: Config, *, chat: bool) -> Operation:
                 "type": ["object", "null"],
                 "properties": {"include_usage": {"type": "boolean"}},
             },
-            **SCHEMAS,
+            "n": {"type": ["integer", "null"], "minimum": 1, "maximum": MAX_N},
+            **{name: schema for name, schema in SCHEMAS.items() if name not in LOGPROBS},
             **neutral_schemas(chat=chat),
         },
     }
@@ -309,7 +395,7 @@ def completion_operation(config: Config, *, chat: bool) -> Operation:
             "object": {"const": "chat.completion" if chat else "text_completion"},
             "created": {"type": "integer"},
             "model": {"type": "string"},
-            "choices": {"type": "array", "minItems": 1, "maxItems": 1, "items": _CHOICE},
+            "choices": {"type": "array", "minItems": 1, "maxItems": MAX_N, "items": _CHOICE},
             "usage": _USAGE,
         },
     }

@@ -2,13 +2,13 @@
 
 Clients and benchmark tools send OpenAI's whole vocabulary. A field is one of three kinds:
 
-- read: the prompt or messages, `max_tokens`, `stop`, `stream`, vLLM's `cache_salt`, and the
-  sampling fields
+- read: the prompt or messages, `max_tokens`, `stop`, `stream`, vLLM's `cache_salt`, `n`,
+  log probabilities and `echo` (`openai_choices.py`), and the sampling fields
   (`temperature`, `top_p`, `seed`, and vLLM's `top_k`, `ignore_eos`, `min_tokens`), which go
   to the generator as params (`rules/sampling_params.py` checks them);
 - neutral: taken and ignored at a value that changes nothing about the answer here
-  (`tools: []`, `response_format: {"type": "text"}`, `store`, `metadata`, `user`, `n: 1`,
-  `logprobs: false`, a penalty of 0, ...); at any other value refused with 400 naming the
+  (`tools: []`, `response_format: {"type": "text"}`, `store`, `metadata`, `user`,
+  `best_of: 1`, a penalty of 0, ...); at any other value refused with 400 naming the
   field, since the answer would not be what was asked for;
 - unknown: refused with 400, named.
 
@@ -21,14 +21,15 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..errors import InvalidInput
+from .openai_choices import CHAT_FIELDS, COMPLETION_FIELDS
 
 SAMPLING_FIELDS = ("temperature", "top_p", "seed", "top_k", "ignore_eos", "min_tokens")
 """Top-level fields that become the generation's params, as given."""
 READ = frozenset(
     {"model", "max_tokens", "stop", "stream", "stream_options", "cache_salt", *SAMPLING_FIELDS}
 )
-COMPLETION_READ = READ | {"prompt"}
-CHAT_READ = READ | {"messages", "max_completion_tokens"}
+COMPLETION_READ = READ | {"prompt", *COMPLETION_FIELDS}
+CHAT_READ = READ | {"messages", "max_completion_tokens", *CHAT_FIELDS}
 
 
 def _is_number(wanted: float) -> Callable[[object], bool]:
@@ -53,9 +54,6 @@ _Rule = tuple[Callable[[object], bool], str, str]
 """A neutral field's test, the value(s) it passes in words, and why no other value will do."""
 
 _NEUTRAL: dict[str, _Rule] = {
-    "n": (_is_number(1), "1", "one choice is made per request"),
-    "logprobs": (_is(False), "false", "log probabilities are not reported"),
-    "top_logprobs": (_is_number(0), "0", "log probabilities are not reported"),
     "presence_penalty": (_is_number(0), "0", "penalties are not applied"),
     "frequency_penalty": (_is_number(0), "0", "penalties are not applied"),
     "repetition_penalty": (_is_number(1), "1", "penalties are not applied"),
@@ -77,8 +75,7 @@ _NEUTRAL: dict[str, _Rule] = {
 }
 _COMPLETION_NEUTRAL = {
     **_NEUTRAL,
-    "best_of": (_is_number(1), "1", "one choice is made per request"),
-    "echo": (_is(False), "false", "the prompt is not echoed"),
+    "best_of": (_is_number(1), "1", "best_of is not supported (n choices are)"),
     "suffix": (_is(""), '""', "a suffix is not supported"),
 }
 
@@ -108,9 +105,6 @@ def _or_null(schema: dict[str, Any]) -> dict[str, Any]:
 
 
 _NEUTRAL_SCHEMAS: dict[str, dict[str, Any]] = {
-    "n": {"const": 1},
-    "logprobs": {"const": False},
-    "top_logprobs": {"const": 0},
     "presence_penalty": {"const": 0},
     "frequency_penalty": {"const": 0},
     "repetition_penalty": {"const": 1},
@@ -132,7 +126,6 @@ _NEUTRAL_SCHEMAS: dict[str, dict[str, Any]] = {
     "prompt_cache_key": {"type": "string"},
     "safety_identifier": {"type": "string"},
     "best_of": {"const": 1},
-    "echo": {"const": False},
     "suffix": {"const": ""},
 }  # fmt: skip
 """The values each neutral field takes, as JSON Schema, for the OpenAPI document

@@ -19,14 +19,14 @@ from typing import Any
 
 from ..batching.request import new_request_id
 from ..clock import Clock
-from ..errors import BatchserveError, DuplicateRequestId
+from ..errors import BatchserveError, DuplicateRequestId, InvalidInput
 from ..generation.models import GenerationModel, Generators
 from ..generation.request import Generation
 from ..models.generators import Seq
 from ..observability.tracing import Tracer
 from ..rules.admission import stop_strings
 from ..rules.prefill import refuse_if_late
-from ..rules.sampling_params import checked_params
+from ..rules.sampling_params import LOGPROBS, checked_params
 from ..rules.tenants import Tenant
 from .intake import InFlightKey, Intake
 from .recorder import Recorder
@@ -72,6 +72,8 @@ class GenerationPath:
         arrival: float | None = None,
         route: str = "generate",
         cache_salt: str | None = None,
+        prompt_ids: list[int] | None = None,
+        fork_of: str | None = None,
     ) -> AsyncIterator[Generation]:
         """Starts one generation; read its text as it comes with `gen.pieces()`, or whole
         with `await gen.result()`:
@@ -85,6 +87,9 @@ class GenerationPath:
         bounds the wait for the first token; the sequence then runs to its end. Leaving the
         block before it ends cancels it: its sequence is released before the next step.
         `cache_salt` (vLLM's): only requests with the same salt share cached prefixes.
+        `prompt_ids`: the prompt as token ids (`prompt` is then its text, or ""). `fork_of`:
+        the request id of a generation with the same prompt (one of `n` choices) whose
+        prompt's rows this one copies instead of computing them.
         """
         arrival = self._clock.time() if arrival is None else arrival
         request_id = request_id or new_request_id()
@@ -93,8 +98,10 @@ class GenerationPath:
         try:
             generation_model, gen, in_flight = await self._admit(
                 prompt, model, version, max_tokens, stop, params, timeout_ms,
-                request_id, tenant, arrival, cache_salt,
+                request_id, tenant, arrival, cache_salt, prompt_ids,
             )  # fmt: skip
+            if fork_of is not None:
+                gen.seq.fork_of = _seq_id(tenant, fork_of)
             self._intake.generating[in_flight] = gen
         except BatchserveError as error:
             now = self._clock.time()
@@ -136,6 +143,7 @@ class GenerationPath:
         tenant: Tenant | None,
         arrival: float,
         cache_salt: str | None,
+        prompt_ids: list[int] | None,
     ) -> tuple[GenerationModel, Generation, InFlightKey]:
         """Admits a generation as the engine admits a batch request (intake.py), then checks
         its tokens: a prompt that can never fit a device's budget is refused at once (413),
@@ -148,15 +156,21 @@ class GenerationPath:
         )  # fmt: skip
         rules = self._intake.rules
         budget = generation_model.kv_budget
-        rules.check_prompt_bytes(prompt, generation_model.max_token_bytes, max_tokens, budget)
-        prompt_tokens = await generation_model.prompt_tokens(prompt)
+        check_reported(generation_model, params, prompt_ids)
+        if prompt_ids is None:
+            rules.check_prompt_bytes(prompt, generation_model.max_token_bytes, max_tokens, budget)
+            prompt_tokens = await generation_model.prompt_tokens(prompt)
+        else:
+            prompt_tokens = len(prompt_ids)
         if in_flight in self._intake.generating:  # admitted beside it while it was tokenized
             raise DuplicateRequestId(f"request id {request_id} is already in flight")
-        limit = rules.new_tokens(prompt_tokens, max_tokens, budget)
+        # The prompt's log-probabilities alone (echo) make no token.
+        least = 0 if (params or {}).get("prompt_logprobs") is not None else 1
+        limit = rules.new_tokens(prompt_tokens, max_tokens, budget, least=least)
         sampling = checked_params(params, limit)
         gen = Generation(
             # The sequence's id is the generator's handle, unique across tenants.
-            Seq(_seq_id(tenant, request_id), prompt, params=sampling),
+            Seq(_seq_id(tenant, request_id), prompt, params=sampling, prompt_ids=prompt_ids),
             request_id=request_id,
             prompt_tokens=prompt_tokens,
             max_tokens=limit,
@@ -195,6 +209,29 @@ class GenerationPath:
         gen.expire(self._clock.time())
         if gen.cancelled:
             generation_model.discard(gen)
+
+
+def check_reported(
+    generation_model: GenerationModel,
+    params: Mapping[str, Any] | None,
+    prompt_ids: list[int] | None,
+) -> None:
+    """Refuses what the model's generator cannot do: log-probabilities, a prompt of token
+    ids (each below its vocabulary's size), before any device sees it."""
+    name = generation_model.spec.name
+    asked = [key for key in LOGPROBS if (params or {}).get(key) is not None]
+    if asked and not generation_model.reports_logprobs:
+        raise InvalidInput(f'"{asked[0]}": model {name} does not report log probabilities')
+    if prompt_ids is None:
+        return
+    vocab = generation_model.vocab_size
+    if vocab is None:
+        raise InvalidInput(f"model {name} takes text prompts only, not token ids")
+    if not prompt_ids:
+        raise InvalidInput("a prompt of token ids needs at least one id")
+    bad = next((i for i in prompt_ids if not 0 <= i < vocab), None)
+    if bad is not None:
+        raise InvalidInput(f"token id {bad} is not in model {name}'s vocabulary (0 to {vocab - 1})")
 
 
 def _seq_id(tenant: Tenant | None, request_id: str) -> str:

@@ -129,6 +129,8 @@ class GenerationStats:
     """Tokens of sequences admitted, looked up in their device's prefix cache."""
     prefix_hits: int
     """Of them, those found cached (not computed again)."""
+    prefill_tokens: int
+    """Prompt tokens its devices computed before each sequence's first token."""
 
 
 class GenerationModel:
@@ -177,6 +179,11 @@ class GenerationModel:
         self.hung_steps = 0
         self.prefix_queries = 0
         self.prefix_hits = 0
+        self.prefill_tokens = 0
+        self.reports_logprobs = False
+        """Its generator computes the `logprobs` and `prompt_logprobs` params."""
+        self.vocab_size: int | None = None
+        """Its generator's vocabulary size, where it takes prompts as token ids."""
 
     def __repr__(self) -> str:
         return f"<GenerationModel {self.spec.label} waiting={self.waiting}>"
@@ -210,6 +217,7 @@ class GenerationModel:
             hung_steps=self.hung_steps,
             prefix_queries=self.prefix_queries,
             prefix_hits=self.prefix_hits,
+            prefill_tokens=self.prefill_tokens,
         )
 
     async def start(self) -> None:
@@ -228,6 +236,9 @@ class GenerationModel:
         self.max_token_bytes = max_token_bytes(outcomes[0])
         self._tokenizer = ThreadPoolExecutor(1, f"batchserve-tokenize-{self.spec.label}")
         self.chat_prompt = chat_formatter(outcomes[0])
+        self.reports_logprobs = getattr(outcomes[0], "reports_logprobs", False) is True
+        vocab = getattr(outcomes[0], "vocab_size", None)
+        self.vocab_size = vocab if isinstance(vocab, int) and vocab > 0 else None
         self.kv_budget = min(loop.max_seq_tokens for loop in self.loops)
         for loop in self.loops:
             self._tasks.start(loop.run(self.mode), name=f"batchserve-steps-{loop.device}")

@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 from ..errors import BatchserveError, DeadlineExceeded
 from ..models.generators import Made, Seq, StepAnswer
+from ..models.logprobs import TokenLogprob
 from ..rules.prefill import Prefill
 
 FinishReason = Literal["stop", "length"]
@@ -84,7 +85,16 @@ class Generation:
         self._held = ""
         """Made but not yet given out: it may be the start of a stop string."""
         self._output: list[str] = []
-        self._pieces: asyncio.Queue[str | None] = asyncio.Queue()
+        self._pieces: asyncio.Queue[tuple[str, int] | None] = asyncio.Queue()
+        """Each piece of text with the count of tokens made when it was given out."""
+        self.logprobs: list[TokenLogprob] = []
+        """Each token's log-probability, where its params ask (`logprobs`)."""
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None
+        """The prompt's tokens' (the first has none), where its params ask
+        (`prompt_logprobs`): a recomputed prefill writes the same numbers again."""
+        self.tokens_read = 0
+        """Tokens made when the last piece `pieces()` gave out was: a stream's logprobs
+        for that piece are those of the tokens since the piece before."""
 
     def __repr__(self) -> str:
         return f"<Generation {self.request_id} {self.state.value} tokens={len(self.seq.tokens)}>"
@@ -134,10 +144,14 @@ class Generation:
         prefill chunk); True once it has ended."""
         if isinstance(token, Made):
             text, ended, counted = token.text, token.end, token.token_id is not None
+            if token.prompt_logprobs:
+                self._note_prompt_logprobs(token)
             if not counted and not ended:
                 return False  # still prefilling: no token, no first-token time
             if token.token_id is not None:
                 self.seq.token_ids.append(token.token_id)
+            if token.logprob is not None:  # the end's too, where the model chose it
+                self.logprobs.append(token.logprob)
         else:
             text, ended, counted = token or "", token is None, token is not None
         if self.first_token_at is None:
@@ -151,8 +165,8 @@ class Generation:
                 self._held = self._held[:cut]
                 self._finish("stop", now)
                 return True
-        if ended:
-            self._finish("stop", now)
+        if ended:  # max_tokens 0 (echo) ends at its prompt's end: cut by the length
+            self._finish("length" if self.max_tokens == 0 else "stop", now)
             return True
         if len(self.seq.tokens) >= self.max_tokens:
             self._finish("length", now)
@@ -180,6 +194,12 @@ class Generation:
         """Its waiter left: the scheduler drops it before the next step."""
         self.cancelled = True
 
+    def _note_prompt_logprobs(self, made: Made) -> None:
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = [None] * self.prompt_tokens
+        start = made.prompt_start
+        self.prompt_logprobs[start : start + len(made.prompt_logprobs)] = made.prompt_logprobs
+
     def _stop_prefix_length(self) -> int:
         """The longest end of the held text that a stop string starts with."""
         for size in range(min(len(self._held), max(map(len, self._stops), default=1) - 1), 0, -1):
@@ -191,7 +211,7 @@ class Generation:
     def _give(self, text: str) -> None:
         if text:
             self._output.append(text)
-            self._pieces.put_nowait(text)
+            self._pieces.put_nowait((text, len(self.seq.tokens)))
 
     def _finish(self, reason: FinishReason, now: float) -> None:
         self._give(self._held)
@@ -206,7 +226,8 @@ class Generation:
     async def pieces(self) -> AsyncGenerator[str, None]:
         """The output as it is made; raises the request's error if it fails."""
         while (piece := await self._pieces.get()) is not None:
-            yield piece
+            text, self.tokens_read = piece
+            yield text
         if self.error is not None:
             raise self.error
 

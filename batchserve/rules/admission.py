@@ -150,11 +150,14 @@ class Admission:
                 f" device's budget of {budget} tokens: shorten the prompt"
             )
 
-    def new_tokens(self, prompt_tokens: int, max_tokens: object, budget: int) -> int:
-        """The most tokens a generation may make: its `max_tokens`, else the server's
+    def new_tokens(
+        self, prompt_tokens: int, max_tokens: object, budget: int, *, least: int = 1
+    ) -> int:
+        """The most tokens a generation may make: its `max_tokens` (at least `least`: 0
+        only where the prompt's log-probabilities are all it asks for), else the server's
         default; refused (413) when the prompt and that many new tokens cannot fit a
         device's budget of `budget` tokens."""
-        limit = _max_tokens(max_tokens, self._max_tokens_cap)
+        limit = _max_tokens(max_tokens, self._max_tokens_cap, least)
         if prompt_tokens >= budget:
             raise InputTooLarge(
                 f"the prompt is {prompt_tokens} tokens; a device holds {budget} in all,"
@@ -182,13 +185,14 @@ def checked_timeout_ms(timeout_ms: object) -> float:
     return float(timeout_ms)
 
 
-def _max_tokens(given: object, cap: int) -> int | None:
+def _max_tokens(given: object, cap: int, least: int = 1) -> int | None:
     if given is None:
         return None
     if isinstance(given, float) and given.is_integer():
         given = int(given)  # a whole JSON number, as JSON Schema's integer takes it
-    if isinstance(given, bool) or not isinstance(given, int) or not 1 <= given <= cap:
-        raise InvalidInput(f"max_tokens must be a whole number from 1 to {cap}")
+    if isinstance(given, bool) or not isinstance(given, int) or not least <= given <= cap:
+        echo = " (0 only with echo and logprobs)" if least else ""
+        raise InvalidInput(f"max_tokens must be a whole number from {least} to {cap}{echo}")
     return given
 
 

@@ -8,6 +8,9 @@ The generator reads them from `Seq.params`, a plain dict holding only what the r
     seed         an int in the signed 64-bit range
     ignore_eos   true or false: the generator never ends a sequence on its own
     min_tokens   an int, 0 <= min_tokens <= max_tokens: no end of sequence before it
+    logprobs     an int, 0 to 20: report each token's log-probability and that many of the
+                 most likely tokens at its place (a generator with `reports_logprobs`)
+    prompt_logprobs  the same for the prompt's tokens (what `echo` reports)
 
 `null` means absent, so `{}` stays `{}`. Other keys are a custom generator's own and pass
 through unchanged. A value of the wrong type or range is the client's mistake (400 naming the
@@ -25,7 +28,11 @@ from ..errors import InvalidInput
 MAX_TEMPERATURE = 100.0
 MAX_TOP_K = 1_000_000
 SEED_RANGE = (-(2**63), 2**63 - 1)
-KNOWN = ("temperature", "top_p", "top_k", "seed", "ignore_eos", "min_tokens")
+MAX_LOGPROBS = 20
+"""The most alternatives a token's log-probabilities may list (OpenAI's and vLLM's bound)."""
+LOGPROBS = ("logprobs", "prompt_logprobs")
+"""vLLM's names of the params that ask for log-probabilities."""
+KNOWN = ("temperature", "top_p", "top_k", "seed", "ignore_eos", "min_tokens", *LOGPROBS)
 """The params every generator may read; each has its rule in `_RULES`."""
 
 
@@ -76,6 +83,11 @@ def _min_tokens(value: object) -> int | None:
     return number if number is not None and number >= 0 else None
 
 
+def _logprobs(value: object) -> int | None:
+    number = _integer(value)
+    return number if number is not None and 0 <= number <= MAX_LOGPROBS else None
+
+
 _RULES: dict[str, tuple[Callable[[object], Any], str]] = {
     "temperature": (_temperature, f"a number from 0 to {MAX_TEMPERATURE:g} (0: greedy)"),
     "top_p": (_top_p, "a number above 0 and at most 1 (1: off)"),
@@ -83,6 +95,8 @@ _RULES: dict[str, tuple[Callable[[object], Any], str]] = {
     "seed": (_seed, "an integer from -2**63 to 2**63-1"),
     "ignore_eos": (_ignore_eos, "true or false"),
     "min_tokens": (_min_tokens, "an integer from 0 to max_tokens"),
+    "logprobs": (_logprobs, f"an integer from 0 to {MAX_LOGPROBS}"),
+    "prompt_logprobs": (_logprobs, f"an integer from 0 to {MAX_LOGPROBS}"),
 }
 
 
@@ -137,6 +151,8 @@ SCHEMAS: dict[str, dict[str, Any]] = {
         "description": "at most max_tokens (the request's, or the default it gets); more is"
         " 400, a rule JSON Schema cannot state",
     },
+    "logprobs": {"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS},
+    "prompt_logprobs": {"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS},
 }
 """Each known param's rule (`_RULES`) as JSON Schema, null allowed, for the OpenAPI document."""
 SCHEMAS = {name: {"anyOf": [schema, {"type": "null"}]} for name, schema in SCHEMAS.items()}

@@ -1,0 +1,180 @@
+"""Log probabilities, `n` choices and `echo` on the OpenAI routes, through the official client
+against the tiny Llama (`doors/openai_choices.py`): OpenAI's shapes whole and streamed, the
+numbers transformers' own, n choices for one prefill (the metrics' prefill counter), and
+every value past its bound refused with 400 before anything starts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+
+from batchserve.config import Config
+from batchserve.engine.core import Engine
+from batchserve.models.specs import ModelSpec
+from batchserve.server import create_app
+
+from . import tiny_llama
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+from batchserve.models.causal_lm import CausalLM  # noqa: E402
+
+PROMPT = " ".join(tiny_llama.CORPUS)
+MESSAGES: Any = [{"role": "user", "content": "the cat sat"}]
+
+
+@pytest.fixture
+async def served(tok: Any, tiny: Any, aiohttp_server: Any) -> AsyncIterator[Any]:
+    """A server of the tiny Llama; (client, base url, engine)."""
+
+    def load(device: str) -> CausalLM:
+        return CausalLM(tiny, tok, device, kv_cache_bytes=2**20)
+
+    spec = ModelSpec(name="llm", version="1", generator=load, devices="cpu")
+    engine = Engine(Config(step_tokens=16, timeout_ms=600_000.0), models=[spec])
+    server = await aiohttp_server(create_app(engine))
+    url = str(server.make_url("/v1"))
+    async with openai.AsyncOpenAI(base_url=url, api_key="unused", max_retries=0) as client:
+        yield client, url, engine
+
+
+def reference(tiny: Any, ids: list[int]) -> Any:
+    with torch.inference_mode():
+        return torch.log_softmax(tiny(input_ids=torch.tensor([ids])).logits[0].float(), -1)
+
+
+async def test_chat_logprobs_have_openais_shape_whole_and_streamed(served, tok, tiny):
+    client, _, _ = served
+    asked = {
+        "logprobs": True,
+        "top_logprobs": 3,
+        "max_tokens": 4,
+        "extra_body": {"ignore_eos": True},
+    }
+    whole = await client.chat.completions.create(model="llm", messages=MESSAGES, **asked)
+    content = whole.choices[0].logprobs.content
+    assert len(content) == whole.usage.completion_tokens == 4
+    for entry in content:
+        raw = bytes(entry.bytes)
+        whole_chars = raw.decode(errors="replace") == raw.decode(errors="ignore")
+        assert entry.token == raw.decode() if whole_chars else entry.token.startswith("bytes:")
+        assert len(entry.top_logprobs) == 3
+        assert entry.top_logprobs[0].logprob >= entry.logprob  # greedy: the best is chosen
+    stream = await client.chat.completions.create(
+        model="llm", messages=MESSAGES, stream=True, **asked
+    )
+    streamed = [e async for chunk in stream for c in chunk.choices if c.logprobs
+                for e in c.logprobs.content]  # fmt: skip
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    plain = await client.chat.completions.create(model="llm", messages=MESSAGES, max_tokens=2)
+    assert plain.choices[0].logprobs is None
+
+
+async def test_echo_with_max_tokens_0_gives_the_prompts_logprobs_as_evaluators_read_them(
+    served, tok, tiny
+):
+    """lm-evaluation-harness's request: token ids, echo, logprobs, max_tokens 0 or 1."""
+    client, _, _ = served
+    ids = tok.encode(PROMPT)
+    expected = reference(tiny, ids)
+    answer = await client.completions.create(
+        model="llm", prompt=[ids], max_tokens=0, echo=True, logprobs=1, temperature=0
+    )
+    choice = answer.choices[0]
+    assert choice.finish_reason == "length"
+    assert choice.text == PROMPT
+    assert answer.usage.completion_tokens == 0
+    assert answer.usage.prompt_tokens == len(ids)
+    logprobs = choice.logprobs
+    assert logprobs.token_logprobs[0] is None
+    assert logprobs.top_logprobs[0] is None
+    values = logprobs.token_logprobs[1:]
+    want = [float(expected[i, ids[i + 1]]) for i in range(len(ids) - 1)]
+    assert values == pytest.approx(want, abs=1e-4)
+    assert "".join(logprobs.tokens) == PROMPT
+    assert logprobs.text_offset[-1] == len(PROMPT) - len(logprobs.tokens[-1])
+    one = await client.completions.create(
+        model="llm", prompt=PROMPT, max_tokens=1, echo=True, logprobs=2,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    lp = one.choices[0].logprobs
+    assert len(lp.token_logprobs) == len(ids) + 1  # the prompt's, then the token made
+    assert lp.token_logprobs[1:-1] == pytest.approx(want, abs=1e-4)
+    assert one.choices[0].text.startswith(PROMPT)
+    assert all(len(top) == 2 for top in lp.top_logprobs[1:])
+
+
+async def test_n_choices_cost_one_prefill(served, tok):
+    client, url, _ = served
+    prompt_tokens = len(tok.encode(PROMPT))
+    answer = await client.completions.create(
+        model="llm", prompt=PROMPT, max_tokens=3, n=4, temperature=1.0, seed=7,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert sorted(c.index for c in answer.choices) == [0, 1, 2, 3]
+    assert answer.usage.prompt_tokens == prompt_tokens
+    assert answer.usage.completion_tokens == 12
+    assert len({c.text for c in answer.choices}) > 1  # each choice its own seed
+    async with aiohttp.ClientSession() as http, http.get(url.replace("/v1", "/metrics")) as got:
+        metrics = await got.text()
+    # The first choice's prompt, then one token for each other choice.
+    line = 'batchserve_prefill_tokens_total{model="llm",version="1"}'
+    assert f"{line} {prompt_tokens + 3}" in metrics
+    stream = await client.chat.completions.create(
+        model="llm", messages=MESSAGES, n=3, max_tokens=2, stream=True,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    ended = [c.index async for chunk in stream for c in chunk.choices if c.finish_reason]
+    assert sorted(ended) == [0, 1, 2]
+
+
+@pytest.mark.parametrize(
+    ("body", "named"),
+    [
+        ({"n": 17}, '"n"'),
+        ({"n": 0}, '"n"'),
+        ({"logprobs": 21}, '"logprobs"'),
+        ({"logprobs": True}, '"logprobs"'),
+        ({"best_of": 2}, '"best_of"'),
+        ({"echo": "yes"}, '"echo"'),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": 0, "echo": True}, "max_tokens"),
+        ({"prompt": [10**6]}, "token id"),
+        ({"prompt": [[1, 2], [3]]}, '"prompt"'),
+    ],
+)
+async def test_bad_completion_fields_are_refused_before_anything_starts(served, body, named):
+    client, _, engine = served
+    fields = {"model": "llm", "prompt": "hi", "max_tokens": 2} | body
+    with pytest.raises(openai.BadRequestError, match=named):
+        await client.post("/completions", body=fields, cast_to=object)
+    assert engine.metrics is not None
+    (row,) = engine.metrics.snapshot()["generation"]
+    assert (row["steps"], row["waiting"], row["running"]) == (0, 0, 0)  # nothing started
+
+
+@pytest.mark.parametrize(
+    ("body", "named"),
+    [({"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
+     ({"top_logprobs": 2}, "top_logprobs"), ({"logprobs": 1}, '"logprobs"'),
+     ({"echo": True}, "echo")],
+)  # fmt: skip
+async def test_bad_chat_fields_are_refused(served, body, named):
+    client, _, _ = served
+    fields = {"model": "llm", "messages": MESSAGES} | body
+    with pytest.raises(openai.BadRequestError, match=named):
+        await client.post("/chat/completions", body=fields, cast_to=object)
+
+
+async def test_the_native_route_refuses_logprobs_it_has_no_place_to_answer(served):
+    _, url, _ = served
+    body = {"prompt": "hi", "params": {"logprobs": 2}}
+    generate = url.replace("/v1", "/api/generate")
+    async with aiohttp.ClientSession() as http, http.post(generate, json=body) as got:
+        assert got.status == 400
+        assert "/v1/completions" in (await got.json())["message"]
