@@ -16,10 +16,12 @@ from __future__ import annotations
 import array
 import base64
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
 
+from ..batching.request import Result
 from ..engine.core import MAX_INPUTS_PER_CALL, Engine
 from ..errors import BatchserveError, InvalidInput, ModelNotFound
 from ..models.specs import MAX_NAME
@@ -64,19 +66,7 @@ class OpenAIApi:
         except BatchserveError as error:
             return error_response(error, request_id, openai_shape=True)
         tokens = sum(engine.view.count_tokens(r, t) for r, t in zip(results, texts, strict=True))
-        body = {
-            "object": "list",
-            "data": [
-                {
-                    "object": "embedding",
-                    "index": index,
-                    "embedding": _encoded(result.output) if base64_wanted else result.output,
-                }
-                for index, result in enumerate(results)
-            ],
-            "model": model,
-            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
-        }
+        body = embeddings_answer(model, results, tokens, base64_wanted=base64_wanted)
         return json_response(200, body, {"X-Request-Id": request_id})
 
     async def models(self, request: web.Request) -> web.Response:
@@ -107,11 +97,36 @@ class OpenAIApi:
         self, payload: dict[str, Any], request: web.Request
     ) -> tuple[str, list[str], bool]:
         """The model (one that returns vectors), the inputs and whether base64 is wanted."""
-        model, texts, base64_wanted = _embeddings_request(payload)
-        dim = self._engine.view.embedding_dim(model)
-        if payload.get("dimensions") not in (None, dim):
-            raise InvalidInput(f"model {model} returns {dim} dimensions, not others")
-        return model, texts, base64_wanted
+        return embeddings_request(payload, self._engine.view.embedding_dim)
+
+
+def embeddings_answer(
+    model: str, results: list[Result], tokens: int, *, base64_wanted: bool
+) -> dict[str, Any]:
+    """The answer to an embeddings request (a Batch API line's output too)."""
+    return {
+        "object": "list",
+        "data": [
+            {
+                "object": "embedding",
+                "index": index,
+                "embedding": _encoded(result.output) if base64_wanted else result.output,
+            }
+            for index, result in enumerate(results)
+        ],
+        "model": model,
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+    }
+
+
+def embeddings_request(
+    payload: dict[str, Any], embedding_dim: Callable[[str], int]
+) -> tuple[str, list[str], bool]:
+    """`_parse_embeddings` for a Batch API line: the model, the inputs, whether base64."""
+    model, texts, base64_wanted = _embeddings_request(payload)
+    if payload.get("dimensions") not in (None, embedding_dim(model)):
+        raise InvalidInput(f"model {model} returns {embedding_dim(model)} dimensions, not others")
+    return model, texts, base64_wanted
 
 
 def _embeddings_request(payload: dict[str, Any]) -> tuple[str, list[str], bool]:

@@ -20,7 +20,7 @@ mid-stream is a `data: {"error": ...}` chunk, which the official client raises.
 from __future__ import annotations
 
 import time
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 from aiohttp import web
 
@@ -156,6 +156,23 @@ class _Shape:
         if self._chat:
             return self._head | {"object": "chat.completion.chunk"}
         return self._head
+
+
+def read_line(payload: dict[str, Any], *, chat: bool) -> Completion:
+    """A Batch API line's body, read as this door reads one (a line has no headers)."""
+    return _read_completion(payload, cast(web.Request, _NO_HEADERS), chat=chat)
+
+
+def whole_answer(gen: Generation, output: str, *, chat: bool, answer_id: str) -> dict[str, Any]:
+    """The answer this door gives for `gen`, whole: a Batch API line's output."""
+    return _Shape(chat, answer_id, gen.model).whole(gen, output)
+
+
+class _NoHeaders:
+    headers: dict[str, str] = {}  # noqa: RUF012 (read only)
+
+
+_NO_HEADERS = _NoHeaders()
 
 
 def _usage(gen: Generation) -> dict[str, Any]:
