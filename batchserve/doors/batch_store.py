@@ -212,9 +212,9 @@ class SqliteBatches:
         return await self._read(lambda db: _page(db, "files", owner, after, limit), [])
 
     async def delete_file(self, owner: str, file_id: str) -> bool:
-        deleted = await self._run(lambda db: db.execute(
+        deleted = await self._read(lambda db: db.execute(
             "DELETE FROM files WHERE id = ? AND owner = ?", (file_id, owner)
-        ).rowcount)  # fmt: skip
+        ).rowcount, 0)  # fmt: skip
         return bool(deleted)
 
     async def add_batch(

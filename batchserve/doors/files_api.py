@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 import orjson
-from aiohttp import BodyPartReader, web
+from aiohttp import BodyPartReader, MultipartReader, web
 
 from ..batching.request import new_request_id
 from ..config import Config
@@ -141,9 +141,19 @@ class FilesApi:
         """The form's purpose, the file's name and its content, checked."""
         if not request.content_type.startswith("multipart/"):
             raise InvalidInput('upload the file as multipart/form-data with "purpose" and "file"')
-        purpose: str | None = None
-        filename = content = None
-        reader = await request.multipart()
+        try:
+            purpose, filename, content = await self._parts(await request.multipart())
+        except ValueError as exc:  # no boundary, a part's headers broken
+            raise InvalidInput(f"the multipart body does not parse: {str(exc)[:80]}") from None
+        if purpose != "batch":
+            raise InvalidInput('"purpose" must be "batch": this server takes files for batches')
+        if content is None or filename is None:
+            raise InvalidInput('the form needs a "file" part')
+        self._check_lines(content)
+        return purpose, filename, content
+
+    async def _parts(self, reader: MultipartReader) -> tuple[str | None, str | None, bytes | None]:
+        purpose = filename = content = None
         while (part := await reader.next()) is not None:
             if not isinstance(part, BodyPartReader):
                 raise InvalidInput("a nested multipart body is not a file")
@@ -154,11 +164,6 @@ class FilesApi:
                 content = await self._read_file(part)
             else:
                 await part.release()
-        if purpose != "batch":
-            raise InvalidInput('"purpose" must be "batch": this server takes files for batches')
-        if content is None or filename is None:
-            raise InvalidInput('the form needs a "file" part')
-        self._check_lines(content)
         return purpose, filename, content
 
     async def _read_file(self, part: BodyPartReader) -> bytes:
@@ -210,7 +215,8 @@ FILE = {
 }
 _FILE_ID = {"file_id": {"type": "string"}}
 _PAGE = ({"name": "after", "in": "query", "schema": {"type": "string"}},
-         {"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1}})  # fmt: skip
+         {"name": "limit", "in": "query",
+          "schema": {"type": "integer", "minimum": 1, "maximum": MAX_LIST}})  # fmt: skip
 UPLOAD = Operation(
     summary="Upload a JSON Lines file for a batch (multipart: purpose, file)",
     tag="batches",
