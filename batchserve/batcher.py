@@ -32,7 +32,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from .batching.faults import BatchFailure, RetryBudget
-from .batching.idle import IdleLines
+from .batching.idle import IdleCounts, IdleLines
 from .batching.request import QueuedRequest
 from .batching.rescue import LaneView, Rescue, still_waiting
 from .batching.shedding import Shedding
@@ -76,6 +76,8 @@ class BatcherSnapshot:
     batch_sizes: Mapping[int, int]
     batch_fill: Mapping[tuple[str, str, str], int]
     recoveries: Mapping[str, int]
+    idle: IdleCounts
+    """The Batch API's lines: waiting, running, done, and the device time they used."""
 
 
 class Lane:
@@ -205,6 +207,7 @@ class Batcher:
             batch_sizes=dict(self.batch_sizes),
             batch_fill=dict(self.batch_fill),
             recoveries=dict(self.recoveries),
+            idle=self.idle.counts(),
         )
 
     def queued_for(self, version: ModelVersion) -> int:

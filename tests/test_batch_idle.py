@@ -60,5 +60,6 @@ async def test_waiting_lines_take_none_of_the_online_queue_bound(gated):
         assert engine.stats().queued == 1
         gated.gate.set()
         await asyncio.gather(first, online, *lines)
-    counts = engine._batcher.idle.counts()
-    assert (counts.waiting, counts.running, counts.done) == (0, 0, 5)
+        assert engine.metrics is not None
+        counts = engine.metrics.snapshot()["batch_api"]
+    assert (counts["waiting"], counts["running"], counts["done"]) == (0, 0, 5)

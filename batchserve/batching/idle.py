@@ -13,15 +13,14 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from ..errors import BatchserveError
 from ..models.registry import Key, ModelVersion
 from .request import QueuedRequest
 
 
-@dataclass(frozen=True, slots=True)
-class IdleCounts:
+class IdleCounts(NamedTuple):
     """What the metrics read of the idle lines at a scrape."""
 
     waiting: int
