@@ -66,7 +66,7 @@ class FilesApi:
     def __init__(self, store: BatchStore, tenant_of: TenantOf, config: Config) -> None:
         self._store = store
         self._tenant_of = tenant_of
-        self._max_bytes = config.batch_file_bytes
+        self._max_bytes = min(config.batch_file_bytes, config.max_body_bytes)
         self._max_lines = config.batch_file_lines
 
     def mount(self, add: Callable[[str, str, Any, Operation], None]) -> None:
