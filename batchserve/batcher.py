@@ -8,7 +8,9 @@ it would leave now, and among those that would, the lane that has had the least 
 goes first (start-time fair queuing, ties to the earliest deadline), so a cold key never
 waits behind a hot one's backlog. The one task that forms batches wakes only when something
 could change the answer: a request arrives while a device is free, a device frees or fails,
-or a policy's own wake-up time comes.
+or a policy's own wake-up time comes. Below every lane wait the Batch API's lines
+(`batching/idle.py`): a device gets them only when no online lane would send now and no
+online request waits for its versions.
 
 The batcher is the pool's listener (the pool calls it when a batch ends or a device's health
 changes). What runs again after a failed batch is `batching/rescue.py`'s, and the refusal of
@@ -30,6 +32,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from .batching.faults import BatchFailure, RetryBudget
+from .batching.idle import IdleCounts, IdleLines
 from .batching.request import QueuedRequest
 from .batching.rescue import LaneView, Rescue, still_waiting
 from .batching.shedding import Shedding
@@ -41,6 +44,7 @@ from .models.registry import Key, ModelVersion
 from .rules.capacity import DecayedRate
 from .rules.fair_queue import FairQueue
 from .rules.policy import FlushReason, QueueView
+from .rules.tenants import IDLE_RANK
 from .tasks import CrashHandler, TaskSet
 
 
@@ -72,6 +76,8 @@ class BatcherSnapshot:
     batch_sizes: Mapping[int, int]
     batch_fill: Mapping[tuple[str, str, str], int]
     recoveries: Mapping[str, int]
+    idle: IdleCounts
+    """The Batch API's lines: waiting, running, done, and the device time they used."""
 
 
 class Lane:
@@ -128,6 +134,8 @@ class Batcher:
         """Queued requests beyond which it refuses more (503); the engine may change it."""
         self._lanes: dict[Key, Lane] = {}
         self._queued = 0
+        self.idle = IdleLines()
+        """The Batch API's lines: outside the queue bound, sent only to idle devices."""
         self._virtual_time = 0.0
         self._shedding = Shedding() if shed else None
         self._rescue = Rescue(
@@ -199,6 +207,7 @@ class Batcher:
             batch_sizes=dict(self.batch_sizes),
             batch_fill=dict(self.batch_fill),
             recoveries=dict(self.recoveries),
+            idle=self.idle.counts(),
         )
 
     def queued_for(self, version: ModelVersion) -> int:
@@ -216,6 +225,11 @@ class Batcher:
         await self._tasks.aclose()
 
     def submit(self, request: QueuedRequest) -> None:
+        if request.tier_rank == IDLE_RANK:
+            self.idle.push(request)
+            if not self._wakeup.is_set() and self._pool.free_count:
+                self._wakeup.set()
+            return
         if self._queued >= self.max_queue:
             raise Overloaded(
                 f"the queue holds its limit of {self.max_queue} requests",
@@ -247,6 +261,10 @@ class Batcher:
     def discard(self, request: QueuedRequest) -> None:
         """Forgets a request its handler is done with; it may have been answered while queued
         (timeout, disconnect), and then leaves the queue before any batch is formed."""
+        if request.tier_rank == IDLE_RANK:
+            if not request.running:
+                self.idle.discard(request)
+            return
         lane = None if request.running else self._lanes.get(request.key)  # ran: not queued
         if lane is not None and lane.queue.discard(request):
             self._queued -= 1
@@ -265,6 +283,7 @@ class Batcher:
             self._queued -= len(lane.queue)
             del self._lanes[lane.key]
         self._rescue.drop(version)
+        self.idle.fail(error, version)
         self._changed()
 
     # The pool's listener: it tells what happened to a batch or a device.
@@ -272,6 +291,8 @@ class Batcher:
     def batch_done(self, batch: list[QueuedRequest], started: float, finished: float) -> None:
         """`batch`'s call succeeded and its device is free; nobody is answered yet."""
         answered = len(batch)
+        if batch and batch[0].tier_rank == IDLE_RANK:
+            self.idle.ended(answered, finished - started)
         self._completed += answered
         self._drain_rate.add(finished, answered)
         self._wakeup.set()
@@ -281,6 +302,8 @@ class Batcher:
 
     def batch_failed(self, batch: list[QueuedRequest], key: Key, failure: BatchFailure) -> None:
         """Hands a failed batch to its rescue, which plans what runs again."""
+        if batch and batch[0].tier_rank == IDLE_RANK:
+            self.idle.ended(len(batch), None)
         self._rescue.batch_failed(batch, key, failure)
         self._wakeup.set()
         self._changed()
@@ -290,7 +313,7 @@ class Batcher:
         if not self._pool.healthy:
             self.fail_queued(NotReady("no healthy device is left to run this request"))
         waiting = itertools.chain(self._lanes, (key for key, _ in self._rescue.groups()))
-        for version in {key.version for key in waiting}:
+        for version in {key.version for key in waiting} | self.idle.versions():
             if not self._pool.healthy_for(version):
                 self.fail_queued(
                     NotReady(f"no healthy device is left to run {version.spec.label}"), version
@@ -378,10 +401,20 @@ class Batcher:
             if rescue.spare_waiting and (spare := rescue.take_spare(now, self._taker(now))):
                 self._send(*spare)
                 continue
+            if self.idle and (lines := self._idle_batch()) is not None:
+                self._send(*lines, "idle")
+                continue
             alarm = None if wake_at is None else clock.call_at(wake_at, self._wakeup.set)
             await self._wakeup.wait()
             if alarm is not None:
                 alarm.cancel()
+
+    def _idle_batch(self) -> tuple[Key, list[QueuedRequest]] | None:
+        """Batch API lines for a free device that no online request waits for: none of the
+        versions sharing it has a request queued or to be retried."""
+        waiting = itertools.chain(self._lanes, (key for key, _ in self._rescue.groups()))
+        busy = {shared for key in waiting for shared in self._pool.sharing(key.version)}
+        return self.idle.take(busy, self._pool.free_for, lambda key: Lane(key, 0.0).max_batch)
 
     def _taker(self, now: float) -> Callable[[LaneView, int], list[QueuedRequest]]:
         """`_take` at `now`, for a rescue group that takes its lane's requests along."""
@@ -396,6 +429,8 @@ class Batcher:
             model, version = key.version.name, key.version.version
             self.batch_fill[model, version, "batches"] += 1
             self.batch_fill[model, version, "requests"] += len(batch)
+            if batch[0].tier_rank == IDLE_RANK:
+                self.idle.sent(len(batch))
             self._pool.dispatch(batch, self._batches, key, reason)
         self._changed()
 

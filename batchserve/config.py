@@ -353,6 +353,31 @@ class Config:
         help="most bytes the status API holds in memory (unfinished inputs, finished answers);"
         " the oldest finished go first, and a store full of unfinished requests answers 503",
     )
+    # The Batch API (docs/http-api.md, "Batches"): doors/batch_store.py reads these.
+    batch_db: str = setting(
+        "batchserve-batches.db",
+        help="the SQLite file that holds the Batch API's files and batches (created on the"
+        " first upload; a restart resumes what it holds); with --result-store redis://...,"
+        " they live in that Redis instead, so that replicas share them",
+    )
+    batch_file_bytes: int = setting(
+        4 << 20,
+        help="largest file POST /v1/files takes (bytes); larger gets 413. One upload is one"
+        " body, so the body limit (6x --max-input-bytes) caps it too",
+    )
+    batch_file_lines: int = setting(
+        50_000, help="most lines (requests) a batch input file may hold; more gets 413"
+    )
+    batch_lease_s: float = setting(
+        30.0,
+        help="how long a replica holds a batch it runs without renewing its lease; a"
+        " replica that dies holding one loses it after this, and another takes it over",
+    )
+    batch_lines_in_flight: int = setting(
+        64,
+        help="most lines of one batch handed to the engine at once (they wait below every"
+        " online tier for idle devices); the rest wait on disk",
+    )
     batch_timeout_ms: float = setting(
         0.0,
         help="budget for one batch call or generation step; past it the device counts as hung,"
@@ -461,6 +486,10 @@ class Config:
             ),
             (self.result_store_size >= 1, "result_store_size must be 1 or more"),
             (self.result_store_bytes >= 1, "result_store_bytes must be 1 or more"),
+            (self.batch_file_bytes >= 1, "batch_file_bytes must be 1 or more"),
+            (self.batch_file_lines >= 1, "batch_file_lines must be 1 or more"),
+            (self.batch_lease_s > 0, "batch_lease_s must be more than 0"),
+            (self.batch_lines_in_flight >= 1, "batch_lines_in_flight must be 1 or more"),
             (self.batch_timeout_ms >= 0, "batch_timeout_ms must be 0 (derived) or more"),
             (self.retry_budget >= 0, "retry_budget must be 0 or more"),
             (self.retry_reserve >= 0, "retry_reserve must be 0 or more"),

@@ -35,6 +35,7 @@ from .batching.request import Result
 from .config import Config
 from .doors.admin_api import ADMIN_DELETE, ADMIN_PATCH, ADMIN_PUT, AdminApi, authorize
 from .doors.admin_api import ROUTE as ADMIN_ROUTE
+from .doors.batch_api import mount_batches
 from .doors.connections import Connection, ConnectionServer
 from .doors.dashboard import (
     PAGE,
@@ -320,6 +321,7 @@ def create_app(engine: Engine) -> web.Application:
         routes.add("PATCH", ADMIN_ROUTE, admin.patch, ADMIN_PATCH)
         routes.add("DELETE", ADMIN_ROUTE, admin.delete, ADMIN_DELETE)
     app.cleanup_ctx.append(status_api.lifespan)  # after the engine's: it submits at start
+    mount_batches(engine, routes.add, app.cleanup_ctx.append)
     routes.add("POST", "/api/requests", status_api.submit, SUBMIT)
     routes.add("GET", "/api/requests/{request_id}", status_api.poll, POLL)
     if engine.metrics is not None:

@@ -16,10 +16,12 @@ from __future__ import annotations
 import array
 import base64
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
 
+from ..batching.request import Result
 from ..engine.core import MAX_INPUTS_PER_CALL, Engine
 from ..errors import BatchserveError, InvalidInput, ModelNotFound
 from ..models.specs import MAX_NAME
@@ -65,19 +67,7 @@ class OpenAIApi:
         except BatchserveError as error:
             return error_response(error, request_id, openai_shape=True)
         tokens = sum(engine.view.count_tokens(r, t) for r, t in zip(results, texts, strict=True))
-        body = {
-            "object": "list",
-            "data": [
-                {
-                    "object": "embedding",
-                    "index": index,
-                    "embedding": _encoded(vector) if base64_wanted else vector,
-                }
-                for index, vector in enumerate(cut(r.output, size, True) for r in results)
-            ],
-            "model": model,
-            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
-        }
+        body = embeddings_answer(model, results, tokens, base64_wanted=base64_wanted, size=size)
         return json_response(200, body, {"X-Request-Id": request_id})
 
     async def models(self, request: web.Request) -> web.Response:
@@ -109,10 +99,45 @@ class OpenAIApi:
     ) -> tuple[str, list[str], bool, int | None]:
         """The model (one that returns vectors), the inputs, whether base64 is wanted, and
         the Matryoshka size to cut the vectors to (None: as they are)."""
-        model, texts, base64_wanted = _embeddings_request(payload)
-        self._engine.view.embedding_dim(model)
-        size = dimensions_of(payload, lambda: self._engine.view.dimensions(model))
-        return model, texts, base64_wanted, size
+        view = self._engine.view
+        return embeddings_request(payload, view.embedding_dim, view.dimensions)
+
+
+def embeddings_answer(
+    model: str,
+    results: list[Result],
+    tokens: int,
+    *,
+    base64_wanted: bool,
+    size: int | None,
+) -> dict[str, Any]:
+    """The answer to an embeddings request (a Batch API line's output too)."""
+    return {
+        "object": "list",
+        "data": [
+            {
+                "object": "embedding",
+                "index": index,
+                "embedding": _encoded(vector) if base64_wanted else vector,
+            }
+            for index, vector in enumerate(cut(r.output, size, True) for r in results)
+        ],
+        "model": model,
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+    }
+
+
+def embeddings_request(
+    payload: dict[str, Any],
+    embedding_dim: Callable[[str], int],
+    dimensions: Callable[[str], frozenset[int]],
+) -> tuple[str, list[str], bool, int | None]:
+    """An embeddings body read (online or a Batch API line): the model, the inputs, whether
+    base64 is wanted, and the Matryoshka size (None: as they are)."""
+    model, texts, base64_wanted = _embeddings_request(payload)
+    embedding_dim(model)
+    size = dimensions_of(payload, lambda: dimensions(model))
+    return model, texts, base64_wanted, size
 
 
 def _embeddings_request(payload: dict[str, Any]) -> tuple[str, list[str], bool]:

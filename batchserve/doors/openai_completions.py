@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 from aiohttp import web
 
@@ -227,6 +227,25 @@ class _Shape:
         if self._chat:
             return self._head | {"object": "chat.completion.chunk"}
         return self._head
+
+
+def read_line(payload: dict[str, Any], *, chat: bool) -> Completion:
+    """A Batch API line's body, read as this door reads one (a line has no headers)."""
+    return _read_completion(payload, cast(web.Request, _NO_HEADERS), chat=chat)
+
+
+def whole_answer(
+    gen: Generation, output: str, *, chat: bool, answer_id: str, choices: Choices
+) -> dict[str, Any]:
+    """The answer this door gives for `gen`, whole: a Batch API line's output (one choice)."""
+    return _Shape(chat, answer_id, gen.model, choices, include_usage=False).whole([gen], [output])
+
+
+class _NoHeaders:
+    headers: dict[str, str] = {}  # noqa: RUF012 (read only)
+
+
+_NO_HEADERS = _NoHeaders()
 
 
 def _usage(gens: list[Generation]) -> dict[str, Any]:

@@ -258,6 +258,7 @@ class _StateCollector(TextCollector):
             "slo_s": self._slo_s,
             "desired_replicas": desired_replicas(batcher.arrival_rps, batcher.capacity_rps),
             "batch_sizes": {str(size): n for size, n in sorted(batcher.batch_sizes.items())},
+            "batch_api": batcher.idle._asdict(),
             "models": [
                 {
                     "label": version.spec.label,
@@ -303,6 +304,7 @@ class _StateCollector(TextCollector):
             desired_replicas(batcher.arrival_rps, batcher.capacity_rps),
         ]
         out.gauges(_STATE_GAUGES, [math.nan if v is None else v for v in values])
+        out.gauges(_BATCH_API_GAUGES, list(batcher.idle))
         busy_ratio, busy_seconds, healthy, state = self._device_writers
         out.family(busy_ratio, [((d.name,), d.busy_ratio) for d in devices])
         out.family(busy_seconds, [((d.name,), d.busy_seconds) for d in devices])
@@ -340,6 +342,18 @@ _STATE_GAUGES = Gauges(
     ]
 )
 """Shared by every collector: a template holds no state of a scrape."""
+_BATCH_API_GAUGES = Gauges(
+    [
+        ("batchserve_batch_lines_waiting", "Batch API lines waiting for an idle device."),
+        ("batchserve_batch_lines_running", "Batch API lines inside a batch call."),
+        ("batchserve_batch_lines_done", "Batch API lines answered by a device since start."),
+        (
+            "batchserve_batch_device_seconds",
+            "Device seconds the Batch API's calls took since start: its rate over the devices"
+            " is the share of device time batches used.",
+        ),
+    ]
+)
 _BATCH_BOUNDS = (*map(str, BATCH_BUCKETS), "+Inf")
 
 

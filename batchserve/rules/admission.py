@@ -84,7 +84,7 @@ class Admission:
         or none, at its tier's rate for the live capacity; or refuses the whole request: 413
         for more than the tier's burst (no wait would let it in), else 429 with when to
         retry and the rate now."""
-        if tenant is None or self._keys is None:
+        if tenant is None or self._keys is None or tenant.idle:  # idle: capacity left over
             return
         burst = self._keys.limits[tenant.tier].burst
         if count > burst:

@@ -7,8 +7,9 @@ it: lower tiers are delayed, never starved. Inside the chosen tier the tenants t
 deficit round robin: each turn adds the tenant's weight (1 unless its key says otherwise) to
 its credit, and it sends one request per whole unit of credit, so a tenant with 10,000 queued
 requests cannot push another tenant's request out of the next batch. Without API keys every
-request belongs to one tenant and this is plain first-in, first-out. Pure: nothing here
-reads a clock.
+request belongs to one tenant and this is plain first-in, first-out. The Batch API's lines
+wait in IDLE_RANK, below every tier and never aged: they are taken only when no online
+request waits here. Pure: nothing here reads a clock.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from collections import deque
 from collections.abc import Iterator
 from typing import Generic, Protocol, TypeVar
 
-from .tenants import TIER_RANKS
+from .tenants import IDLE_RANK
 
 
 class Waiting(Protocol):
@@ -50,8 +51,10 @@ class FairQueue(Generic[Request]):
         # tenants' requests (or a request and an embedding's part) may share one.
         self._by_arrival: dict[Request, None] = {}
         self._tenants: dict[Turn, dict[Request, None]] = {}
-        self._turns: list[deque[Turn]] = [deque() for _ in range(len(TIER_RANKS))]
+        self._turns: list[deque[Turn]] = [deque() for _ in range(IDLE_RANK + 1)]
         """Per tier rank, the tenants with requests waiting, in round-robin order."""
+        self.idle = 0
+        """Batch API lines waiting here (IDLE_RANK)."""
         self._weight: dict[Turn, float] = {}
         self._credit: dict[Turn, float] = {}
         self.weight = 0.0
@@ -78,6 +81,7 @@ class FairQueue(Generic[Request]):
             self._credit[turn] = 0.0
             self._turns[request.tier_rank].append(turn)
         waiting[request] = None
+        self.idle += request.tier_rank == IDLE_RANK
 
     def discard(self, request: Request) -> bool:
         """Removes a queued request; False if it was not here (taken, or never queued)."""
@@ -93,6 +97,7 @@ class FairQueue(Generic[Request]):
         self._weight.clear()
         self._credit.clear()
         self.weight = 0.0
+        self.idle = 0
         for turns in self._turns:
             turns.clear()
 
@@ -119,6 +124,7 @@ class FairQueue(Generic[Request]):
             waiting = self._tenants[tenant]
             request = next(iter(waiting))
             del waiting[request], self._by_arrival[request]
+            self.idle -= request.tier_rank == IDLE_RANK
             batch.append(request)
             self._credit[tenant] -= 1
             if not waiting:
@@ -136,6 +142,8 @@ class FairQueue(Generic[Request]):
         by_arrival = self._by_arrival
         for request in batch:
             del waiting[request], by_arrival[request]
+        if tenant[1] == IDLE_RANK:
+            self.idle -= len(batch)
         if waiting:
             self._credit[tenant] = 0.0
         else:
@@ -145,14 +153,16 @@ class FairQueue(Generic[Request]):
 
     def _next_tier(self) -> deque[Turn] | None:
         best: tuple[float, deque[Turn]] | None = None
-        for rank, turns in enumerate(self._turns):
+        for rank, turns in enumerate(self._turns[:IDLE_RANK]):
             if not turns:
                 continue
             oldest = min(next(iter(self._tenants[t])).arrival for t in turns)
             priority_time = oldest + rank * self.aging_s
             if best is None or priority_time < best[0]:
                 best = (priority_time, turns)
-        return None if best is None else best[1]
+        if best is None:  # nothing online waits: the idle lines' turn
+            return self._turns[IDLE_RANK] or None
+        return best[1]
 
     def ahead_of(self, tenant: str, tier_rank: int, weight: float = 1.0) -> int:
         """How many queued requests a new one from `tenant` would wait behind: every higher
@@ -165,6 +175,7 @@ class FairQueue(Generic[Request]):
         )
 
     def _forget(self, request: Request) -> None:
+        self.idle -= request.tier_rank == IDLE_RANK
         turn = request.tenant, request.tier_rank
         waiting = self._tenants[turn]
         del waiting[request]

@@ -35,6 +35,9 @@ TIERS = ("free", "paid", "enterprise")
 TIER_RANKS = {tier: rank for rank, tier in enumerate(reversed(TIERS))}
 """Each tier's place in the batch order (rules/fair_queue.py): lower goes first, so
 enterprise is 0. Requests without a tier rank with enterprise (the server is open)."""
+IDLE_RANK = len(TIERS)
+"""The Batch API's lines (doors/batch_runner.py): below every tier, and never aged into one;
+they take only what online requests leave idle (rules/fair_queue.py, batching/idle.py)."""
 ROLES = ("tenant", "operator")
 
 
@@ -81,11 +84,13 @@ class Tenant:
     ids_of: str | None = None
     """Whose request ids these are where not this tenant's alone: the caller behind a
     tenant the gateway shares between fairness ids (gateway.py)."""
+    idle: bool = False
+    """Runs a Batch API line for this tenant: in IDLE_RANK, spending none of its rate."""
 
     @property
     def rank(self) -> int:
-        """Its tier's place in the batch order: see TIER_RANKS."""
-        return TIER_RANKS[self.tier]
+        """Its tier's place in the batch order: see TIER_RANKS (IDLE_RANK for a batch line)."""
+        return IDLE_RANK if self.idle else TIER_RANKS[self.tier]
 
     @property
     def id_scope(self) -> str:

@@ -1,0 +1,97 @@
+"""The Batch API's lines waiting in the batcher: a tier below every online one.
+
+A line (a request of IDLE_RANK: `rules/tenants.py`) waits here, apart from the online lanes,
+so that it neither counts against the queue bound nor shapes an online batch. The batcher
+asks for an idle batch only once no online lane would send now (`Batcher._run`), and `take`
+gives one only for a version none of whose devices an online request waits for: a line
+never rides in an online batch, and online work arriving finds at most the one batch call
+in hand on a device ahead of it (a device runs one call at a time). What ran is counted for
+the metrics: lines waiting, running, done, and the device seconds they used.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Collection
+from typing import NamedTuple
+
+from ..errors import BatchserveError
+from ..models.registry import Key, ModelVersion
+from .request import QueuedRequest
+
+
+class IdleCounts(NamedTuple):
+    """What the metrics read of the idle lines at a scrape."""
+
+    waiting: int
+    running: int
+    done: int
+    device_s: float
+    """Device seconds the lines' batch calls took, in all."""
+
+
+class IdleLines:
+    def __init__(self) -> None:
+        self._waiting: dict[Key, dict[QueuedRequest, None]] = {}
+        self.running = 0
+        self.done = 0
+        self.device_s = 0.0
+
+    def __len__(self) -> int:
+        return sum(len(waiting) for waiting in self._waiting.values())
+
+    def __repr__(self) -> str:
+        return f"<IdleLines waiting={len(self)} running={self.running} done={self.done}>"
+
+    def counts(self) -> IdleCounts:
+        return IdleCounts(len(self), self.running, self.done, self.device_s)
+
+    def versions(self) -> set[ModelVersion]:
+        return {key.version for key in self._waiting}
+
+    def push(self, request: QueuedRequest) -> None:
+        self._waiting.setdefault(request.key, {})[request] = None
+
+    def discard(self, request: QueuedRequest) -> None:
+        waiting = self._waiting.get(request.key)
+        if waiting is not None and request in waiting:
+            del waiting[request]
+            if not waiting:
+                del self._waiting[request.key]
+
+    def take(
+        self,
+        busy_online: Collection[ModelVersion],
+        free_for: Callable[[ModelVersion], int],
+        max_batch: Callable[[Key], int],
+    ) -> tuple[Key, list[QueuedRequest]] | None:
+        """The oldest lines of a key whose version has a free device and shares none with
+        an online request waiting (`busy_online`); None if no key may run now."""
+        for key, waiting in self._waiting.items():
+            if key.version in busy_online or not free_for(key.version):
+                continue
+            batch = list(itertools.islice(waiting, max_batch(key)))
+            for request in batch:
+                del waiting[request]
+            if not waiting:
+                del self._waiting[key]
+            return key, batch
+        return None
+
+    def fail(self, error: BatchserveError, version: ModelVersion | None = None) -> None:
+        """Answers every waiting line (of `version`, if given) with `error`."""
+        for key in [k for k in self._waiting if version in (None, k.version)]:
+            for request in self._waiting.pop(key):
+                if not request.future.done():
+                    request.future.set_exception(error)
+
+    def sent(self, count: int) -> None:
+        self.running += count
+
+    def ended(self, count: int, device_s: float | None) -> None:
+        """A call of `count` lines ended: ran for `device_s`, or failed (None; its rescue
+        may send them again)."""
+        self.running -= count
+        if device_s is not None:
+            self.done += count
+            self.device_s += device_s

@@ -1,0 +1,274 @@
+"""OpenAI's Files and Batch API over HTTP, in process: the shapes, the caps, tenants kept
+apart, validation, cancelling, and the unmodified openai client's flow."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+from typing import Any
+
+import openai
+import orjson
+import pytest
+from aiohttp import FormData
+from aiohttp.test_utils import TestClient
+
+from batchserve import Config, Engine
+from batchserve.models.backends import simulate
+from batchserve.models.specs import ModelSpec
+from batchserve.rules.tenants import Tenant
+from batchserve.server import create_app
+
+from . import tiny_llama
+from .conftest import HANG_GUARD_S, TWO_TENANT_KEYS, BatchserveTestServer
+
+IDLE = Tenant("batch-owner", "free", idle=True)
+ALICE = {"Authorization": "Bearer sk-alice"}
+BOB = {"Authorization": "Bearer sk-bob"}
+
+
+def jsonl(*lines: dict[str, Any]) -> bytes:
+    return b"\n".join(orjson.dumps(line) for line in lines) + b"\n"
+
+
+def line(n: int, url: str = "/api/inference", **body: Any) -> dict[str, Any]:
+    return {"custom_id": f"r{n}", "method": "POST", "url": url,
+            "body": body or {"input": f"in-{n}"}}  # fmt: skip
+
+
+async def upload(client: TestClient, content: bytes, headers: dict[str, str] | None = None) -> Any:
+    form = FormData()
+    form.add_field("purpose", "batch")
+    form.add_field("file", content, filename="in.jsonl")
+    answer = await client.post("/v1/files", data=form, headers=headers)
+    return answer.status, await answer.json()
+
+
+async def create(
+    client: TestClient, file_id: str, url: str = "/api/inference", headers: Any = None
+) -> Any:
+    body = {"input_file_id": file_id, "endpoint": url, "completion_window": "24h"}
+    answer = await client.post("/v1/batches", json=body, headers=headers)
+    return answer.status, await answer.json()
+
+
+async def ended(client: TestClient, batch_id: str, headers: Any = None) -> dict[str, Any]:
+    """The batch once it has ended: polled, each poll a round trip through the server."""
+    async with asyncio.timeout(HANG_GUARD_S):
+        while True:
+            batch = await (await client.get(f"/v1/batches/{batch_id}", headers=headers)).json()
+            if batch["status"] in ("completed", "failed", "expired", "cancelled"):
+                return batch  # type: ignore[no-any-return]
+
+
+async def lines_of(client: TestClient, file_id: str, headers: Any = None) -> list[Any]:
+    answer = await client.get(f"/v1/files/{file_id}/content", headers=headers)
+    assert answer.status == 200
+    return [orjson.loads(raw) for raw in (await answer.read()).splitlines()]
+
+
+@pytest.fixture
+async def served(start_server, gated, tmp_path):
+    gated.gate.set()
+    client, _ = await start_server(gated, batch_db=str(tmp_path / "b.db"))
+    return client
+
+
+async def test_a_batch_runs_every_line_once_and_a_failing_line_goes_to_the_error_file(served):
+    content = jsonl(*(line(n) for n in range(5)), line(5, input="x", params={"nope": 1}))
+    status, file = await upload(served, content)
+    assert status == 200
+    assert file | {"id": "", "created_at": 0} == {
+        "id": "", "object": "file", "bytes": len(content), "created_at": 0,
+        "filename": "in.jsonl", "purpose": "batch", "status": "processed",
+        "expires_at": None, "status_details": None,
+    }  # fmt: skip
+    status, batch = await create(served, file["id"])
+    assert (status, batch["status"], batch["request_counts"]["total"]) == (200, "validating", 6)
+    batch = await ended(served, batch["id"])
+    assert batch["status"] == "completed"
+    assert batch["request_counts"] == {"total": 6, "completed": 5, "failed": 1}
+    assert all(batch[stamp] for stamp in ("in_progress_at", "finalizing_at", "completed_at"))
+    outputs = await lines_of(served, batch["output_file_id"])
+    assert [(o["custom_id"], o["response"]["body"]["output"]) for o in outputs] == [
+        (f"r{n}", simulate(f"in-{n}")) for n in range(5)
+    ]
+    (error,) = await lines_of(served, batch["error_file_id"])
+    assert error["custom_id"] == "r5"
+    assert error["response"]["status_code"] == 400
+    assert error["response"]["body"]["error"]["code"] == "INVALID_INPUT"
+    listed = await (await served.get("/v1/files")).json()
+    assert {f["purpose"] for f in listed["data"]} == {"batch", "batch_output"}
+    assert len(listed["data"]) == 3
+    assert listed["has_more"] is False
+
+
+@pytest.mark.parametrize(
+    ("lines", "code", "param"),
+    [
+        ([line(0), line(0)], "duplicate_custom_id", "custom_id"),
+        ([line(0), line(1, url="/v1/embeddings")], "url_mismatch", "url"),
+        ([line(0, input="a", model="a"), line(1, input="b", model="b")], "model_mismatch",
+         "body.model"),
+    ],
+)  # fmt: skip
+async def test_lines_that_make_no_batch_fail_it_with_openais_validation_errors(
+    served, lines, code, param
+):
+    _, file = await upload(served, jsonl(*lines))
+    status, batch = await create(served, file["id"])
+    assert (status, batch["status"]) == (200, "failed")
+    assert batch["errors"]["data"][0]["code"] == code
+    assert batch["errors"]["data"][0]["param"] == param
+    assert batch["errors"]["data"][0]["line"] == 2
+    assert batch["failed_at"]
+    assert batch["output_file_id"] is None
+
+
+async def test_bad_uploads_and_bodies_get_openais_error_shape(served, tmp_path):
+    assert (await upload(served, b"not json\n"))[0] == 400
+    assert (await upload(served, b"\n"))[0] == 400
+    _, file = await upload(served, jsonl(line(0)))
+    status, body = await create(served, file["id"], url="/v1/images")
+    assert status == 400
+    assert set(body["error"]) >= {"message", "type", "code"}
+    assert (await create(served, "file-unknown"))[0] == 404
+    answer = await served.post(f"/v1/batches/{'batch_unknown'}/cancel")
+    assert answer.status == 404
+    assert (await served.get("/v1/files?limit=0")).status == 400
+
+
+async def test_a_file_over_either_cap_is_413(start_server, gated, tmp_path):
+    client, _ = await start_server(
+        gated, batch_db=str(tmp_path / "b.db"), batch_file_bytes=200, batch_file_lines=2
+    )
+    assert (await upload(client, jsonl(line(0), line(1), line(2))))[0] == 413
+    assert (await upload(client, jsonl(*(line(n, input="x" * 50) for n in range(2)))))[0] == 413
+    assert (await upload(client, jsonl(line(0), line(1))))[0] == 200
+
+
+async def test_a_tenant_sees_and_uses_only_its_own_files_and_batches(start_server, gated, tmp_path):
+    gated.gate.set()
+    keys = tmp_path / "keys.toml"
+    keys.write_text(TWO_TENANT_KEYS)
+    client, _ = await start_server(gated, keys_file=str(keys), batch_db=str(tmp_path / "b.db"))
+    _, file = await upload(client, jsonl(line(0)), ALICE)
+    assert (await client.get(f"/v1/files/{file['id']}", headers=BOB)).status == 404
+    assert (await client.get(f"/v1/files/{file['id']}/content", headers=BOB)).status == 404
+    assert (await client.delete(f"/v1/files/{file['id']}", headers=BOB)).status == 404
+    assert (await (await client.get("/v1/files", headers=BOB)).json())["data"] == []
+    assert (await create(client, file["id"], headers=BOB))[0] == 404
+    _, batch = await create(client, file["id"], headers=ALICE)
+    assert (await client.get(f"/v1/batches/{batch['id']}", headers=BOB)).status == 404
+    assert (await client.post(f"/v1/batches/{batch['id']}/cancel", headers=BOB)).status == 404
+    assert (await ended(client, batch["id"], ALICE))["request_counts"]["completed"] == 1
+    assert (await client.get("/v1/files")).status == 401
+
+
+async def test_deleting_the_input_file_loses_nothing_of_its_batch(start_server, gated, tmp_path):
+    client, _ = await start_server(gated, batch_db=str(tmp_path / "b.db"))
+    _, file = await upload(client, jsonl(*(line(n) for n in range(3))))
+    _, batch = await create(client, file["id"])
+    deleted = await (await client.delete(f"/v1/files/{file['id']}")).json()
+    assert deleted == {"id": file["id"], "object": "file", "deleted": True}
+    assert (await client.get(f"/v1/files/{file['id']}")).status == 404
+    gated.gate.set()
+    assert (await ended(client, batch["id"]))["request_counts"]["completed"] == 3
+
+
+async def test_a_cancelled_batch_keeps_what_ran_and_cannot_be_cancelled_once_ended(
+    start_server, gated, tmp_path
+):
+    client, _engine = await start_server(gated, batch_db=str(tmp_path / "b.db"),
+                                        batch_lines_in_flight=1)  # fmt: skip
+    _, file = await upload(client, jsonl(*(line(n) for n in range(4))))
+    _, batch = await create(client, file["id"])
+    await gated.entered("sim:0")  # the first line is on the device; the rest wait
+    cancelling = await (await client.post(f"/v1/batches/{batch['id']}/cancel")).json()
+    assert cancelling["status"] == "cancelling"
+    assert cancelling["cancelling_at"]
+    gated.gate.set()
+    batch = await ended(client, batch["id"])
+    assert batch["status"] == "cancelled"
+    assert batch["cancelled_at"]
+    assert batch["request_counts"]["completed"] < 4
+    answer = await client.post(f"/v1/batches/{batch['id']}/cancel")
+    assert answer.status == 200  # cancelled: as it is
+    listed = await (await client.get("/v1/batches?limit=1")).json()
+    assert listed["data"][0]["id"] == batch["id"]
+
+
+async def test_batches_list_newest_first_by_pages(served):
+    _, file = await upload(served, jsonl(line(0)))
+    ids = [(await create(served, file["id"]))[1]["id"] for _ in range(3)]
+    first = await (await served.get("/v1/batches?limit=2")).json()
+    assert [b["id"] for b in first["data"]] == ids[:0:-1]
+    assert first["has_more"]
+    rest = await (await served.get(f"/v1/batches?limit=2&after={first['last_id']}")).json()
+    assert [b["id"] for b in rest["data"]] == ids[:1]
+    assert not rest["has_more"]
+
+
+def openai_for(client: TestClient) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key="unused", max_retries=0)
+
+
+async def client_flow(ai: openai.AsyncOpenAI, content: bytes, endpoint: Any) -> Any:
+    file = await ai.files.create(file=("in.jsonl", io.BytesIO(content)), purpose="batch")
+    batch = await ai.batches.create(
+        input_file_id=file.id, endpoint=endpoint, completion_window="24h", metadata={"k": "v"}
+    )
+    async with asyncio.timeout(HANG_GUARD_S):
+        while batch.status not in ("completed", "failed", "expired", "cancelled"):
+            batch = await ai.batches.retrieve(batch.id)
+    assert batch.metadata == {"k": "v"}
+    assert batch.output_file_id is not None
+    text = (await ai.files.content(batch.output_file_id)).text
+    return batch, [orjson.loads(raw) for raw in text.splitlines()]
+
+
+async def test_the_openai_client_runs_a_batch_and_cancels_one(start_server, gated, tmp_path):
+    gated.gate.set()
+    client, _ = await start_server(gated, batch_db=str(tmp_path / "b.db"))
+    async with openai_for(client) as ai:
+        content = jsonl(*(line(n) for n in range(4)))
+        batch, outputs = await client_flow(ai, content, "/api/inference")
+        assert batch.request_counts.completed == 4
+        assert [o["custom_id"] for o in outputs] == ["r0", "r1", "r2", "r3"]
+        listed = await ai.batches.list(limit=5)
+        assert listed.data[0].id == batch.id
+        with pytest.raises(openai.ConflictError):
+            await ai.batches.cancel(batch.id)
+        with pytest.raises(openai.NotFoundError):
+            await ai.files.retrieve("file-none")
+
+
+async def test_the_openai_client_runs_a_chat_batch_on_the_tiny_llama(
+    aiohttp_client, tok, tiny, tmp_path
+):
+    pytest.importorskip("transformers")
+    from batchserve.models.causal_lm import CausalLM
+
+    spec = ModelSpec(
+        name="llm", version="1", devices="cpu",
+        generator=lambda device: CausalLM(tiny, tok, "cpu", kv_cache_bytes=2**20),
+    )  # fmt: skip
+    config = Config(batch_db=str(tmp_path / "b.db"), timeout_ms=600_000.0)
+    engine = Engine(config, models=[spec])
+    client = await aiohttp_client(BatchserveTestServer(create_app(engine)))
+    body = {"model": "llm", "max_tokens": 4, "temperature": 0}
+    prompts = [tiny_llama.CORPUS[n] for n in range(3)]
+    chats = [{"custom_id": f"c{n}", "method": "POST", "url": "/v1/chat/completions",
+              "body": body | {"messages": [{"role": "user", "content": p}]}}
+             for n, p in enumerate(prompts)]  # fmt: skip
+    async with openai_for(client) as ai:
+        batch, outputs = await client_flow(ai, jsonl(*chats), "/v1/chat/completions")
+        assert batch.request_counts.completed == 3
+        for chat, output in zip(chats, outputs, strict=True):
+            online = await ai.chat.completions.create(**chat["body"])
+            answer = output["response"]["body"]
+            assert output["custom_id"] == chat["custom_id"]
+            assert answer["object"] == "chat.completion"
+            assert answer["choices"][0]["message"] == online.choices[0].message.model_dump(
+                include={"role", "content"}
+            )

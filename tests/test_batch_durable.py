@@ -1,0 +1,99 @@
+"""The Batch API survives its replica: `kill -9` mid-batch and a restart on the same SQLite
+file, or the death of the replica that holds a batch while another shares its Redis. Either
+way every line is answered exactly once in the output."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+
+from batchserve.models.backends import simulate
+
+from .conftest import HANG_GUARD_S, real_server
+from .test_batch_api import jsonl, line
+from .test_nginx import free_ports
+from .test_result_store import redis_client, redis_server
+
+LINES = 200
+SLOW = ("--devices", "sim:1", "--sim-latency-ms", "5", "--batch-lines-in-flight", "4",
+        "--batch-lease-s", "1")  # fmt: skip
+"""One device at 5 ms a call, four lines at a time: a batch of LINES takes a while, and a
+lease lost with its holder is taken over within a second."""
+
+
+async def start_batch(session: aiohttp.ClientSession, url: str) -> str:
+    form = aiohttp.FormData()
+    form.add_field("purpose", "batch")
+    form.add_field("file", jsonl(*(line(n) for n in range(LINES))), filename="in.jsonl")
+    async with session.post(f"{url}/v1/files", data=form) as answer:
+        file = await answer.json()
+    body = {"input_file_id": file["id"], "endpoint": "/api/inference", "completion_window": "24h"}
+    async with session.post(f"{url}/v1/batches", json=body) as answer:
+        return str((await answer.json())["id"])
+
+
+async def batch_of(session: aiohttp.ClientSession, url: str, batch_id: str) -> dict[str, Any]:
+    async with session.get(f"{url}/v1/batches/{batch_id}") as answer:
+        return await answer.json()  # type: ignore[no-any-return]
+
+
+async def part_done(session: aiohttp.ClientSession, url: str, batch_id: str) -> None:
+    """Returns once some lines, not all, are done: the moment to kill its holder."""
+    async with asyncio.timeout(HANG_GUARD_S):
+        while (await batch_of(session, url, batch_id))["request_counts"]["completed"] < 8:
+            pass
+    assert (await batch_of(session, url, batch_id))["status"] == "in_progress"
+
+
+async def each_line_once(session: aiohttp.ClientSession, url: str, batch_id: str) -> None:
+    async with asyncio.timeout(HANG_GUARD_S):
+        while (batch := await batch_of(session, url, batch_id))["status"] != "completed":
+            pass  # each poll is a round trip to the server
+    assert batch["request_counts"] == {"total": LINES, "completed": LINES, "failed": 0}
+    async with session.get(f"{url}/v1/files/{batch['output_file_id']}/content") as answer:
+        outputs = [orjson.loads(raw) for raw in (await answer.read()).splitlines()]
+    assert sorted(o["custom_id"] for o in outputs) == sorted(f"r{n}" for n in range(LINES))
+    for output in outputs:
+        n = int(output["custom_id"][1:])
+        assert output["response"]["body"]["output"] == simulate(f"in-{n}")
+
+
+async def test_a_batch_killed_mid_run_resumes_on_restart_each_line_once(tmp_path: Path) -> None:
+    flags = ("--batch-db", str(tmp_path / "batches.db"), *SLOW)
+    async with real_server(*flags) as server, aiohttp.ClientSession() as session:
+        batch_id = await start_batch(session, server.url)
+        await part_done(session, server.url, batch_id)
+        server.process.send_signal(signal.SIGKILL)
+        await server.process.wait()
+    async with real_server(*flags) as server, aiohttp.ClientSession() as session:
+        await each_line_once(session, server.url, batch_id)
+
+
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed")
+async def test_a_replica_takes_over_the_batch_of_one_that_died(tmp_path: Path) -> None:
+    (redis_port,) = free_ports(1)
+    store = ("--result-store", f"redis://127.0.0.1:{redis_port}/0", *SLOW)
+    with redis_server(redis_port, tmp_path):
+        async with (
+            real_server(*store) as first,
+            real_server(*store) as second,
+            aiohttp.ClientSession() as session,
+            redis_client(redis_port) as redis,
+        ):
+            batch_id = await start_batch(session, first.url)
+            await part_done(session, first.url, batch_id)
+            holder = (await redis.get(f"batchserve:batches:lease:{batch_id}")).decode()
+            pid = int(holder.split(":")[1])
+            dying, living = (first, second) if pid == first.process.pid else (second, first)
+            assert pid == dying.process.pid
+            os.kill(pid, signal.SIGKILL)
+            await dying.process.wait()
+            await each_line_once(session, living.url, batch_id)
