@@ -20,15 +20,17 @@ mid-stream is a `data: {"error": ...}` chunk, which the official client raises.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Any, NamedTuple
 
 from aiohttp import web
 
 from ..config import Config
-from ..engine.core import Engine
+from ..engine.requests import Prompt
 from ..errors import BatchserveError, InvalidInput
 from ..generation.request import Generation
 from ..rules.sampling_params import SCHEMAS
+from .face import Generating, Reception
 from .generate_api import SSE, STOP, max_tokens_schema
 from .generation_answer import Events, answer_generation, data_event
 from .openai_fields import check_fields, neutral_schemas, sampling_params
@@ -40,21 +42,17 @@ class Completion(NamedTuple):
     """A completions or chat body, read: what the engine needs, and how to answer."""
 
     model: str
-    prompt: str
+    prompt: Prompt
     """The prompt; for a chat, its messages in the generator's template once read."""
     messages: list[dict[str, str]] | None
-    max_tokens: int | None
-    stop: str | list[str] | None
-    params: dict[str, Any]
     stream: bool
     include_usage: bool
-    timeout_ms: float | None
-    cache_salt: str | None
 
 
 class OpenAICompletionsApi:
-    def __init__(self, engine: Engine) -> None:
-        self._engine = engine
+    def __init__(self, reception: Reception, generation: Generating) -> None:
+        self._reception = reception
+        self._generation = generation
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._complete(request, chat=False)
@@ -63,9 +61,8 @@ class OpenAICompletionsApi:
         return await self._complete(request, chat=True)
 
     async def _complete(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
-        engine = self._engine
-        arrival = engine.clock.time()
         route = "chat_completions" if chat else "completions"
+        generation = self._generation
 
         def parse(payload: dict[str, Any], request: web.Request) -> Completion:
             """The body, a chat's messages made one prompt here, so that a refusal of
@@ -73,27 +70,16 @@ class OpenAICompletionsApi:
             body = _read_completion(payload, request, chat=chat)
             if body.messages is None:
                 return body
-            return body._replace(prompt=engine.generation.chat_prompt(body.model, body.messages))
+            text = generation.chat_prompt(body.model, body.messages)
+            return body._replace(prompt=replace(body.prompt, text=text))
 
         like = CHAT_LIKE if chat else COMPLETION_LIKE
-        call = await read_call(request, engine, route, arrival, parse, like=like, openai_shape=True)
+        call = await read_call(request, self._reception, route, parse, like=like, openai_shape=True)
         if isinstance(call, web.Response):
             return call
         body = call.body
         shape = _Shape(chat, f"{'chatcmpl' if chat else 'cmpl'}-{call.request_id}", body.model)
-        generating = engine.generate(
-            body.prompt,
-            model=body.model,
-            max_tokens=body.max_tokens,
-            stop=body.stop,
-            params=body.params,
-            timeout_ms=body.timeout_ms,
-            request_id=call.request_id,
-            tenant=call.tenant,
-            arrival=arrival,
-            route=route,
-            cache_salt=body.cache_salt,
-        )
+        generating = generation.generate(body.prompt, call.caller)
         events = Events(
             piece=shape.piece,
             ending=lambda gen: shape.ending(gen, body.include_usage),
@@ -188,18 +174,16 @@ def _read_completion(payload: dict[str, Any], request: web.Request, *, chat: boo
     options = payload.get("stream_options") or {}
     if not isinstance(stream, bool) or not isinstance(options, dict):
         raise InvalidInput('"stream" must be true or false, "stream_options" an object')
-    return Completion(
-        model,
+    asked = Prompt(
         prompt,
-        messages,
-        max_tokens,
-        payload.get("stop"),
-        sampling_params(payload),
-        stream,
-        options.get("include_usage") is True,
-        timeout_ms_of(None, request),
-        cache_salt_of(payload),
+        model=model,
+        max_tokens=max_tokens,
+        stop=payload.get("stop"),
+        params=sampling_params(payload),
+        timeout_ms=timeout_ms_of(None, request),
+        cache_salt=cache_salt_of(payload),
     )
+    return Completion(model, asked, messages, stream, options.get("include_usage") is True)
 
 
 def _prompt(given: object) -> str:
