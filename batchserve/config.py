@@ -97,14 +97,14 @@ class Config:
     models: str | None = setting(
         None,
         help="TOML file of [[model]] entries (name, version, fn or fn_per_device, devices,"
-        " weight, cost, ...; see README) to serve several models and versions at once; without"
-        " it --fn/--fn-per-device/--devices define one model named default",
+        " weight, cost, ...; see docs/models.md) to serve several models and versions at"
+        " once; without it --fn/--fn-per-device/--devices define one model named default",
     )
     generator: str | None = setting(
         None,
         help="serve a generation model instead of a batch function: sim (the simulated one,"
         " on sim:N devices) or a factory package.module:attr called once per device that"
-        " returns a generator (kv_budget_tokens, step, release; see README), e.g."
+        " returns a generator (kv_budget_tokens, step, release; see docs/generation.md), e.g."
         " batchserve.models.tiny_gpt:load. Requests: POST /api/generate, /v1/completions,"
         " /v1/chat/completions",
     )

@@ -153,5 +153,5 @@ async def no_route(request: web.Request) -> web.Response:
             f"{request.method} is not allowed on {path}; use {', '.join(methods)}", methods
         )
     else:
-        error = NotFound(f"no route {path}; see README for the API")
+        error = NotFound(f"no route {path}; GET /openapi.json lists the routes")
     return error_response(error, request_id_of(request)[0])
