@@ -16,8 +16,9 @@ The batcher is the pool's listener (the pool calls it when a batch ends or a dev
 changes). What runs again after a failed batch is `batching/rescue.py`'s, and the refusal of
 requests predicted to be late is `batching/shedding.py`'s: the batcher owns one of each.
 
-Batcher has about 26 methods: its public face (submit, discard, fail_queued, the pool's
-three callbacks, stats and capacity queries for the engine and metrics) plus the loop's.
+Batcher has 27 methods, over the house's 25: its public face (submit, discard, fail_queued,
+the pool's three callbacks, stats and capacity queries for the engine and metrics) plus the
+loop's.
 The module is over ~400 lines for that class, its lanes and the stats records it publishes;
 rescue and shedding are already in batching/.
 """

@@ -19,7 +19,7 @@ from typing import NamedTuple
 from aiohttp import web
 
 from . import preload
-from .config import Config
+from .config import FLAG_GROUPS, Config
 from .doors.uds import UnixSocketPath
 from .engine.core import Engine
 from .errors import StartupError
@@ -113,6 +113,13 @@ def build_parser(prog: str = "batchserve") -> argparse.ArgumentParser:
         epilog="Every flag also reads from the environment: --max-queue from"
         " BATCHSERVE_MAX_QUEUE, and so on. A flag given on the command line wins.",
     )
+    groups = {
+        name: parser.add_argument_group(name, description)
+        for name, (description, _) in FLAG_GROUPS.items()
+    }
+    group_of = {
+        field: groups[name] for name, (_, fields) in FLAG_GROUPS.items() for field in fields
+    }
     for flag, kind, field in _FLAGS:
         default = field.default
         env = f"BATCHSERVE_{field.name.upper()}"
@@ -120,7 +127,7 @@ def build_parser(prog: str = "batchserve") -> argparse.ArgumentParser:
         if kind is _octal:
             shown = f"{default:o}"
         values = "on or off; " if kind is _on_off else ""
-        parser.add_argument(
+        group_of.get(field.name, parser).add_argument(
             f"--{flag}",
             type=kind,
             default=os.environ.get(env, default),
@@ -128,13 +135,13 @@ def build_parser(prog: str = "batchserve") -> argparse.ArgumentParser:
             metavar="{on,off}" if kind is _on_off else "A,B" if kind is _cost_pair else None,
             help=f"{field.metadata['help']} ({values}default: {shown}; env {env})",
         )
-    parser.add_argument(
+    groups["metrics"].add_argument(
         "--log-level",
         default=os.environ.get("BATCHSERVE_LOG_LEVEL", "INFO"),
         choices=LOG_LEVELS,
         help="logging verbosity (default: INFO; env BATCHSERVE_LOG_LEVEL)",
     )
-    parser.add_argument(
+    groups["server"].add_argument(
         "--config",
         default=os.environ.get("BATCHSERVE_CONFIG"),
         help="a TOML file of settings named as these flags (max-batch-size = 32); the"

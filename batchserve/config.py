@@ -97,14 +97,14 @@ class Config:
     models: str | None = setting(
         None,
         help="TOML file of [[model]] entries (name, version, fn or fn_per_device, devices,"
-        " weight, cost, ...; see README) to serve several models and versions at once; without"
-        " it --fn/--fn-per-device/--devices define one model named default",
+        " weight, cost, ...; see docs/models.md) to serve several models and versions at"
+        " once; without it --fn/--fn-per-device/--devices define one model named default",
     )
     generator: str | None = setting(
         None,
         help="serve a generation model instead of a batch function: sim (the simulated one,"
         " on sim:N devices) or a factory package.module:attr called once per device that"
-        " returns a generator (kv_budget_tokens, step, release; see README), e.g."
+        " returns a generator (kv_budget_tokens, step, release; see docs/generation.md), e.g."
         " batchserve.models.tiny_gpt:load. Requests: POST /api/generate, /v1/completions,"
         " /v1/chat/completions",
     )
@@ -577,6 +577,45 @@ class Config:
     def max_body_bytes(self) -> int:
         """JSON escaping can make one input byte six body bytes (\\u0000); leave room for it."""
         return self.max_input_bytes * 6 + 4096
+
+
+FLAG_GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "server": ("where it listens and what it serves", (
+        "host", "port", "tcp", "uds", "uds_mode", "devices", "fn", "fn_per_device", "models",
+        "max_input_bytes", "max_unfinished_body_bytes", "max_unfinished_body_bytes_per_address",
+    )),
+    "batching": ("how requests are batched, and a failed batch rescued", (
+        "policy", "max_batch_size", "max_linger_ms", "max_queue", "batch_timeout_ms",
+        "bisect_failures", "retry_budget", "retry_reserve", "poison_memory",
+        "retrieval_max_inputs",
+    )),
+    "deadlines": ("a request's and a connection's time limits", (
+        "timeout_ms", "first_token_timeout_ms", "drain_timeout_s", "header_timeout_s",
+        "body_timeout_s", "body_deadline_s", "body_min_rate", "body_rate_grace_s",
+        "keepalive_timeout_s", "write_timeout_s",
+    )),
+    "keys": ("API keys, tenants and the admin key", (
+        "keys_file", "admin_key", "anonymous_tier", "trust_gateway_headers",
+    )),
+    "metrics": ("metrics, logs and traces", (
+        "metrics", "public_metrics", "metrics_max_age_ms", "slo_ms", "access_log", "trace",
+    )),
+    "generation": ("generation models and the CPU they run on", (
+        "generator", "generate_mode", "max_tokens", "max_tokens_cap", "model_path",
+        "weights_cache", "dtype", "cpu_threads", "preload", "kv_cache_bytes", "prefix_caching",
+        "prefix_cache_shared", "step_tokens",
+    )),
+    "store": ("the status API's results, the Batch API's files and batches", (
+        "result_ttl_s", "result_store", "result_store_size", "result_store_bytes", "batch_db",
+        "batch_file_bytes", "batch_file_lines", "batch_lease_s", "batch_lines_in_flight",
+    )),
+    "simulator": ("the simulated backends (sim:N devices)", (
+        "sim_latency_ms", "sim_cost", "sim_fail_rate", "sim_hang_rate", "sim_bad_output_rate",
+        "sim_hang_ms", "sim_seed", "sim_step_ms", "sim_kv_budget",
+    )),
+}  # fmt: skip
+"""--help's argument groups: each group's description and its flags' Config fields. A new
+field joins one here (tests/test_flags.py checks that each flag is in exactly one)."""
 
 
 def _finite(value: object) -> bool:

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 import pytest
 from aiohttp.test_utils import TestClient
 
+from batchserve.batching.request import Ask
 from batchserve.config import Config
 from batchserve.engine.core import Engine
 from batchserve.server import create_app
@@ -129,7 +130,7 @@ async def test_delete_finishes_what_is_queued_then_unloads(served):
     assert (await client.put(ROUTE, json=A2, headers=AUTH)).status == 202
     await engine.versions.settled()
     queued = [
-        asyncio.ensure_future(engine.infer(f"q{n}", model="a", version="2")) for n in range(50)
+        asyncio.ensure_future(engine.infer(Ask(f"q{n}", model="a", version="2"))) for n in range(50)
     ]
     await asyncio.sleep(0)  # they are queued before the delete
     removed = await client.delete(ROUTE, headers=AUTH)

@@ -18,6 +18,7 @@ import pytest
 
 from batchserve.config import Config
 from batchserve.engine.core import Engine
+from batchserve.engine.requests import Prompt
 from batchserve.models.generators import GeneratorSettings, Made, Seq
 from batchserve.models.specs import ModelSpec
 from batchserve.server import create_app
@@ -111,7 +112,7 @@ async def test_greedy_outputs_equal_generate_alone_with_joins_and_chunked_prefil
     async def one(index: int) -> list[int]:
         await log.reach(2 * index)  # the k-th arrives after 2k steps: it joins a running batch
         params = {"ignore_eos": True}
-        async with engine.generate(prompts[index], max_tokens=24, params=params) as gen:
+        async with engine.generate(Prompt(prompts[index], max_tokens=24, params=params)) as gen:
             await gen.result()
             return list(gen.seq.token_ids)
 
@@ -132,10 +133,10 @@ async def test_running_streams_make_a_token_every_step_while_a_long_prompt_prefi
     log = StepLog()
     engine = engine_for(lambda device: SteppingLM(tiny, tok, log.record), step_tokens=5)
     long_prompt = " ".join(tiny_llama.CORPUS) * 2
-    ask = {"max_tokens": 60, "params": {"ignore_eos": True}}
-    async with engine, engine.generate("the cat", **ask) as a:  # type: ignore[arg-type]
+    asked = Prompt("the cat", max_tokens=60, params={"ignore_eos": True})
+    async with engine, engine.generate(asked) as a:
         await log.reach(2)  # "the cat" is decoding
-        async with engine.generate(long_prompt, max_tokens=2) as b:
+        async with engine.generate(Prompt(long_prompt, max_tokens=2)) as b:
             await b.result()
             ids_b = b.request_id
         await a.result()
@@ -152,7 +153,7 @@ async def test_streamed_pieces_are_whole_characters_that_add_up_to_the_decode(to
         lambda device: CausalLM(taught, tok, device, kv_cache_bytes=KV_BYTES), step_tokens=3
     )
     async with engine:
-        async with engine.generate(tiny_llama.TEACHER_PROMPT, max_tokens=80) as gen:
+        async with engine.generate(Prompt(tiny_llama.TEACHER_PROMPT, max_tokens=80)) as gen:
             pieces = [piece async for piece in gen.pieces()]
             ids = list(gen.seq.token_ids)
         assert "".join(pieces) == tok.decode(ids, skip_special_tokens=True)
@@ -168,10 +169,10 @@ async def test_streamed_pieces_are_whole_characters_that_add_up_to_the_decode(to
             if tok.decode(ids[:n]) == tiny_llama.SENTENCE[:inside] + "\ufffd"
         )
         whole = tiny_llama.SENTENCE[:inside]
-        async with engine.generate(tiny_llama.TEACHER_PROMPT, max_tokens=cut) as gen:
+        async with engine.generate(Prompt(tiny_llama.TEACHER_PROMPT, max_tokens=cut)) as gen:
             assert await gen.result() == whole
             assert gen.summary()["tokens"] == cut
-        async with engine.generate(tiny_llama.TEACHER_PROMPT, max_tokens=cut) as gen:
+        async with engine.generate(Prompt(tiny_llama.TEACHER_PROMPT, max_tokens=cut)) as gen:
             assert "".join([piece async for piece in gen.pieces()]) == whole
             assert gen.summary()["tokens"] == cut
 
@@ -200,7 +201,7 @@ async def test_a_seeded_sample_is_the_same_alone_and_among_other_sequences(tok, 
     params = {"temperature": 0.9, "top_p": 0.95, "top_k": 50, "seed": 7, "ignore_eos": True}
 
     async def text(prompt: str, asks: dict[str, Any]) -> list[int]:
-        async with engine.generate(prompt, max_tokens=16, params=asks) as gen:
+        async with engine.generate(Prompt(prompt, max_tokens=16, params=asks)) as gen:
             await gen.result()
             return list(gen.seq.token_ids)
 
@@ -221,15 +222,19 @@ async def test_min_tokens_and_ignore_eos_hold_the_end_back(tok):
     engine = engine_for(lambda device: CausalLM(taught, tok, device, kv_cache_bytes=KV_BYTES))
     length = len(tok.encode(tiny_llama.SENTENCE))
     async with engine:
-        async with engine.generate(tiny_llama.TEACHER_PROMPT, max_tokens=80) as gen:
+        async with engine.generate(Prompt(tiny_llama.TEACHER_PROMPT, max_tokens=80)) as gen:
             await gen.result()
         assert gen.summary()["finish_reason"] == "stop"
         params = {"min_tokens": length + 5}
-        async with engine.generate(tiny_llama.TEACHER_PROMPT, max_tokens=80, params=params) as gen:
+        async with engine.generate(
+            Prompt(tiny_llama.TEACHER_PROMPT, max_tokens=80, params=params)
+        ) as gen:
             await gen.result()
         assert len(gen.seq.token_ids) >= length + 5
         params = {"ignore_eos": True}
-        async with engine.generate(tiny_llama.TEACHER_PROMPT, max_tokens=70, params=params) as gen:
+        async with engine.generate(
+            Prompt(tiny_llama.TEACHER_PROMPT, max_tokens=70, params=params)
+        ) as gen:
             await gen.result()
         assert gen.summary()["finish_reason"] == "length"
 
@@ -311,7 +316,7 @@ async def test_smollm2_through_the_server_equals_generate_and_writes_whole_chara
 
         async def run(prompt: str, max_tokens: int) -> tuple[list[str], list[int]]:
             params = {"ignore_eos": True}
-            async with engine.generate(prompt, max_tokens=max_tokens, params=params) as gen:
+            async with engine.generate(Prompt(prompt, max_tokens=max_tokens, params=params)) as gen:
                 return [p async for p in gen.pieces()], list(gen.seq.token_ids)
 
         results = await asyncio.gather(*(run(p, 12) for p in prompts), run(chat, 24))
@@ -334,7 +339,7 @@ async def test_greedy_outputs_on_cuda_equal_generate_there(tok, tiny):
     prompts = [" ".join(tiny_llama.CORPUS[i % 3].split()[: 2 + 3 * i]) for i in range(4)]
 
     async def one(text: str) -> list[int]:
-        async with engine.generate(text, max_tokens=16, params={"ignore_eos": True}) as gen:
+        async with engine.generate(Prompt(text, max_tokens=16, params={"ignore_eos": True})) as gen:
             await gen.result()
             return list(gen.seq.token_ids)
 

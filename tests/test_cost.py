@@ -11,6 +11,7 @@ from batchserve.cli import config_from_args
 from batchserve.clock import FakeClock
 from batchserve.config import Config
 from batchserve.engine.core import Engine
+from batchserve.engine.requests import Caller
 from batchserve.models.specs import ModelSpec
 from batchserve.rules.capacity import CallTime, LengthCost
 from batchserve.rules.policy import AdaptivePolicy, Decision, QueueView
@@ -90,8 +91,8 @@ async def test_a_tenant_alone_in_a_length_bucket_gets_a_tenants_share_not_the_bu
     async with Engine(Config(), models=[model], clock=FakeClock()) as engine:
         first = engine.submit("first")
         await gated.entered("sim:0")
-        flood = [engine.submit(f"L{n:020d}", tenant=a) for n in range(40)]
-        short = [engine.submit(f"{t.name}{n}", tenant=t) for n in range(20) for t in (b, c)]
+        flood = [engine.submit(f"L{n:020d}", Caller(tenant=a)) for n in range(40)]
+        short = [engine.submit(f"{t.name}{n}", Caller(tenant=t)) for n in range(20) for t in (b, c)]
         gated.gate.set()
         await asyncio.gather(first, *flood, *short)
     kinds = ["L" if inputs[0][0] == "L" else "S" for _, inputs in gated.calls[1:]]

@@ -19,6 +19,7 @@ import pytest
 from batchserve import Ask, Config, Engine
 from batchserve.batching.request import IDS_PER_DRAW, new_request_id
 from batchserve.clock import FakeClock
+from batchserve.engine.requests import Caller
 from batchserve.errors import DeadlineExceeded, NotReady, RateLimited
 from batchserve.models.backends import simulate
 from batchserve.observability.window import WINDOW_S
@@ -78,7 +79,7 @@ async def test_admit_and_settle_run_a_request_as_infer_does(gated):
         left, expiry = engine.admit("inference", Ask("left"), "id-2", None, None)
         engine.settle("inference", left, expiry, None, None)  # its waiter left unanswered
         assert engine.stats().pending == 0
-        assert (await engine.infer("again", request_id="id-2")).output == simulate("again")
+        assert (await engine.infer("again", Caller(request_id="id-2"))).output == simulate("again")
         assert engine.metrics is not None
         assert engine.metrics.snapshot()["throughput_rps"] == 2 / WINDOW_S  # not "left"
 
@@ -88,8 +89,8 @@ async def test_a_deadline_passes_at_its_exact_virtual_time_and_never_reaches_a_d
     async with running(gated, clock, timeout_ms=30) as engine:
         held = asyncio.ensure_future(engine.infer("held"))
         await reach(engine, lambda s: s.in_flight == 1)
-        late = asyncio.ensure_future(engine.infer("late", timeout_ms=20))
-        capped = asyncio.ensure_future(engine.infer("capped", timeout_ms=60_000))
+        late = asyncio.ensure_future(engine.infer(Ask("late", timeout_ms=20)))
+        capped = asyncio.ensure_future(engine.infer(Ask("capped", timeout_ms=60_000)))
         await reach(engine, lambda s: s.queued == 2)
         clock.advance(0.0199)
         await asyncio.sleep(0)
@@ -158,12 +159,12 @@ async def test_a_tenant_bucket_refills_on_the_engine_clock(gated, tmp_path):
     tenant = Tenant("t", "free")
     async with running(gated, clock, keys_file=str(keys)) as engine:
         assert engine.authenticate("Bearer k") == tenant
-        assert (await engine.infer("x", tenant=tenant)).output == "x"
+        assert (await engine.infer("x", Caller(tenant=tenant))).output == "x"
         with pytest.raises(RateLimited) as limited:
-            await engine.infer("y", tenant=tenant)
+            await engine.infer("y", Caller(tenant=tenant))
         assert limited.value.retry_after_s == pytest.approx(1.0)
         clock.advance(1.0)
-        assert (await engine.infer("z", tenant=tenant)).output == "z"
+        assert (await engine.infer("z", Caller(tenant=tenant))).output == "z"
 
 
 async def test_a_ticket_goes_queued_running_completed(gated):

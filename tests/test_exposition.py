@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from batchserve.clock import FakeClock
 from batchserve.config import Config
 from batchserve.engine.core import Engine
+from batchserve.engine.requests import Prompt
 from batchserve.observability.exposition import Gauges, Scrape, TextCollector, TextExposition
 from batchserve.observability.loop_metrics import LoopCounters, LoopHistograms
 
@@ -75,7 +76,7 @@ async def test_a_generation_server_renders_as_generate_latest_does_as_it_changes
         exposition = TextExposition(registry)
         assert exposition.render() == generate_latest(registry)
         for n in range(3):
-            async with engine.generate(f"prompt {n}", max_tokens=4) as gen:
+            async with engine.generate(Prompt(f"prompt {n}", max_tokens=4)) as gen:
                 await gen.result()
             text = exposition.render()
             assert text == generate_latest(registry)

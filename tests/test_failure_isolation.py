@@ -21,6 +21,7 @@ from batchserve.clock import FakeClock
 from batchserve.config import Config
 from batchserve.devices.loading import WARM_UP_INPUT
 from batchserve.engine.core import Engine
+from batchserve.engine.requests import Caller
 from batchserve.errors import BackendError
 from batchserve.models.backends import POISON_MARKER, simulate
 from batchserve.rules.tenants import Tenant
@@ -639,7 +640,7 @@ async def test_one_tenants_poison_fails_no_other_request_and_no_answer_names_ano
             (f"v{n}", victim) if n % 5 < 3 else (f"a{n}" + (POISON_MARKER * (n % 5 == 4)), attacker)
             for n in range(250)  # arriving faster than the 100 rps measured below
         ]
-        tickets = [engine.submit(text, tenant=tenant) for text, tenant in sent]
+        tickets = [engine.submit(text, Caller(tenant=tenant)) for text, tenant in sent]
         outcomes = await asyncio.gather(*tickets, return_exceptions=True)
     texts = [text for text, _ in sent]
     for (text, _), outcome in zip(sent, outcomes, strict=True):

@@ -8,7 +8,7 @@ import re
 import pytest
 
 from batchserve.cli import _cost_pair, _octal, _on_off, build_parser, config_flags, config_from_args
-from batchserve.config import Config, setting
+from batchserve.config import FLAG_GROUPS, Config, setting
 from batchserve.errors import StartupError
 
 FLAG = re.compile(r"--[a-z][a-z0-9-]*[a-z0-9]")
@@ -96,3 +96,15 @@ def test_metrics_max_age_parses_and_its_help_says_what_may_be_old(help_text: str
     assert "0 renders everything at every scrape (default: 500.0;" in text
     with pytest.raises(StartupError, match="metrics_max_age_ms must be 0 or more"):
         Config(metrics_max_age_ms=-1.0)
+
+
+def test_every_flag_is_in_one_help_group_and_help_shows_the_groups(help_text: str):
+    """--help reads in groups (config.FLAG_GROUPS): a new field must join exactly one."""
+    grouped = [field for _, fields in FLAG_GROUPS.values() for field in fields]
+    flags = [flag.field.name for flag in config_flags()]
+    assert sorted(grouped) == sorted(flags), set(grouped) ^ set(flags)
+    titles = re.findall(r"^([a-z]+):$", help_text, re.M)
+    assert titles == ["options", *FLAG_GROUPS]
+    for name, (_, fields) in FLAG_GROUPS.items():
+        section = help_text.split(f"\n{name}:\n", 1)[1].split(":\n\n", 1)[0]
+        assert f"--{fields[0].replace('_', '-')} " in section

@@ -15,6 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from batchserve.clock import FakeClock
 from batchserve.config import Config
 from batchserve.engine.core import Engine
+from batchserve.engine.requests import Prompt
 from batchserve.models.generators import Seq, SimulatedGenerator
 from batchserve.models.specs import ModelSpec
 from batchserve.rules.gateway import BUCKETS, FAIRNESS_ID, OBJECTIVE, SLO_TTFT_MS
@@ -117,7 +118,7 @@ async def test_generation_utilization_is_the_kv_budget_in_use():
             prompts = [f"{n:02d}" + "abcdefghij" * 2 for n in range(12)]  # 22 tokens each
 
             async def generated(prompt: str) -> str:
-                async with engine.generate(prompt, max_tokens=8) as gen:
+                async with engine.generate(Prompt(prompt, max_tokens=8)) as gen:
                     return await gen.result()
 
             asked = [asyncio.ensure_future(generated(p)) for p in prompts]

@@ -17,9 +17,11 @@ import openai
 import orjson
 import pytest
 
+from batchserve.batching.request import Ask
 from batchserve.clock import FakeClock
 from batchserve.config import Config
 from batchserve.engine.core import Engine
+from batchserve.engine.requests import Caller, Prompt
 from batchserve.errors import (
     BackendError,
     DeadlineExceeded,
@@ -130,8 +132,11 @@ def engine_with(factory: object, devices: str = "sim:1", **settings: object) -> 
     return Engine(config, models=[spec])
 
 
-async def generate(engine: Engine, prompt: str, **asks: object) -> tuple[str, dict[str, object]]:
-    async with engine.generate(prompt, **asks) as gen:  # type: ignore[arg-type]
+async def generate(
+    engine: Engine, prompt: str, request_id: str | None = None, **asks: object
+) -> tuple[str, dict[str, object]]:
+    asked = Prompt(prompt, **asks)  # type: ignore[arg-type]
+    async with engine.generate(asked, Caller(request_id=request_id)) as gen:
         return await gen.result(), gen.summary()
 
 
@@ -425,10 +430,10 @@ async def test_requests_for_the_wrong_kind_of_model_say_where_to_go():
         ModelSpec(name="writer", version="1", generator="sim", devices="sim:1"),
     ]
     async with Engine(config, models=specs) as engine:
-        assert (await engine.infer("abc", model="reverse")).output == "cba"
+        assert (await engine.infer(Ask("abc", model="reverse"))).output == "cba"
         assert (await generate(engine, "abc", model="writer"))[0] == "cba"
         with pytest.raises(InvalidInput, match="generates text"):
-            await engine.infer("abc", model="writer")
+            await engine.infer(Ask("abc", model="writer"))
         with pytest.raises(InvalidInput, match="runs batches"):
             await generate(engine, "abc", model="reverse")
         with pytest.raises(ModelNotFound, match="no generation model"):

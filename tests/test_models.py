@@ -18,9 +18,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from batchserve.batching.request import Ask
 from batchserve.clock import FakeClock
 from batchserve.config import Config
 from batchserve.engine.core import Engine
+from batchserve.engine.requests import Caller
 from batchserve.errors import InvalidInput, ModelNotFound, StartupError
 from batchserve.models.registry import Registry, Routes, VersionState, Wording
 from batchserve.models.specs import ModelSpec, load_models_file
@@ -116,17 +118,17 @@ def test_a_repeated_version_an_empty_file_and_bad_toml_are_refused(tmp_path):
 
 async def test_requests_route_by_model_and_version_and_answers_name_them():
     async with Engine(Config(sim_latency_ms=0), models=specs()) as engine:
-        pinned = await engine.infer("x", model="a", version="2")
+        pinned = await engine.infer(Ask("x", model="a", version="2"))
         assert (pinned.output, pinned.model, pinned.version) == ("a@2||x", "a", "2")
-        assert (await engine.infer("y", model="b")).output == "b@1||y"
+        assert (await engine.infer(Ask("y", model="b"))).output == "b@1||y"
         with pytest.raises(InvalidInput, match='name a "model": this server runs a, b'):
             await engine.infer("z")
         with pytest.raises(ModelNotFound, match="no model 'c'; this server runs a, b"):
-            await engine.infer("z", model="c")
+            await engine.infer(Ask("z", model="c"))
         with pytest.raises(ModelNotFound, match="model a has no version '9'; it has 1, 2"):
-            await engine.infer("z", model="a", version="9")
+            await engine.infer(Ask("z", model="a", version="9"))
         with pytest.raises(InvalidInput, match='name a "model"'):
-            await engine.infer("z", version="1")  # a version alone needs one model name
+            await engine.infer(Ask("z", version="1"))  # a version alone needs one model name
 
 
 @dataclasses.dataclass
@@ -159,8 +161,12 @@ def test_one_routing_table_serves_batch_and_generation_models_alike():
 async def test_unpinned_requests_share_a_name_by_weight_and_the_same_id_lands_the_same():
     async with Engine(Config(sim_latency_ms=0), models=specs()) as engine:
         ids = [f"request-{n}" for n in range(400)]
-        first = await asyncio.gather(*(engine.infer("x", model="a", request_id=i) for i in ids))
-        again = await asyncio.gather(*(engine.infer("x", model="a", request_id=i) for i in ids))
+        first = await asyncio.gather(
+            *(engine.infer(Ask("x", model="a"), Caller(request_id=i)) for i in ids)
+        )
+        again = await asyncio.gather(
+            *(engine.infer(Ask("x", model="a"), Caller(request_id=i)) for i in ids)
+        )
     assert [r.version for r in first] == [r.version for r in again]
     shares = Counter(r.version for r in first)
     assert 0.65 < shares["1"] / len(ids) < 0.85  # weight 3 of 4; crc32 of fixed ids
@@ -173,13 +179,17 @@ async def test_params_reach_a_function_that_takes_them_and_are_refused_by_one_th
         ModelSpec(name="shout", version="1", fn=sample_models.shout, devices="sim:1"),
     ]
     async with Engine(Config(sim_latency_ms=0), models=models) as engine:
-        assert (await engine.infer("ab", model="scaled", params={"factor": 3})).output == "ababab"
-        assert (await engine.infer("ab", model="scaled", params={})).output == "ab"
-        assert (await engine.infer("ab", model="shout", params={})).output == "AB"  # {} is none
+        assert (
+            await engine.infer(Ask("ab", model="scaled", params={"factor": 3}))
+        ).output == "ababab"
+        assert (await engine.infer(Ask("ab", model="scaled", params={}))).output == "ab"
+        assert (
+            await engine.infer(Ask("ab", model="shout", params={}))
+        ).output == "AB"  # {} is none
         with pytest.raises(InvalidInput, match="takes no param 'size'; it takes factor"):
-            await engine.infer("ab", model="scaled", params={"size": 3})
+            await engine.infer(Ask("ab", model="scaled", params={"size": 3}))
         with pytest.raises(InvalidInput, match="model shout@1 takes no params"):
-            await engine.infer("ab", model="shout", params={"factor": 3})
+            await engine.infer(Ask("ab", model="shout", params={"factor": 3}))
 
 
 async def test_requests_with_different_params_never_share_a_call(gated: GatedBackend):
@@ -195,7 +205,7 @@ async def test_requests_with_different_params_never_share_a_call(gated: GatedBac
     async with Engine(Config(), models=[model]) as engine:
         first = engine.submit("first")
         await gated.entered("sim:0")  # holds the one device; the rest queue behind it
-        waiting = [engine.submit(f"in{i}", params={"n": i % 3}) for i in range(9)]
+        waiting = [engine.submit(Ask(f"in{i}", params={"n": i % 3})) for i in range(9)]
         gated.gate.set()
         results = [await ticket for ticket in waiting]
         await first
@@ -208,10 +218,10 @@ async def test_a_cold_model_does_not_wait_behind_a_hot_models_backlog(gated: Gat
     hot = ModelSpec(name="hot", version="1", fn_per_device=gated, devices="sim:1")
     cold = ModelSpec(name="cold", version="1", fn_per_device=gated, devices="sim:1")
     async with Engine(Config(), models=[hot, cold]) as engine:
-        first = engine.submit("first", model="hot")
+        first = engine.submit(Ask("first", model="hot"))
         await gated.entered("sim:0")  # the shared device is busy; a backlog builds behind it
-        backlog = [engine.submit(f"h{n}", model="hot") for n in range(250)]
-        late = engine.submit("late", model="cold")
+        backlog = [engine.submit(Ask(f"h{n}", model="hot")) for n in range(250)]
+        late = engine.submit(Ask("late", model="cold"))
         gated.gate.set()
         await asyncio.gather(first, late, *backlog)
     sizes = [len(inputs) for _, inputs in gated.calls]
@@ -232,16 +242,16 @@ async def test_a_model_with_few_requests_spaces_its_batches_over_its_share_of_de
         for name in ("hot", "cold")
     ]  # fmt: skip
     async with Engine(Config(), models=models, clock=clock) as engine:
-        measure = [engine.submit("h", model="hot"), engine.submit("c", model="cold")]
+        measure = [engine.submit(Ask("h", model="hot")), engine.submit(Ask("c", model="cold"))]
         await reach(engine, lambda s: s.in_flight == 2)
         clock.advance(0.100)
         gated.gate.set()
         await asyncio.gather(*measure)
         gated.gate.clear()
-        hot = [engine.submit(f"h{n}", model="hot") for n in range(100)]  # a full batch
-        first = engine.submit("c1", model="cold")
+        hot = [engine.submit(Ask(f"h{n}", model="hot")) for n in range(100)]  # a full batch
+        first = engine.submit(Ask("c1", model="cold"))
         await reach(engine, lambda s: s.in_flight == 101 and s.free_devices == 1)
-        held = engine.submit("c2", model="cold")
+        held = engine.submit(Ask("c2", model="cold"))
         await reach(engine, lambda s: s.queued == 1)
         clock.advance(0.089)  # one device free: alone, cold would have sent at 30 ms
         await asyncio.sleep(0)
@@ -366,7 +376,7 @@ def test_a_batch_call_never_mixes_models_versions_or_params(requests, seed):
         async def one(n: int, model: str, version: str | None, params: Any, yields: int):
             for _ in range(yields):
                 await asyncio.sleep(0)  # arrivals interleave with the batcher's passes
-            result = await engine.infer(f"r{n}", model=model, version=version, params=params)
+            result = await engine.infer(Ask(f"r{n}", model=model, version=version, params=params))
             shown = orjson.dumps(params, option=orjson.OPT_SORT_KEYS).decode() if params else ""
             assert result.output == f"{model}@{result.version}|{shown}|r{n}"
             assert version in (None, result.version)

@@ -19,7 +19,8 @@ from aiohttp.test_utils import TestClient
 from tritonclient.utils import InferenceServerException
 
 from batchserve.config import Config
-from batchserve.engine.core import MAX_INPUTS_PER_CALL, Engine
+from batchserve.engine.core import Engine
+from batchserve.engine.requests import MAX_INPUTS_PER_CALL
 from batchserve.models.backends import simulate
 from batchserve.models.specs import ModelSpec
 from batchserve.server import create_app

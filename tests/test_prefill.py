@@ -16,6 +16,7 @@ import pytest
 from batchserve.clock import FakeClock
 from batchserve.config import Config
 from batchserve.engine.core import Engine
+from batchserve.engine.requests import Caller, Prompt
 from batchserve.errors import DeadlineExceeded, Overloaded
 from batchserve.models.generators import Made, Seq, sim_token
 from batchserve.models.specs import ModelSpec
@@ -81,8 +82,15 @@ def chunked_engine(generator: ChunkedGenerator, **settings: object) -> Engine:
     return Engine(Config(step_tokens=STEP_TOKENS, **settings), models=[spec])  # type: ignore[arg-type]
 
 
-async def run_to_end(engine: Engine, prompt: str, request_id: str, **asks: object) -> str:
-    async with engine.generate(prompt, request_id=request_id, **asks) as gen:  # type: ignore[arg-type]
+async def run_to_end(
+    engine: Engine,
+    prompt: str,
+    request_id: str,
+    max_tokens: int | None = None,
+    tenant: Tenant | None = None,
+) -> str:
+    asked = Prompt(prompt, max_tokens=max_tokens)
+    async with engine.generate(asked, Caller(request_id=request_id, tenant=tenant)) as gen:
         return await gen.result()
 
 
@@ -191,7 +199,7 @@ def timed_engine(generator: TimedGenerator, clock: FakeClock, **settings: object
 
 
 async def refused_at_entry(engine: Engine, prompt: str, request_id: str) -> None:
-    async with engine.generate(prompt, request_id=request_id):
+    async with engine.generate(prompt, Caller(request_id=request_id)):
         pytest.fail("it was admitted")
 
 
@@ -236,7 +244,9 @@ async def test_a_burst_of_chats_waits_past_the_batch_deadline_within_the_generat
         driver = asyncio.ensure_future(drive(generator, clock))
 
         async def chat(n: int) -> float:
-            async with engine.generate("c" * 250, request_id=f"c{n}", max_tokens=2) as gen:
+            async with engine.generate(
+                Prompt("c" * 250, max_tokens=2), Caller(request_id=f"c{n}")
+            ) as gen:
                 assert gen.deadline - gen.arrival == 60.0  # --first-token-timeout-ms
                 await gen.result()
                 first = gen.first_token_at
@@ -255,7 +265,7 @@ async def test_a_clients_timeout_is_capped_by_the_first_token_default_not_the_ba
     settings = {"timeout_ms": 1000, "first_token_timeout_ms": 3000}
     async with chunked_engine(generator, **settings) as engine:
         for asked, given in ((None, 3.0), (2500, 2.5), (9000, 3.0)):
-            async with engine.generate("ab", timeout_ms=asked) as gen:
+            async with engine.generate(Prompt("ab", timeout_ms=asked)) as gen:
                 assert gen.deadline - gen.arrival == pytest.approx(given)
                 assert await gen.result() == "ba"
 

@@ -16,6 +16,7 @@ import pytest
 
 from batchserve.config import Config
 from batchserve.engine.core import Engine
+from batchserve.engine.requests import Caller, Prompt
 from batchserve.models.generators import Made, Seq
 from batchserve.models.specs import ModelSpec
 from batchserve.rules.tenants import Tenant
@@ -157,7 +158,7 @@ async def outputs(engine: Engine, prompts: list[str], max_tokens: int) -> list[l
     """Each prompt's greedy ids, all submitted at once."""
 
     async def one(prompt: str) -> list[int]:
-        async with engine.generate(prompt, max_tokens=max_tokens, params=GREEDY) as gen:
+        async with engine.generate(Prompt(prompt, max_tokens=max_tokens, params=GREEDY)) as gen:
             await gen.result()
             return list(gen.seq.token_ids)
 
@@ -195,8 +196,8 @@ async def test_a_prefix_arriving_twice_at_once_is_computed_once(tok, tiny):
         engine, made = engine_of(tiny, tok, caching=caching)
         async with (
             engine,
-            engine.generate(prompt, max_tokens=4, params=GREEDY) as a,
-            engine.generate(prompt, max_tokens=4, params=GREEDY) as b,
+            engine.generate(Prompt(prompt, max_tokens=4, params=GREEDY)) as a,
+            engine.generate(Prompt(prompt, max_tokens=4, params=GREEDY)) as b,
         ):
             assert await a.result() == await b.result()
         (generator,) = made
@@ -212,7 +213,9 @@ async def test_tenants_and_salts_keep_their_cached_blocks_apart(tok, tiny):
     hit = (len(tok.encode(prompt)) - 1) // BLOCK * BLOCK
 
     async def cached(engine: Engine, tenant: Tenant | None, salt: str | None = None) -> int:
-        async with engine.generate(prompt, max_tokens=2, tenant=tenant, cache_salt=salt) as gen:
+        async with engine.generate(
+            Prompt(prompt, max_tokens=2, cache_salt=salt), Caller(tenant=tenant)
+        ) as gen:
             await gen.result()
             return gen.cached_tokens
 
@@ -318,7 +321,7 @@ async def test_a_cached_prefix_is_not_predicted_as_prefill_while_it_waits(tok, t
         engine, _ = engine_of(tiny, tok, caching=caching)
         async with engine:
             await outputs(engine, [f"{PREFIX} a"], 2)
-            async with engine.generate(f"{PREFIX} b", max_tokens=2, params=GREEDY) as gen:
+            async with engine.generate(Prompt(f"{PREFIX} b", max_tokens=2, params=GREEDY)) as gen:
                 expected = cached if caching else 0
                 assert gen.cached_at_arrival == expected
                 assert gen.prefill_tokens == gen.prompt_tokens - expected

@@ -12,6 +12,7 @@ import pytest
 
 from batchserve.config import Config
 from batchserve.engine.core import Engine
+from batchserve.engine.requests import Prompt
 from batchserve.errors import DuplicateRequestId, InputTooLarge
 from batchserve.generation.models import INLINE_CHARS
 from batchserve.models.specs import ModelSpec
@@ -61,7 +62,7 @@ def watched_engine(lm_parts: tuple[Any, Any]) -> tuple[Any, WatchedTokenizer]:
 
 async def test_the_prompt_is_tokenized_off_the_event_loop(lm_parts):
     engine, watched = watched_engine(lm_parts)
-    async with engine, engine.generate(LONG, max_tokens=3) as gen:
+    async with engine, engine.generate(Prompt(LONG, max_tokens=3)) as gen:
         await gen.result()
     assert len(LONG) > INLINE_CHARS
     loop_thread = threading.current_thread()
@@ -78,12 +79,12 @@ async def test_a_prompt_too_long_by_its_bytes_is_refused_without_tokenizing(lm_p
         assert longest == max(len(token) for token in lm_parts[0].get_vocab())
         prompt = "a" * (model.kv_budget * longest + 1)
         with pytest.raises(InputTooLarge, match=f"at least {model.kv_budget + 1} tokens"):
-            async with engine.generate(prompt, max_tokens=1):
+            async with engine.generate(Prompt(prompt, max_tokens=1)):
                 pass
         assert watched.encoded_on == []
         # One that may fit by its bytes is tokenized, then judged by its tokens.
         with pytest.raises(InputTooLarge, match="the prompt is"):
-            async with engine.generate("a" * (model.kv_budget + 5), max_tokens=1):
+            async with engine.generate(Prompt("a" * (model.kv_budget + 5), max_tokens=1)):
                 pass
         assert len(watched.encoded_on) == 1
 

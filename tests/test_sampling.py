@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from batchserve.engine.requests import Prompt
 from batchserve.models.sampling import choose_tokens
 from batchserve.rules.sampling_params import MAX_TEMPERATURE, MAX_TOP_K, checked_params
 
@@ -82,8 +83,8 @@ async def test_a_step_with_an_extreme_row_and_a_normal_row_completes_both():
     normal = {"temperature": 0.8, "seed": 3, "ignore_eos": True}
     async with engine:
         async with (
-            engine.generate("the cat", max_tokens=6, params=extreme) as a,
-            engine.generate("a bird", max_tokens=6, params=normal) as b,
+            engine.generate(Prompt("the cat", max_tokens=6, params=extreme)) as a,
+            engine.generate(Prompt("a bird", max_tokens=6, params=normal)) as b,
         ):
             await a.result()
             await b.result()

@@ -11,6 +11,7 @@ import pytest
 
 from batchserve.config import Config
 from batchserve.engine.core import Engine
+from batchserve.engine.requests import Prompt
 from batchserve.errors import InvalidInput
 from batchserve.models.generators import Seq, SimulatedGenerator, sim_token
 from batchserve.models.specs import ModelSpec
@@ -185,10 +186,10 @@ async def test_min_tokens_over_max_tokens_is_refused_even_when_max_tokens_is_the
     engine = Engine(Config(generator="sim", devices="sim:1", sim_step_ms=(0, 0), max_tokens=8))
     async with engine:
         with pytest.raises(InvalidInput, match="min_tokens"):
-            async with engine.generate("abc", params={"min_tokens": 9}):
+            async with engine.generate(Prompt("abc", params={"min_tokens": 9})):
                 pass
         with pytest.raises(InvalidInput, match="min_tokens"):
-            async with engine.generate("abc", max_tokens=4, params={"min_tokens": 5}):
+            async with engine.generate(Prompt("abc", max_tokens=4, params={"min_tokens": 5})):
                 pass
 
 
@@ -203,7 +204,7 @@ async def test_the_simulated_generator_holds_its_end_back_for_ignore_eos_and_min
             ({"min_tokens": 2}, 7, ("cba", "stop")),
             ({"ignore_eos": False}, 7, ("cba", "stop")),
         ]:
-            async with engine.generate("abc", max_tokens=max_tokens, params=params) as gen:
+            async with engine.generate(Prompt("abc", max_tokens=max_tokens, params=params)) as gen:
                 output = await gen.result()
                 assert (output, gen.finish_reason) == expected, params
 

@@ -10,6 +10,7 @@ import threading
 from batchserve.clock import FakeClock
 from batchserve.config import Config
 from batchserve.engine.core import Engine
+from batchserve.engine.requests import Prompt
 from batchserve.models.generators import Seq, sim_token
 from batchserve.models.specs import ModelSpec
 from batchserve.rules.capacity import BatchBudget, StepCost
@@ -73,7 +74,7 @@ async def test_a_long_prefill_after_light_steps_is_not_taken_for_a_hang():
         # says 1.01 s (a budget of 5.05 s); past the largest step seen, the prediction
         # scales that step's time (14 ms for 4 tokens) by the tokens: 3.5 s, a 17.5 s budget.
         driver = asyncio.ensure_future(drive(generator, clock, 1))
-        async with engine.generate("k" * 1000, max_tokens=1) as gen:
+        async with engine.generate(Prompt("k" * 1000, max_tokens=1)) as gen:
             assert await gen.result() == "k"
         await driver
         assert engine.metrics is not None

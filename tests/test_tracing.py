@@ -35,6 +35,7 @@ from opentelemetry.trace import StatusCode
 from batchserve import Config, Engine
 from batchserve.clock import FakeClock
 from batchserve.config import POISON_MARKER
+from batchserve.engine.requests import Caller, Prompt
 from batchserve.errors import DeadlineExceeded, InvalidInput
 from batchserve.observability import otlp_flush
 from batchserve.observability.tracing import FLUSH_TIMEOUT_S, otlp_provider
@@ -119,7 +120,9 @@ async def test_every_answered_request_links_once_to_the_batch_span_that_counts_i
     async with running(traced, gated, max_batch_size=32) as engine:
         results = await asyncio.gather(
             *(
-                engine.infer(f"in-{n}", request_id=f"id-{n}", tenant=alice if n % 2 else None)
+                engine.infer(
+                    f"in-{n}", Caller(request_id=f"id-{n}", tenant=alice if n % 2 else None)
+                )
                 for n in range(400)
             )
         )
@@ -163,7 +166,7 @@ async def test_a_request_a_failed_batch_carried_links_only_to_the_rescue_that_an
     texts = [f"in-{n}" for n in range(12)] + [f"bad {POISON_MARKER}"]
     async with running(traced, gated, devices=1) as engine:
         outcomes = await asyncio.gather(
-            *(engine.infer(text, request_id=text) for text in texts), return_exceptions=True
+            *(engine.infer(text, Caller(request_id=text)) for text in texts), return_exceptions=True
         )
     assert sum(isinstance(outcome, Exception) for outcome in outcomes) == 1
     requests, batches = traced.spans("request"), traced.spans("batch")
@@ -216,10 +219,10 @@ async def test_a_generation_has_a_span_and_a_refused_one_none(traced):
         trace=True, generator="sim", devices="sim:1", sim_step_ms=(0.0, 0.0), timeout_ms=1000
     )
     async with Engine(config, tracer_provider=traced.provider) as engine:
-        async with engine.generate("abcdef", max_tokens=4, request_id="g-1") as gen:
+        async with engine.generate(Prompt("abcdef", max_tokens=4), Caller(request_id="g-1")) as gen:
             assert await gen.result() == "fedc"
         with pytest.raises(InvalidInput):
-            async with engine.generate("abc", max_tokens=0):
+            async with engine.generate(Prompt("abc", max_tokens=0)):
                 pass
     assert traced.ends.started == traced.ends.ended
     (span,) = traced.spans("generation")

@@ -17,8 +17,8 @@ from typing import Any
 
 from aiohttp import web
 
-from ..config import BACKEND_BATCH_LIMIT, DTYPES
-from ..engine.core import Engine
+from ..config import BACKEND_BATCH_LIMIT, DTYPES, Config
+from ..engine.versions import Versions
 from ..errors import BatchserveError, InvalidInput, Unauthenticated
 from ..models.specs import MAX_NAME, SpecError, spec_from_fields
 from ..rules.tenants import bearer_secret
@@ -31,8 +31,19 @@ Change = Callable[[web.Request, str, str], Awaitable[dict[str, Any]]]
 
 
 class AdminApi:
-    def __init__(self, engine: Engine, admin_key: str) -> None:
-        self._engine = engine
+    """`versions` changes them; `device_names` are the server's devices, where a version
+    that names none runs; `settings()` the running settings (a reload replaces them)."""
+
+    def __init__(
+        self,
+        versions: Versions,
+        device_names: list[str],
+        settings: Callable[[], Config],
+        admin_key: str,
+    ) -> None:
+        self._versions = versions
+        self._device_names = device_names
+        self._settings = settings
         self._key = admin_key.encode()
 
     async def put(self, request: web.Request) -> web.Response:
@@ -54,31 +65,32 @@ class AdminApi:
         return json_response(status, body, {"X-Request-Id": request_id})
 
     async def _put(self, request: web.Request, name: str, version: str) -> dict[str, Any]:
-        fields = await read_json(request, self._engine.config.max_body_bytes, PUT_LIKE)
+        fields = await read_json(request, self._settings().max_body_bytes, PUT_LIKE)
         for field, value in (("name", name), ("version", version)):
             if fields.setdefault(field, value) != value:
                 raise InvalidInput(f"field {field!r} differs from the path's {value!r}")
         # A version that names no devices runs on the server's, not on --devices: a server
         # started from --models never reads that flag, and its default (sim:4) may be none
         # of its devices.
-        fields.setdefault("devices", _as_devices(self._engine.device_names))
+        fields.setdefault("devices", _as_devices(self._device_names))
+        config = self._settings()
         try:
-            spec = spec_from_fields(fields, self._engine.config)
+            spec = spec_from_fields(fields, config)
         except SpecError as exc:
             raise InvalidInput(str(exc)) from None
-        return {"name": name, **self._engine.versions.add(spec, self._engine.config)}
+        return {"name": name, **self._versions.add(spec, config)}
 
     async def _patch(self, request: web.Request, name: str, version: str) -> dict[str, Any]:
-        fields = await read_json(request, self._engine.config.max_body_bytes, '{"weight": 2}')
+        fields = await read_json(request, self._settings().max_body_bytes, '{"weight": 2}')
         weight = fields.get("weight")
         if set(fields) != {"weight"}:
             raise InvalidInput("PATCH takes one field, 'weight'")
         if isinstance(weight, bool) or not isinstance(weight, int | float) or not weight > 0:
             raise InvalidInput("field 'weight' must be a number more than 0")
-        return {"name": name, **self._engine.versions.set_weight(name, version, float(weight))}
+        return {"name": name, **self._versions.set_weight(name, version, float(weight))}
 
     async def _delete(self, request: web.Request, name: str, version: str) -> dict[str, Any]:
-        return {"name": name, **self._engine.versions.remove(name, version)}
+        return {"name": name, **self._versions.remove(name, version)}
 
 
 def authorize(authorization: str | None, key: bytes) -> None:

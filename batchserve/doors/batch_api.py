@@ -10,18 +10,18 @@ from typing import Any
 
 from aiohttp import web
 
-from ..engine.core import Engine
+from ..config import Config
 from .batch_lines import LineEngine, LineRunner
 from .batch_runner import BatchRunner
 from .batch_store import BatchStore, SqliteBatches
 from .batches_api import BatchesApi
+from .face import BatchFace, Generating
 from .files_api import FilesApi
 from .openapi import Operation
 from .wire import caller_tenant
 
 
-def open_store(engine: Engine) -> BatchStore:
-    config = engine.config
+def open_store(config: Config) -> BatchStore:
     if config.result_store.startswith("redis://"):
         from .batch_store_redis import RedisBatches
 
@@ -30,20 +30,21 @@ def open_store(engine: Engine) -> BatchStore:
 
 
 def mount_batches(
-    engine: Engine,
+    engine: BatchFace,
+    generation: Generating,
     add: Callable[[str, str, Any, Operation], None],
     on_start: Callable[[Callable[[web.Application], AsyncIterator[None]]], None],
 ) -> BatchRunner:
     """Mounts the files and batches routes, and the runner's lifespan (after the engine's,
     so that it starts with the engine up and stops before it)."""
     config = engine.config
-    store = open_store(engine)
+    store = open_store(config)
     lines = LineRunner(
         LineEngine(
             infer=engine.infer,
             infer_all=engine.infer_all,
-            generate=engine.generate,
-            chat_prompt=engine.generation.chat_prompt,
+            generate=generation.generate,
+            chat_prompt=generation.chat_prompt,
             embedding_dim=engine.view.embedding_dim,
             dimensions=engine.view.dimensions,
             count_tokens=engine.view.count_tokens,
@@ -57,7 +58,7 @@ def mount_batches(
         in_flight=config.batch_lines_in_flight,
     )
     on_start(runner.lifespan)
-    tenant_of = functools.partial(caller_tenant, engine=engine)
+    tenant_of = functools.partial(caller_tenant, reception=engine)
     FilesApi(store, tenant_of, config).mount(add)
     BatchesApi(store, runner, tenant_of, config).mount(add)
     return runner

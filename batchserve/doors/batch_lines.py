@@ -17,14 +17,15 @@ spending none of its rate.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol, cast
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, NamedTuple, cast
 
 import orjson
 from aiohttp import web
 
-from ..batching.request import Result, new_request_id
+from ..batching.request import Ask, Result, new_request_id
+from ..engine.requests import Caller, Prompt
 from ..errors import (
     BatchserveError,
     ClientClosed,
@@ -129,31 +130,13 @@ def _error(code: str, message: str, param: str | None, line: int | None) -> dict
     return {"code": code, "message": message, "param": param, "line": line}
 
 
-class Generate(Protocol):
-    def __call__(
-        self,
-        prompt: str,
-        *,
-        model: str | None = ...,
-        max_tokens: int | None = ...,
-        stop: str | list[str] | None = ...,
-        params: dict[str, Any] | None = ...,
-        timeout_ms: float | None = ...,
-        request_id: str | None = ...,
-        tenant: Tenant | None = ...,
-        route: str = ...,
-        cache_salt: str | None = ...,
-        prompt_ids: list[int] | None = ...,
-    ) -> contextlib.AbstractAsyncContextManager[Generation]: ...
-
-
 @dataclass(frozen=True, slots=True)
 class LineEngine:
     """The engine's methods a line runs through: the doors' own."""
 
-    infer: Callable[..., Awaitable[Result]]
-    infer_all: Callable[..., Awaitable[list[Result]]]
-    generate: Generate
+    infer: Callable[[Ask, Caller], Awaitable[Result]]
+    infer_all: Callable[[Sequence[Ask], Caller], Awaitable[list[Result]]]
+    generate: Callable[[Prompt, Caller], contextlib.AbstractAsyncContextManager[Generation]]
     chat_prompt: Callable[[str | None, list[dict[str, str]]], str]
     embedding_dim: Callable[[str], int]
     dimensions: Callable[[str], frozenset[int]]
@@ -190,21 +173,17 @@ class LineRunner:
         self, endpoint: str, body: dict[str, Any], request_id: str, tenant: Tenant
     ) -> dict[str, Any]:
         engine = self._engine
+        caller = Caller(request_id=request_id, tenant=tenant, route=ROUTE)
         if endpoint == "/v1/embeddings":
             model, texts, base64_wanted, size = embeddings_request(
                 body, engine.embedding_dim, engine.dimensions
             )
-            results = await engine.infer_all(
-                texts, model=model, request_id=request_id, tenant=tenant, route=ROUTE
-            )
+            results = await engine.infer_all([Ask(text, model=model) for text in texts], caller)
             tokens = sum(engine.count_tokens(r, t) for r, t in zip(results, texts, strict=True))
             return embeddings_answer(model, results, tokens, base64_wanted=base64_wanted, size=size)
         if endpoint == "/api/inference":
             ask = parse_input(body, cast(web.BaseRequest, _NO_HEADERS))
-            result = await engine.infer(
-                ask.text, model=ask.model, version=ask.version, params=ask.params,
-                timeout_ms=ask.timeout_ms, request_id=request_id, tenant=tenant, route=ROUTE,
-            )  # fmt: skip
+            result = await engine.infer(ask, caller)
             return answer_body(request_id, result, result.queue_s + result.compute_s)
         chat = endpoint == "/v1/chat/completions"
         asked = read_line(body, chat=chat)
@@ -214,14 +193,9 @@ class LineRunner:
             raise InvalidInput('a batch line answers one choice: leave out "n" or send 1')
         prompt = asked.prompt
         if asked.messages is not None:
-            prompt = engine.chat_prompt(asked.model, asked.messages)
-        generating = engine.generate(
-            prompt, model=asked.model, max_tokens=asked.max_tokens, stop=asked.stop,
-            params=choice_params(asked.params, asked.choices, 0, asked.prompt_ids),
-            timeout_ms=asked.timeout_ms, request_id=request_id, tenant=tenant, route=ROUTE,
-            cache_salt=asked.cache_salt, prompt_ids=asked.prompt_ids,
-        )  # fmt: skip
-        async with generating as gen:
+            prompt = replace(prompt, text=engine.chat_prompt(asked.model, asked.messages))
+        params = choice_params(dict(prompt.params or {}), asked.choices, 0, prompt.prompt_ids)
+        async with engine.generate(replace(prompt, params=params), caller) as gen:
             output = await gen.result()
         answer_id = f"{'chatcmpl' if chat else 'cmpl'}-{request_id}"
         return whole_answer(gen, output, chat=chat, answer_id=answer_id, choices=asked.choices)

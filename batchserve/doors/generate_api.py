@@ -23,10 +23,11 @@ from typing import Any, NamedTuple
 from aiohttp import web
 
 from ..config import Config
-from ..engine.core import Engine
+from ..engine.requests import Prompt
 from ..errors import BatchserveError, InvalidInput
 from ..rules.admission import MAX_STOP_CHARS, MAX_STOPS
 from ..rules.sampling_params import LOGPROBS, SCHEMAS
+from .face import Generating, Reception
 from .generation_answer import Events, answer_generation, data_event
 from .openapi import REQUEST_ID, TIMEOUT, Answer, ModelName, Operation, errors
 from .wire import (
@@ -56,22 +57,15 @@ _FIELDS = frozenset(
 
 
 class GenerateBody(NamedTuple):
-    prompt: str
-    max_tokens: int | None
-    stop: str | list[str] | None
-    params: dict[str, Any] | None
+    prompt: Prompt
     stream: bool
-    timeout_ms: float | None
-    model: str | None
-    version: str | None
-    cache_salt: str | None
 
 
 def parse_generate(payload: dict[str, Any], request: web.Request) -> GenerateBody:
     """The body's fields, checked for shape; the engine checks their values."""
     refuse_unknown_fields(payload, _FIELDS)
-    prompt = payload.get("prompt")
-    if not isinstance(prompt, str):
+    text = payload.get("prompt")
+    if not isinstance(text, str):
         raise InvalidInput('the body needs a string field "prompt"')
     stream = payload.get("stream", False)
     if not isinstance(stream, bool):
@@ -83,50 +77,35 @@ def parse_generate(payload: dict[str, Any], request: web.Request) -> GenerateBod
             f'params "{asked[0]}": log probabilities are answered on /v1/completions and'
             " /v1/chat/completions"
         )
-    return GenerateBody(
-        prompt,
-        payload.get("max_tokens"),
-        payload.get("stop"),
-        params,
-        stream,
-        timeout_ms_of(payload.get("timeout_ms"), request),
-        model,
-        version,
-        cache_salt_of(payload),
+    prompt = Prompt(
+        text,
+        model=model,
+        version=version,
+        max_tokens=payload.get("max_tokens"),
+        stop=payload.get("stop"),
+        params=params,
+        timeout_ms=timeout_ms_of(payload.get("timeout_ms"), request),
+        cache_salt=cache_salt_of(payload),
     )
+    return GenerateBody(prompt, stream)
 
 
 class GenerateApi:
-    def __init__(self, engine: Engine) -> None:
-        self._engine = engine
+    def __init__(self, reception: Reception, generation: Generating) -> None:
+        self._reception = reception
+        self._generation = generation
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
-        engine = self._engine
-        arrival = engine.clock.time()
         call = await read_call(
-            request, engine, "generate", arrival, parse_generate, like=GENERATE_LIKE
+            request, self._reception, "generate", parse_generate, like=GENERATE_LIKE
         )
         if isinstance(call, web.Response):
             return call
-        body = call.body
-        generating = engine.generate(
-            body.prompt,
-            model=body.model,
-            version=body.version,
-            max_tokens=body.max_tokens,
-            stop=body.stop,
-            params=body.params,
-            timeout_ms=body.timeout_ms,
-            request_id=call.request_id,
-            tenant=call.tenant,
-            arrival=arrival,
-            cache_salt=body.cache_salt,
-        )
         return await answer_generation(
             request,
-            generating,
+            self._generation.generate(call.body.prompt, call.caller),
             call.request_id,
-            stream=body.stream,
+            stream=call.body.stream,
             events=EVENTS,
             whole=lambda gen, output: {"output": output, **gen.summary()},
         )

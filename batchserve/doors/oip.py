@@ -25,9 +25,11 @@ import orjson
 from aiohttp import web
 
 from .. import __version__
-from ..engine.core import MAX_INPUTS_PER_CALL, Engine
+from ..batching.request import Ask
+from ..engine.requests import MAX_INPUTS_PER_CALL
 from ..errors import BatchserveError, InvalidInput, ModelNotFound
 from ..models.specs import MAX_NAME
+from .face import BatchFace
 from .oip_binary import binary_response, read_with_binary
 from .oip_schemas import (
     ERROR_SCHEMA,
@@ -149,7 +151,7 @@ def error_shape(error: BatchserveError, request_id: str) -> dict[str, Any]:
 
 
 class OipApi:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: BatchFace) -> None:
         self._engine = engine
 
     def mount(self, routes: Routes) -> None:
@@ -227,26 +229,17 @@ class OipApi:
         raise ModelNotFound(f"no model {name[:MAX_NAME]!r} (GET /api/models lists them)")
 
     async def infer(self, request: web.Request) -> web.Response:
-        engine = self._engine
-        arrival = engine.clock.time()
         call = await read_call(
-            request, engine, ROUTE, arrival, read_tensors_request,
+            request, self._engine, ROUTE, read_tensors_request,
             like=INFER_LIKE, read=read_with_binary, shape=error_shape,
         )  # fmt: skip
         if isinstance(call, web.Response):
             return call
-        request_id, tenant, asked = call
+        request_id, asked = call.request_id, call.body
+        model, version = request.match_info["model"], request.match_info.get("version")
+        asks = [Ask(text, asked.timeout_ms, model, version) for text in asked.texts]
         try:
-            results = await engine.infer_all(
-                asked.texts,
-                model=request.match_info["model"],
-                version=request.match_info.get("version"),
-                timeout_ms=asked.timeout_ms,
-                request_id=request_id,
-                tenant=tenant,
-                arrival=arrival,
-                route=ROUTE,
-            )
+            results = await self._engine.infer_all(asks, call.caller)
         except BatchserveError as error:
             return error_response(error, request_id, shape=error_shape)
         outputs = [_as_text(result.output) for result in results]

@@ -12,7 +12,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from ..engine.core import MAX_INPUTS_PER_CALL
+from ..engine.requests import MAX_INPUTS_PER_CALL
 from ..errors import InvalidInput
 from .wire import json_object, read_bytes, read_json
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..engine.core import MAX_INPUTS_PER_CALL
+from ..engine.requests import MAX_INPUTS_PER_CALL
 
 INPUT, OUTPUT = "input", "output"
 

@@ -21,10 +21,11 @@ from typing import Any
 
 from aiohttp import web
 
-from ..batching.request import Result
-from ..engine.core import MAX_INPUTS_PER_CALL, Engine
+from ..batching.request import Ask, Result
+from ..engine.requests import MAX_INPUTS_PER_CALL
 from ..errors import BatchserveError, InvalidInput, ModelNotFound
 from ..models.specs import MAX_NAME
+from .face import BatchFace
 from .openapi import REQUEST_ID, Dimensions, ModelName, Operation, errors, json_answer
 from .tei_bodies import cut, dimensions_of
 from .wire import (
@@ -42,28 +43,21 @@ _EMBEDDING_FIELDS = frozenset({"model", "input", "encoding_format", "user", "dim
 
 
 class OpenAIApi:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: BatchFace) -> None:
         self._engine = engine
 
     async def embeddings(self, request: web.Request) -> web.Response:
         engine = self._engine
-        arrival = engine.clock.time()
         call = await read_call(
-            request, engine, "embeddings", arrival, self._parse_embeddings,
+            request, engine, "embeddings", self._parse_embeddings,
             like=EMBEDDINGS_LIKE, openai_shape=True,
         )  # fmt: skip
         if isinstance(call, web.Response):
             return call
-        request_id, tenant, (model, texts, base64_wanted, size) = call
+        request_id, (model, texts, base64_wanted, size) = call.request_id, call.body
+        asks = [Ask(text, model=model) for text in texts]
         try:
-            results = await engine.infer_all(
-                texts,
-                model=model,
-                request_id=request_id,
-                tenant=tenant,
-                arrival=arrival,
-                route="embeddings",
-            )
+            results = await engine.infer_all(asks, call.caller)
         except BatchserveError as error:
             return error_response(error, request_id, openai_shape=True)
         tokens = sum(engine.view.count_tokens(r, t) for r, t in zip(results, texts, strict=True))

@@ -23,16 +23,18 @@ from __future__ import annotations
 
 import contextlib
 import time
+from dataclasses import replace
 from typing import Any, NamedTuple, cast
 
 from aiohttp import web
 
 from ..config import Config
-from ..engine.core import Engine
+from ..engine.requests import Prompt
 from ..errors import BatchserveError, InvalidInput
 from ..generation.request import Generation
 from ..models.logprobs import TokenLogprob
 from ..rules.sampling_params import LOGPROBS, MAX_LOGPROBS, SCHEMAS
+from .face import Generating, Reception
 from .generate_api import SSE, STOP, max_tokens_schema
 from .generation_answer import data_event
 from .openai_choices import (
@@ -56,24 +58,18 @@ class Completion(NamedTuple):
     """A completions or chat body, read: what the engine needs, and how to answer."""
 
     model: str
-    prompt: str
+    prompt: Prompt
     """The prompt; for a chat, its messages in the generator's template once read."""
     messages: list[dict[str, str]] | None
-    max_tokens: int | None
-    stop: str | list[str] | None
-    params: dict[str, Any]
     stream: bool
     include_usage: bool
-    timeout_ms: float | None
-    cache_salt: str | None
-    prompt_ids: list[int] | None
-    """A completion's prompt given as token ids (`prompt` is then "")."""
     choices: Choices
 
 
 class OpenAICompletionsApi:
-    def __init__(self, engine: Engine) -> None:
-        self._engine = engine
+    def __init__(self, reception: Reception, generation: Generating) -> None:
+        self._reception = reception
+        self._generation = generation
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._complete(request, chat=False)
@@ -82,9 +78,8 @@ class OpenAICompletionsApi:
         return await self._complete(request, chat=True)
 
     async def _complete(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
-        engine = self._engine
-        arrival = engine.clock.time()
         route = "chat_completions" if chat else "completions"
+        generation = self._generation
 
         def parse(payload: dict[str, Any], request: web.Request) -> Completion:
             """The body, a chat's messages made one prompt here, so that a refusal of
@@ -92,32 +87,26 @@ class OpenAICompletionsApi:
             body = _read_completion(payload, request, chat=chat)
             if body.messages is None:
                 return body
-            return body._replace(prompt=engine.generation.chat_prompt(body.model, body.messages))
+            text = generation.chat_prompt(body.model, body.messages)
+            return body._replace(prompt=replace(body.prompt, text=text))
 
         like = CHAT_LIKE if chat else COMPLETION_LIKE
-        call = await read_call(request, engine, route, arrival, parse, like=like, openai_shape=True)
+        call = await read_call(request, self._reception, route, parse, like=like, openai_shape=True)
         if isinstance(call, web.Response):
             return call
         body = call.body
         answer_id = f"{'chatcmpl' if chat else 'cmpl'}-{call.request_id}"
         shape = _Shape(chat, answer_id, body.model, body.choices, body.include_usage)
+        caller, asked = call.caller, body.prompt
 
         def start(index: int) -> contextlib.AbstractAsyncContextManager[Generation]:
             """Choice `index`; the others copy the first's prompt rows (one prefill)."""
-            return engine.generate(
-                body.prompt,
-                model=body.model,
-                max_tokens=body.max_tokens,
-                stop=body.stop,
-                params=choice_params(body.params, body.choices, index, body.prompt_ids),
-                timeout_ms=body.timeout_ms,
-                request_id=call.request_id if index == 0 else f"{call.request_id}.{index}",
-                tenant=call.tenant,
-                arrival=arrival,
-                route=route,
-                cache_salt=body.cache_salt,
-                prompt_ids=body.prompt_ids,
-                fork_of=call.request_id if index else None,
+            params = choice_params(dict(asked.params or {}), body.choices, index, asked.prompt_ids)
+            if not index:
+                return generation.generate(replace(asked, params=params), caller)
+            return generation.generate(
+                replace(asked, params=params, fork_of=call.request_id),
+                replace(caller, request_id=f"{call.request_id}.{index}"),
             )
 
         return await answer_choices(
@@ -274,18 +263,22 @@ def _read_completion(payload: dict[str, Any], request: web.Request, *, chat: boo
     options = payload.get("stream_options") or {}
     if not isinstance(stream, bool) or not isinstance(options, dict):
         raise InvalidInput('"stream" must be true or false, "stream_options" an object')
+    asked = Prompt(
+        prompt,
+        model=model,
+        max_tokens=max_tokens,
+        stop=payload.get("stop"),
+        params=sampling_params(payload),
+        timeout_ms=timeout_ms_of(None, request),
+        cache_salt=cache_salt_of(payload),
+        prompt_ids=prompt_ids,
+    )
     return Completion(
         model,
-        prompt,
+        asked,
         messages,
-        max_tokens,
-        payload.get("stop"),
-        sampling_params(payload),
         stream,
         options.get("include_usage") is True,
-        timeout_ms_of(None, request),
-        cache_salt_of(payload),
-        prompt_ids,
         read_choices(payload, chat=chat),
     )
 

@@ -17,7 +17,7 @@ is left out (its route answers 404 then), so every published schema can be met.
 `/v1/embeddings`' `dimensions` is likewise the live embedding models' one vector length
 where they share one.
 
-It is about 400 lines as the one place the document is built: each route only declares its
+It is over 450 lines as the one place the document is built: each route only declares its
 `Operation` beside its handler.
 """
 

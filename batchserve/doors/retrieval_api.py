@@ -14,18 +14,19 @@ routes answer errors in TEI's shape, `{"error", "error_type"}`; /v1/rerank in ou
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import orjson
 from aiohttp import web
 
-from ..batching.request import Result
+from ..batching.request import Ask, Result
+from ..engine.requests import Caller
 from ..errors import BatchserveError, InvalidInput, Overloaded, RateLimited, Unprocessable
 from ..models.registry import TextKind
 from ..models.retrieval import TextModel
-from ..rules.tenants import Tenant
 from . import tei_bodies as bodies
-from .wire import Call, error_response, json_response, request_id_of
+from .face import Reception
+from .wire import error_response, json_response, read_call, request_id_of
 
 ROUTES = {"/embed": "embed", "/rerank": "rerank", "/predict": "predict", "/v1/rerank": "rerank"}
 """Each POST route that runs a model, to the name metrics and logs give it."""
@@ -39,22 +40,7 @@ _COHERE = frozenset({"model", "query", "documents", "top_n", "return_documents",
                      "max_chunks_per_doc", "rank_fields", "truncate"})  # fmt: skip
 
 
-class Preamble(Protocol):
-    """`wire.read_call` bound to the engine: the request's id, tenant and parsed body."""
-
-    def __call__(
-        self,
-        request: web.Request,
-        route: str,
-        arrival: float,
-        parse_body: Callable[[dict[str, Any], web.Request], bodies.Plan],
-        *,
-        like: str,
-        shape: Callable[[BatchserveError, str], dict[str, Any]] | None = None,
-    ) -> Awaitable[Call[bodies.Plan] | web.Response]: ...
-
-
-InferAll = Callable[..., Awaitable[list[Result]]]
+InferAll = Callable[[Sequence[Ask], Caller | None], Awaitable[list[Result]]]
 """`Engine.infer_all`."""
 
 
@@ -77,21 +63,17 @@ class RetrievalApi:
     def __init__(
         self,
         *,
-        now: Callable[[], float],
-        preamble: Preamble,
+        reception: Reception,
         infer_all: InferAll,
         text_model: Callable[[str | None, TextKind], tuple[str, TextModel]],
         dimensions: Callable[[str], frozenset[int]],
-        authenticate: Callable[[str | None], Tenant | None],
         max_inputs: Callable[[], int],
         version: str,
     ) -> None:
-        self._now = now
-        self._preamble = preamble
+        self._reception = reception
         self._infer_all = infer_all
         self._text_model = text_model
         self._dimensions = dimensions
-        self._authenticate = authenticate
         self._max_inputs = max_inputs
         self._version = version
 
@@ -114,18 +96,16 @@ class RetrievalApi:
         tei: bool = True,
     ) -> web.Response:
         """The request path of every route that runs a model: read, run each input, answer."""
-        arrival = self._now()
-        route = ROUTES[path]
         shape = tei_error if tei else None
-        call = await self._preamble(request, route, arrival, parse, like="{...}", shape=shape)
+        call = await read_call(
+            request, self._reception, ROUTES[path], parse, like="{...}", shape=shape
+        )
         if isinstance(call, web.Response):
             return call
-        request_id, tenant, plan = call
+        request_id, plan = call.request_id, call.body
         try:
-            results = await self._infer_all(
-                plan.texts, model=plan.model, request_id=request_id, tenant=tenant,
-                arrival=arrival, route=route, params=plan.params,
-            )  # fmt: skip
+            asks = [Ask(text, model=plan.model, params=plan.params) for text in plan.texts]
+            results = await self._infer_all(asks, call.caller)
         except BatchserveError as error:
             return error_response(error, request_id, shape=shape)
         return _json(answer(plan, results, request_id), request_id)
@@ -265,8 +245,8 @@ class RetrievalApi:
         parse: Callable[[dict[str, Any], web.Request], bodies.Plan],
     ) -> web.Response:
         """A route the tokenizer answers: read (keys, body), answer; counted as any other."""
-        call = await self._preamble(request, route, self._now(), parse, like="{...}",
-                                    shape=tei_error)  # fmt: skip
+        call = await read_call(request, self._reception, route, parse, like="{...}",
+                               shape=tei_error)  # fmt: skip
         if isinstance(call, web.Response):
             return call
         return _json(call.body.options["answer"], call.request_id)
@@ -275,7 +255,7 @@ class RetrievalApi:
         """TEI's model info, of `?model=` (or the one model that serves these routes)."""
         request_id = request_id_of(request)[0]
         try:
-            self._authenticate(request.headers.get("Authorization"))
+            self._reception.authenticate(request.headers.get("Authorization"))
             model, facts = self._text_model(request.query.get("model"), "any")
         except BatchserveError as error:
             return error_response(error, request_id, shape=tei_error)

@@ -1,6 +1,6 @@
 """Submit, then poll, for clients that cannot hold a connection open for the answer.
 
-`POST /api/requests` takes the same body as /api/inference, hands it to `engine.submit` and
+`POST /api/requests` takes the same body as /api/inference, hands it to the engine's `submit` and
 answers 202 at once; `GET /api/requests/{id}` says queued, running, completed (with the
 answer) or failed (with the error), until the result expires; with `?wait_ms=N` it first
 waits up to N ms for an unfinished request to end (a long poll: one request instead of a
@@ -26,9 +26,9 @@ from urllib.parse import quote
 
 from aiohttp import web
 
-from ..batching.request import Result, Ticket
+from ..batching.request import Ask, Result, Ticket
 from ..clock import sleep_until
-from ..engine.core import Engine
+from ..engine.requests import Caller
 from ..errors import (
     BatchserveError,
     DuplicateRequestId,
@@ -39,6 +39,7 @@ from ..errors import (
 )
 from ..rules.tenants import Tenant
 from ..tasks import TaskSet
+from .face import BatchFace
 from .openapi import ERROR, REQUEST_ID, TIMEOUT, Operation, errors, json_answer
 from .shared_records import Record, SharedRecords, open_records
 from .status_store import ResultStore
@@ -67,7 +68,7 @@ UNFINISHED = frozenset({"queued", "running"})
 
 
 class StatusApi:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: BatchFace) -> None:
         self._engine = engine
         config = engine.config
         self.store = ResultStore(
@@ -98,11 +99,10 @@ class StatusApi:
 
     async def submit(self, request: web.Request) -> web.Response:
         engine = self._engine
-        arrival = engine.clock.time()
-        call = await read_call(request, engine, "requests", arrival, parse_input, like=INPUT_LIKE)
+        call = await read_call(request, engine, "requests", parse_input, like=INPUT_LIKE)
         if isinstance(call, web.Response):
             return call
-        request_id = call.request_id
+        request_id, arrival = call.request_id, call.arrival
         try:
             if self.store.holds(request_id, call.tenant):
                 raise DuplicateRequestId(
@@ -127,16 +127,7 @@ class StatusApi:
             engine.record("requests", request_id, arrival, error, call.tenant)
             return error_response(error, request_id)
         try:
-            ticket = engine.submit(
-                call.body.text,
-                model=call.body.model,
-                version=call.body.version,
-                params=call.body.params,
-                timeout_ms=call.body.timeout_ms,
-                request_id=request_id,
-                tenant=call.tenant,
-                arrival=arrival,
-            )
+            ticket = engine.submit(call.body, call.caller)
         except BatchserveError as error:
             if self._shared is not None:  # refused: its id is free again, as in memory
                 with contextlib.suppress(StoreUnavailable):  # else it expires unfinished
@@ -244,10 +235,7 @@ class StatusApi:
         fields = record.body["submitted"]
         request_id = record.body["request_id"]
         try:
-            ticket = self._engine.submit(
-                fields["text"], model=fields["model"], version=fields["version"],
-                params=fields["params"], timeout_ms=fields["timeout_ms"], request_id=request_id,
-            )  # fmt: skip
+            ticket = self._engine.submit(Ask(**fields), Caller(request_id=request_id))
         except BatchserveError as error:
             log.error("could not run %s again: %s", request_id, error)
             return

@@ -14,6 +14,7 @@ import orjson
 from aiohttp import web
 
 from ..batching.request import Ask, Result, new_request_id
+from ..engine.requests import Caller
 from ..errors import (
     BatchserveError,
     InputTooLarge,
@@ -28,8 +29,8 @@ from ..rules.admission import checked_timeout_ms
 from .openapi import ModelName
 
 if TYPE_CHECKING:
-    from ..engine.core import Engine
     from ..rules.tenants import Tenant
+    from .face import Reception
 
 _BODY_FIELDS = frozenset({"input", "timeout_ms", "model", "version", "params"})
 MAX_REQUEST_ID = 128
@@ -55,13 +56,22 @@ class Call(NamedTuple, Generic[AskedFor]):
     request_id: str
     tenant: Tenant | None
     body: AskedFor
+    arrival: float
+    """When the door received it, on the engine's clock."""
+    route: str
+
+    @property
+    def caller(self) -> Caller:
+        """Who asks, as the engine takes it."""
+        return Caller(
+            request_id=self.request_id, tenant=self.tenant, arrival=self.arrival, route=self.route
+        )
 
 
 async def read_call(
     request: AnyRequest,
-    engine: Engine,
+    reception: Reception,
     route: str,
-    arrival: float,
     parse_body: Callable[[dict[str, Any], AnyRequest], AskedFor],
     *,
     like: str,
@@ -69,35 +79,38 @@ async def read_call(
     read: Callable[[AnyRequest, int, str], Awaitable[dict[str, Any]]] | None = None,
     shape: ErrorShape | None = None,
 ) -> Call[AskedFor] | web.Response:
-    """The request's id, tenant and body: its JSON object (as `read(request, limit, like)`
-    reads it, default `read_json`) as `parse_body(payload, request)` reads it (e.g.
-    `parse_input`); or, for a request refused here (bad id, unknown key, bad body), its
-    recorded error answer, its body in `shape` if given. `like` is the route's body in
-    short, which a body that is not a JSON object is told to look like."""
+    """Every door's preamble: the request's arrival, id, tenant and body (its JSON object,
+    as `read(request, limit, like)` reads it, default `read_json`, as `parse_body(payload,
+    request)` reads it, e.g. `parse_input`); or, for a request refused here (bad id, unknown
+    key, bad body), its error answer, recorded under `route`, its body in `shape` if given.
+    `like` is the route's body in short, which a body that is not a JSON object is told to
+    look like."""
+    arrival = reception.clock.time()
     request_id, problem = request_id_of(request)
     tenant = None
     try:
         if problem is not None:
             raise problem
-        tenant = caller_tenant(request, engine)
-        payload = await (read or read_json)(request, engine.config.max_body_bytes, like)
+        tenant = caller_tenant(request, reception)
+        payload = await (read or read_json)(request, reception.config.max_body_bytes, like)
         body = parse_body(payload, request)
     except BatchserveError as error:
-        engine.record(route, request_id, arrival, error, tenant)
+        reception.record(route, request_id, arrival, error, tenant)
         return error_response(error, request_id, openai_shape=openai_shape, shape=shape)
-    return Call(request_id, tenant, body)
+    return Call(request_id, tenant, body, arrival, route)
 
 
-def caller_tenant(request: web.BaseRequest, engine: Engine) -> Tenant | None:
+def caller_tenant(request: web.BaseRequest, reception: Reception) -> Tenant | None:
     """Who is asking: the key's tenant (None on a server without keys), then, with
     --trust-gateway-headers, the tenant the inference gateway's headers name. Every door
     that files or finds a request by tenant asks this, so a request submitted through the
     gateway is found again the same way."""
     tenant = None
-    if engine.config.keys_file:  # else it runs open: no key to look for
-        tenant = engine.authenticate(request.headers.get("Authorization"))
-    if engine.config.trust_gateway_headers:
-        tenant = engine.gateway_tenant(request.headers, tenant)
+    config = reception.config
+    if config.keys_file:  # else it runs open: no key to look for
+        tenant = reception.authenticate(request.headers.get("Authorization"))
+    if config.trust_gateway_headers:
+        tenant = reception.gateway_tenant(request.headers, tenant)
     return tenant
 
 

@@ -1,7 +1,7 @@
 """The batching engine: admission, queue, scheduler, devices, capacity and drain; no HTTP.
 
     async with Engine(config, fn_per_device=load, devices="cpu") as engine:
-        result = await engine.infer("some input", timeout_ms=2000)
+        result = await engine.infer(Ask("some input", timeout_ms=2000))
         ticket = engine.submit("later")       # poll ticket.status, or await ticket
 
 The HTTP server, the status API and the dashboard are doors onto one engine; a Python
@@ -28,7 +28,7 @@ import contextlib
 import functools
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ..batcher import Batcher, length_bucket
 from ..batching.deadlines import Deadlines
@@ -51,15 +51,14 @@ from .drain import Drain
 from .generating import GenerationPath
 from .intake import Intake, Phase, in_flight
 from .recorder import Recorder
+from .requests import Caller
 from .versions import Versions, starting_models
 from .views import EngineStats, EngineView
 
 if TYPE_CHECKING:
     from opentelemetry.trace import TracerProvider
 
-MAX_INPUTS_PER_CALL = 2048
-"""The most inputs a door takes in one request for `infer_all` (an embeddings list, an Open
-Inference Protocol tensor): OpenAI's own limit on inputs per embeddings request."""
+_ANONYMOUS = Caller()
 
 
 class Engine:
@@ -200,35 +199,21 @@ class Engine:
 
     # Requests
 
-    async def infer(
-        self,
-        text: str,
-        *,
-        model: str | None = None,
-        version: str | None = None,
-        params: Mapping[str, Any] | None = None,
-        timeout_ms: float | None = None,
-        request_id: str | None = None,
-        tenant: Tenant | None = None,
-        arrival: float | None = None,
-        route: str = "inference",
-        part: bool = False,
-    ) -> Result:
+    async def infer(self, ask: Ask | str, caller: Caller | None = None) -> Result:
         """Runs one input in a batch and returns its result; errors are `errors.py`'s.
 
-        `model` may be left out when the engine runs one; `version` pins one of its
-        versions (else they share traffic by weight); `params` go to the batch function as
-        keyword arguments. `timeout_ms` may only lower the server's `timeout_ms` (and the
-        tenant's tier deadline). `arrival` is when the caller received the request
-        (default: now); `route` names the door it came through, in metrics and logs.
-        `part`: one input of a request of several (an embeddings call), whose id is kept
-        apart from every id a client sends.
+        `ask.model` may be left out when the engine runs one; `ask.version` pins one of its
+        versions (else they share traffic by weight); `ask.params` go to the batch function
+        as keyword arguments; `ask.timeout_ms` may only lower the server's `timeout_ms` (and
+        the tenant's tier deadline). `caller`: who sent it, when, through which door
+        (requests.py); a bare string is `Ask(text)` from an unnamed caller.
         """
-        # The Ask is not bound, so not kept while the request waits: each object a request
-        # keeps for its wait costs the loop (benchmarks/README.md, section 4).
-        request, expiry = self.admit(
-            route, Ask(text, timeout_ms, model, version, params), request_id, tenant, arrival, part
-        )
+        ask = Ask(ask) if isinstance(ask, str) else ask
+        caller = caller or _ANONYMOUS
+        route = caller.route or "inference"
+        tenant = caller.tenant
+        request, expiry = self.admit(route, ask, caller.request_id, tenant, caller.arrival)
+        del ask, caller  # each object a waiting request keeps costs the loop (section 4)
         return await self._answer(route, request, expiry, tenant)
 
     async def _answer(
@@ -245,35 +230,26 @@ class Engine:
         finally:
             self.settle(route, request, expiry, tenant, outcome)
 
-    async def infer_all(
-        self,
-        texts: Sequence[str],
-        *,
-        model: str | None = None,
-        version: str | None = None,
-        timeout_ms: float | None = None,
-        request_id: str,
-        tenant: Tenant | None = None,
-        arrival: float | None = None,
-        route: str = "inference",
-        params: Mapping[str, Any] | None = None,
-    ) -> list[Result]:
-        """Runs each of `texts` as one request of `infer`, batched with everyone else's
+    async def infer_all(self, asks: Sequence[Ask], caller: Caller | None = None) -> list[Result]:
+        """Runs each of `asks` as one request of `infer`, batched with everyone else's
         (perhaps in different batches); returns their results in the order given, or raises
         the error of the first input (by position) that failed, once all are done. Several
-        inputs are `part`s, with ids `<request_id>.<index>`; `params` go with each.
+        inputs are parts of one request, with ids `<request_id>.<index>`, kept apart from
+        every id a client sends.
 
         All or nothing: the list spends its tenant's tokens at once, and every input is
         admitted before any batch can form (nothing here awaits until then), so a refusal
         of any input withdraws the others before they reach a device."""
-        arrival = self.clock.time() if arrival is None else arrival
-        several = len(texts) > 1
+        caller = caller or _ANONYMOUS
+        route, tenant = caller.route or "inference", caller.tenant
+        arrival = self.clock.time() if caller.arrival is None else caller.arrival
+        request_id = caller.request_id or new_request_id()
+        several = len(asks) > 1
         admitted: list[tuple[QueuedRequest, Timer | None]] = []
         try:
-            for index, text in enumerate(texts):
-                ask = Ask(text, timeout_ms, model, version, params)
+            for index, ask in enumerate(asks):
                 part_id = f"{request_id}.{index}" if several else request_id
-                spends = len(texts) if index == 0 else 0
+                spends = len(asks) if index == 0 else 0
                 admitted.append(self.admit(route, ask, part_id, tenant, arrival, several, spends))
         except BatchserveError as refusal:
             for request, expiry in admitted:  # answered with the list's refusal
@@ -290,24 +266,16 @@ class Engine:
             results.append(outcome)
         return results
 
-    def submit(
-        self,
-        text: str,
-        *,
-        model: str | None = None,
-        version: str | None = None,
-        params: Mapping[str, Any] | None = None,
-        timeout_ms: float | None = None,
-        request_id: str | None = None,
-        tenant: Tenant | None = None,
-        arrival: float | None = None,
-    ) -> Ticket:
+    def submit(self, ask: Ask | str, caller: Caller | None = None) -> Ticket:
         """Queues one input and returns at once: the ticket tells its status and, awaited,
         gives its result. It runs exactly like `infer` (same queue, deadline, faults)."""
-        ask = Ask(text, timeout_ms, model, version, params)
-        request, expiry = self.admit("requests", ask, request_id, tenant, arrival)
+        ask = Ask(ask) if isinstance(ask, str) else ask
+        caller = caller or _ANONYMOUS
+        route, tenant = caller.route or "requests", caller.tenant
+        request, expiry = self.admit(route, ask, caller.request_id, tenant, caller.arrival)
         ticket = Ticket(request)
-        ticket.add_done_callback(functools.partial(self._submitted_done, request, expiry, tenant))
+        done = functools.partial(self._submitted_done, route, request, expiry, tenant)
+        ticket.add_done_callback(done)
         return ticket
 
     def authenticate(self, authorization: str | None) -> Tenant | None:
@@ -422,9 +390,14 @@ class Engine:
         self.record(route, request.request_id, request.arrival, outcome, tenant)
 
     def _submitted_done(
-        self, request: QueuedRequest, expiry: Timer | None, tenant: Tenant | None, ticket: Ticket
+        self,
+        route: str,
+        request: QueuedRequest,
+        expiry: Timer | None,
+        tenant: Tenant | None,
+        ticket: Ticket,
     ) -> None:
-        self.settle("requests", request, expiry, tenant, ticket.outcome())
+        self.settle(route, request, expiry, tenant, ticket.outcome())
 
     def reconfigure(self, wanted: Config) -> LiveChanges:
         """Applies what a running server can change of `wanted` (see live_config.py), or

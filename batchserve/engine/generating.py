@@ -1,7 +1,7 @@
 """The generation request path: admit a prompt, hand it to its generation model, and release
 and record it when its caller is done; no HTTP.
 
-The engine holds one and hands `generate` on (`engine.generate(...)`). Admission is the one
+The engine holds one and hands `generate` on (`engine.generate(Prompt(...))`). Admission is the one
 of batch requests (`intake.py`); what is particular to generation follows it: the prompt's
 tokens against the device's budget (its bytes first, then its tokens, counted on the model's
 tokenizer thread: never on the event loop), the sampling parameters' rules, the first-token
@@ -30,6 +30,7 @@ from ..rules.sampling_params import LOGPROBS, checked_params
 from ..rules.tenants import Tenant
 from .intake import InFlightKey, Intake
 from .recorder import Recorder
+from .requests import Caller, Prompt
 
 
 class GenerationPath:
@@ -58,50 +59,35 @@ class GenerationPath:
 
     @contextlib.asynccontextmanager
     async def generate(
-        self,
-        prompt: str,
-        *,
-        model: str | None = None,
-        version: str | None = None,
-        max_tokens: int | None = None,
-        stop: str | list[str] | None = None,
-        params: Mapping[str, Any] | None = None,
-        timeout_ms: float | None = None,
-        request_id: str | None = None,
-        tenant: Tenant | None = None,
-        arrival: float | None = None,
-        route: str = "generate",
-        cache_salt: str | None = None,
-        prompt_ids: list[int] | None = None,
-        fork_of: str | None = None,
+        self, prompt: Prompt | str, caller: Caller | None = None
     ) -> AsyncIterator[Generation]:
         """Starts one generation; read its text as it comes with `gen.pieces()`, or whole
         with `await gen.result()`:
 
-            async with engine.generate("Once upon", max_tokens=50) as gen:
+            async with engine.generate(Prompt("Once upon", max_tokens=50)) as gen:
                 async for piece in gen.pieces():
                     print(piece, end="")
 
         A refusal raises on entry (`errors.py`'s, like `infer`'s), among them `params` that
-        break `rules/sampling_params.py`'s rules, so the generator never sees them. `timeout_ms`
-        bounds the wait for the first token; the sequence then runs to its end. Leaving the
-        block before it ends cancels it: its sequence is released before the next step.
-        `cache_salt` (vLLM's): only requests with the same salt share cached prefixes.
-        `prompt_ids`: the prompt as token ids (`prompt` is then its text, or ""). `fork_of`:
-        the request id of a generation with the same prompt (one of `n` choices) whose
-        prompt's rows this one copies instead of computing them.
+        break `rules/sampling_params.py`'s rules, so the generator never sees them.
+        `prompt.timeout_ms` bounds the wait for the first token; the sequence then runs to
+        its end. Leaving the block before it ends cancels it: its sequence is released
+        before the next step. `caller`: who sent it (requests.py); a bare string is
+        `Prompt(text)`.
         """
-        arrival = self._clock.time() if arrival is None else arrival
-        request_id = request_id or new_request_id()
+        prompt = Prompt(prompt) if isinstance(prompt, str) else prompt
+        caller = caller or Caller()
+        route, tenant = caller.route or "generate", caller.tenant
+        arrival = self._clock.time() if caller.arrival is None else caller.arrival
+        request_id = caller.request_id or new_request_id()
         self._admitting += 1  # a drain waits for it while its prompt is tokenized
         self.idle.clear()
         try:
             generation_model, gen, in_flight = await self._admit(
-                prompt, model, version, max_tokens, stop, params, timeout_ms,
-                request_id, tenant, arrival, cache_salt, prompt_ids,
-            )  # fmt: skip
-            if fork_of is not None:
-                gen.seq.fork_of = _seq_id(tenant, fork_of)
+                prompt, request_id, tenant, arrival
+            )
+            if prompt.fork_of is not None:
+                gen.seq.fork_of = _seq_id(tenant, prompt.fork_of)
             self._intake.generating[in_flight] = gen
         except BatchserveError as error:
             now = self._clock.time()
@@ -131,35 +117,25 @@ class GenerationPath:
             self.idle.set()
 
     async def _admit(
-        self,
-        prompt: str,
-        model: str | None,
-        version: str | None,
-        max_tokens: int | None,
-        stop: str | list[str] | None,
-        params: Mapping[str, Any] | None,
-        timeout_ms: float | None,
-        request_id: str,
-        tenant: Tenant | None,
-        arrival: float,
-        cache_salt: str | None,
-        prompt_ids: list[int] | None,
+        self, prompt: Prompt, request_id: str, tenant: Tenant | None, arrival: float
     ) -> tuple[GenerationModel, Generation, InFlightKey]:
         """Admits a generation as the engine admits a batch request (intake.py), then checks
         its tokens: a prompt that can never fit a device's budget is refused at once (413),
         and one whose first token is predicted past its deadline (503, or 504 where its own
         prefill alone cannot make it: rules/prefill.py); by its bytes before the tokenizer
         runs where they say so, then by its tokens, counted off the event loop."""
+        text, max_tokens = prompt.text, prompt.max_tokens
         generation_model, deadline, in_flight = self._intake.admit(
-            self._route, model, version, prompt, timeout_ms, request_id, tenant, arrival,
-            first_token=True,
+            self._route, prompt.model, prompt.version, text, prompt.timeout_ms, request_id,
+            tenant, arrival, first_token=True,
         )  # fmt: skip
         rules = self._intake.rules
         budget = generation_model.kv_budget
+        params, prompt_ids = prompt.params, prompt.prompt_ids
         check_reported(generation_model, params, prompt_ids)
         if prompt_ids is None:
-            rules.check_prompt_bytes(prompt, generation_model.max_token_bytes, max_tokens, budget)
-            prompt_tokens = await generation_model.prompt_tokens(prompt)
+            rules.check_prompt_bytes(text, generation_model.max_token_bytes, max_tokens, budget)
+            prompt_tokens = await generation_model.prompt_tokens(text)
         else:
             prompt_tokens = len(prompt_ids)
         if in_flight in self._intake.generating:  # admitted beside it while it was tokenized
@@ -170,11 +146,11 @@ class GenerationPath:
         sampling = checked_params(params, limit)
         gen = Generation(
             # The sequence's id is the generator's handle, unique across tenants.
-            Seq(_seq_id(tenant, request_id), prompt, params=sampling, prompt_ids=prompt_ids),
+            Seq(_seq_id(tenant, request_id), text, params=sampling, prompt_ids=prompt_ids),
             request_id=request_id,
             prompt_tokens=prompt_tokens,
             max_tokens=limit,
-            stops=stop_strings(stop),
+            stops=stop_strings(prompt.stop),
             arrival=arrival,
             deadline=deadline,
             model=generation_model.spec.name,
@@ -183,7 +159,7 @@ class GenerationPath:
         if tenant is not None:
             gen.tenant, gen.tier_rank = tenant.name, tenant.rank
             gen.tenant_weight = tenant.weight
-        gen.seq.cache_key = self._cache_key(tenant, cache_salt)  # before the cache is asked
+        gen.seq.cache_key = self._cache_key(tenant, prompt.cache_salt)  # before the cache is asked
         await generation_model.note_cached_prefix(gen)
         if in_flight in self._intake.generating:  # admitted beside it meanwhile
             raise DuplicateRequestId(f"request id {request_id} is already in flight")

@@ -1,5 +1,9 @@
 """/metrics in Prometheus' text format, byte for byte what `generate_latest` writes, cheaper.
 
+Over 450 lines because the kept text's pieces (the series' names, the families' own
+writers, the kept render and its age rule) must agree byte for byte on one format: split,
+each half would have to know the other's layout.
+
 The inference gateway's picker scrapes every pod 20 times a second. `generate_latest` checks
 and escapes every series' name and labels at every scrape, which was half of a scrape's
 2 ms at 1,000 requests a second (benchmarks/scrape_cost.py). The series are the same from
