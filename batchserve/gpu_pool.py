@@ -20,8 +20,7 @@ import asyncio
 import functools
 import logging
 from collections import Counter
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
 from .batching.faults import BatchFailure, FailureKind
@@ -29,7 +28,7 @@ from .batching.request import QueuedRequest, Result
 from .clock import Clock
 from .devices import loading
 from .devices.device import Device, Malformed, padded, run_checked, who
-from .devices.fleet import Devices
+from .devices.fleet import Devices, PoolStats
 from .devices.health import HEALTHY, DeviceState, Verdict
 from .errors import BackendError, BatchserveError, StartupError
 from .models.registry import Key, ModelVersion
@@ -74,24 +73,6 @@ LOGGED_IDS = 5
 """A failed batch's log line names this many request ids and counts the rest."""
 
 
-@dataclass(frozen=True, slots=True)
-class DeviceStats:
-    name: str
-    state: DeviceState
-    busy_ratio: float
-    """Share of the last BUSY_WINDOW_S spent inside batch calls."""
-    busy_seconds: float
-    """Time spent in finished batch calls."""
-
-
-@dataclass(frozen=True, slots=True)
-class PoolStats:
-    """What the metrics and the dashboard read of the pool at a scrape (copies)."""
-
-    devices: tuple[DeviceStats, ...]
-    faults: Mapping[str, int]
-
-
 class GpuPool:
     """The physical devices, shared by every model version placed on them."""
 
@@ -112,7 +93,8 @@ class GpuPool:
         self._own = devices is None
         self._fleet = devices or Devices(clock=clock, on_crash=on_crash)
         names = dict.fromkeys(name for v in versions for name in v.device_names)
-        self._devices = [self._fleet.get(name) for name in names]
+        self.devices = [self._fleet.get(name) for name in names]
+        """Its devices (not to be changed: the batcher counts them at every decision)."""
         self._names = frozenset(names)
         self._tasks = TaskSet(on_crash)
         self._sharing: dict[ModelVersion, frozenset[ModelVersion]] = {}
@@ -127,26 +109,26 @@ class GpuPool:
 
     def __repr__(self) -> str:
         return (
-            f"<GpuPool devices={len(self._devices)} healthy={self.healthy} free={self.free_count}>"
+            f"<GpuPool devices={len(self.devices)} healthy={self.healthy} free={self.free_count}>"
         )
 
     @property
     def free_count(self) -> int:
         # Counted in a list, not summed over a generator: the batcher asks at every arrival.
-        return [device.state for device in self._devices].count(DeviceState.IDLE)
+        return [device.state for device in self.devices].count(DeviceState.IDLE)
 
     def free_for(self, version: ModelVersion, avoid: tuple[str, ...] = ()) -> int:
         """Free devices that can run `version`, other than those named in `avoid`."""
         if not avoid:  # the batcher's question at every decision
-            return sum(d.state is DeviceState.IDLE and version in d.fns for d in self._devices)
+            return sum(d.state is DeviceState.IDLE and version in d.fns for d in self.devices)
         return sum(
             d.state is DeviceState.IDLE and version in d.fns and d.name not in avoid
-            for d in self._devices
+            for d in self.devices
         )
 
     def healthy_for(self, version: ModelVersion, avoid: tuple[str, ...] = ()) -> int:
         return sum(
-            d.state in HEALTHY and version in d.fns and d.name not in avoid for d in self._devices
+            d.state in HEALTHY and version in d.fns and d.name not in avoid for d in self.devices
         )
 
     def sharing(self, version: ModelVersion) -> frozenset[ModelVersion]:
@@ -154,7 +136,7 @@ class GpuPool:
         neighbours = self._sharing.get(version)
         if neighbours is None:
             neighbours = self._sharing[version] = frozenset(
-                v for d in self._devices if version in d.fns for v in d.fns
+                v for d in self.devices if version in d.fns for v in d.fns
             )
         return neighbours
 
@@ -162,40 +144,20 @@ class GpuPool:
         """Start times of the batches of `key` running now: what its spacing counts from."""
         return [
             d.busy_since
-            for d in self._devices
+            for d in self.devices
             if d.busy_since is not None and (d.key is key or d.key == key)
         ]
 
     @property
     def in_flight_requests(self) -> int:
         """Requests running and still unanswered (a deadline may have answered one)."""
-        return sum(not r.future.done() for device in self._devices for r in device.batch)
-
-    @property
-    def devices(self) -> list[Device]:
-        return list(self._devices)
+        return sum(not r.future.done() for device in self.devices for r in device.batch)
 
     def stats(self, now: float) -> PoolStats:
-        return PoolStats(
-            devices=tuple(
-                DeviceStats(d.name, d.state, d.busy_ratio(now), d.busy_total_s)
-                for d in self._devices
-            ),
-            faults=dict(self.faults),
-        )
-
-    @property
-    def batch_slots(self) -> int:
-        """Requests the healthy devices take in one call each: per device, the largest max
-        batch size of the versions loaded there (the gateway picker's read, every 50 ms)."""
-        return sum(
-            max((v.spec.max_batch_size for v in d.fns), default=0)
-            for d in self._devices
-            if d.state in HEALTHY
-        )
+        return PoolStats.of(self.devices, self.faults, now)
 
     def states(self) -> dict[str, str]:
-        return {device.name: device.state.value for device in self._devices}
+        return {device.name: device.state.value for device in self.devices}
 
     def listen(self, listener: PoolListener) -> None:
         """Makes `listener` the one that hears of batches and devices (set once, before
@@ -209,12 +171,12 @@ class GpuPool:
         land where they run); a device where nothing loaded is dead."""
         if self._listener is _NO_LISTENER:
             raise RuntimeError("the pool needs a listener before it starts (see listen)")
-        for device in self._devices:
+        for device in self.devices:
             self._fleet.open(device)
         problems: list[str] = []
         for version in self._versions:
             problems += await self.load(version)
-        for device in self._devices:
+        for device in self.devices:
             if not device.fns:
                 self._fleet.dead(device)
         self._changed(None)
@@ -232,9 +194,7 @@ class GpuPool:
     async def load(self, version: ModelVersion, *, beside_serving: bool = False) -> list[str]:
         """Loads `version` on its devices in service (see `devices/loading.py`); returns
         what failed."""
-        devices = [
-            d for d in self._devices if d.name in version.device_names and d.state in HEALTHY
-        ]
+        devices = [d for d in self.devices if d.name in version.device_names and d.state in HEALTHY]
         problems = await loading.load(
             devices, version, beside_serving=beside_serving, freed=self._fleet.changed
         )
@@ -244,19 +204,19 @@ class GpuPool:
     def _changed(self, device: Device | None) -> None:
         """One of the devices left service, came back or freed (None: any, at start)."""
         if device is None or device.name in self._names:
-            self.healthy = sum(d.state in HEALTHY for d in self._devices)
+            self.healthy = sum(d.state in HEALTHY for d in self.devices)
             if device is not None:
                 self._listener.health_changed()  # a listener set by `listen` after construction
 
     def unload(self, version: ModelVersion) -> None:
         """Drops `version`'s batch functions, so that its weights can be freed; the caller
         has made sure none of its batches runs."""
-        loading.unload(self._devices, version)
+        loading.unload(self.devices, version)
         self._sharing.clear()
 
     def running(self, version: ModelVersion) -> bool:
         """Whether a batch of `version` is inside a device now."""
-        return any(d.key is not None and d.key.version is version for d in self._devices)
+        return any(d.key is not None and d.key.version is version for d in self.devices)
 
     async def __aexit__(self, *exc_info: object) -> None:
         """Cancels what is left: calls nobody waits for after the drain; then its own
@@ -271,13 +231,13 @@ class GpuPool:
         """Starts `batch` (every request of `key`) on a free device that runs its version;
         the caller has checked that one is free. `reason`: why it left, for `on_call`."""
         version = key.version
-        device = next(d for d in self._devices if d.state is DeviceState.IDLE and version in d.fns)
+        device = next(d for d in self.devices if d.state is DeviceState.IDLE and version in d.fns)
         avoid = batch[-1].failed_on  # riding rescue groups, if any, come last
         if device.name in avoid:  # a rescue: another device, if one is free
             device = next(
                 (
                     d
-                    for d in self._devices
+                    for d in self.devices
                     if d.state is DeviceState.IDLE and version in d.fns and d.name not in avoid
                 ),
                 device,
@@ -308,7 +268,7 @@ class GpuPool:
 
     def fail_in_flight(self, error: BatchserveError) -> None:
         """Answers everyone whose batch is still running; late results are then dropped."""
-        for device in self._devices:
+        for device in self.devices:
             for request in device.batch:
                 if not request.future.done():
                     request.future.set_exception(error)

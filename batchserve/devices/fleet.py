@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import TypeVar
 
 from ..clock import Clock
@@ -33,6 +34,31 @@ OnHung = Callable[[float], None]
 """Told, with the budget it ran past, that the call hung: its work goes elsewhere."""
 Progress = Callable[[], int | None]
 """A call's work counter, if it keeps one: a call that still advances is not hung."""
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceStats:
+    name: str
+    state: DeviceState
+    busy_ratio: float
+    """Share of the last BUSY_WINDOW_S spent inside calls (batches and steps)."""
+    busy_seconds: float
+    """Time spent in finished calls."""
+
+
+@dataclass(frozen=True, slots=True)
+class PoolStats:
+    """What the metrics and the dashboard read of the devices at a scrape (copies)."""
+
+    devices: tuple[DeviceStats, ...]
+    faults: Mapping[str, int]
+
+    @classmethod
+    def of(cls, devices: Iterable[Device], faults: Mapping[str, int], now: float) -> PoolStats:
+        return cls(
+            tuple(DeviceStats(d.name, d.state, d.busy_ratio(now), d.busy_total_s) for d in devices),
+            dict(faults),
+        )
 
 
 class OutOfService(Exception):
