@@ -146,3 +146,32 @@ async def test_a_hung_step_goes_through_the_device_health_machine(hang):
         assert engine.faults["device_recovered"] == 1
         assert (await engine.infer("again", model="embed")).output == "niaga"
     assert calls.overlaps == []
+
+
+class Broken(RecordingGenerator):
+    """A generator whose every step raises: the device, not an input, is to blame."""
+
+    def step(self, seqs: list[Seq]) -> list[str | None]:
+        raise RuntimeError("the device fell off the bus")
+
+
+async def test_a_generation_device_whose_steps_keep_failing_is_probed_and_restarted():
+    loaded: list[RecordingGenerator] = []
+
+    def load(device: str) -> RecordingGenerator:  # broken at first; a restart loads it well
+        loaded.append((Broken if not loaded else RecordingGenerator)(device))
+        return loaded[-1]
+
+    spec = ModelSpec(name="writer", version="1", generator=load, devices="sim:1")
+    engine = Engine(Config(batch_timeout_ms=1000), models=[spec], clock=FakeClock())
+    async with engine:
+        for prompt in ["one", "two"]:  # two whole steps in a row fail there: suspect, probed
+            with pytest.raises(BackendError, match="fell off the bus"):
+                await generate(engine, prompt)
+        async with asyncio.timeout(HANG_GUARD_S):
+            # Polled: the probe and the reload run on the device's threads.
+            while not engine.faults["device_restarted"]:  # noqa: ASYNC110
+                await asyncio.sleep(0)
+        assert engine.faults["device_failing"] == 1  # its probe failed too
+        assert len(loaded) == 2  # loaded again on a fresh thread, then probed
+        assert (await generate(engine, "three"))[0] == "eerht"

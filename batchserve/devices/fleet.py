@@ -186,8 +186,8 @@ class Devices:
     ) -> tuple[Ret, float]:
         """`fn(arg)` in the device's turn, under its watchdog: what it returned, and its
         seconds inside. Raises OutOfService if the device is out or its call hangs; else
-        what `fn` raised, after the health machine has judged the failure of the call of
-        `who` (if given)."""
+        what `fn` raised. A call of `who` (requests, or sequences) is judged by the health
+        machine, failed or succeeded; one without is not."""
         if not await device.take_turn():
             raise OutOfService(f"{device.name} is {device.state.value}", ran=False)
         device.busy_since = started = self._clock.time()
@@ -202,7 +202,8 @@ class Devices:
         finished = self._clock.time()
         device.call_ended(started, finished)
         if not isinstance(returned, Exception):
-            self.health.call_succeeded(device)
+            if who is not None:  # a release is not judged: it says little of the device
+                self.health.call_succeeded(device)
             self.release(device)
             return returned, finished - started
         if who is not None:  # judged before anyone else takes the device
