@@ -31,7 +31,7 @@ class Resident(Protocol):
     """What lives on a device beside its batch versions and must come back with it after a
     restart: a generation model's step loop (its generator)."""
 
-    async def reload(self) -> None:
+    async def reload(self) -> object:
         """Loads again on the device's fresh thread; raises if that fails."""
 
     def probe(self) -> Probe:

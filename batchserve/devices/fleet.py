@@ -6,6 +6,13 @@ device, probes after a hung call returns (`care.py`). So a device shared by a ba
 a generation model runs a batch or a step, never both, and a generation device gets the
 health states, probes and restarts a batch device has.
 
+The watchdog judges a device by its thread, not by when the loop got round to looking: when
+a call's budget is up it is not hung if its thread has already returned the call (the loop
+was stalled: tokenizing, a slow handler), nor if the caller's `progress` counter (a
+generator's, bumped once a layer) moved in the last budget: a busy machine's slow step gets
+another budget, as many as it keeps advancing. Only a call that made no progress for a whole
+budget is hung.
+
 The pool keeps its fast path: it takes an idle device, submits and arms the watchdog
 (`watch`) without a coroutine of its own in between. A step takes its turn (`call`): after a
 batch, a waiting step goes first; after a step on a device with batch versions, the batcher

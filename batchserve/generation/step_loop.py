@@ -34,28 +34,13 @@ running streams keep making a token a step while a long prompt comes in, and sho
 finish their prefill beside it instead of after it. The steps that carry prefill measure the
 device's prefill cost, from which the model predicts a new request's first token.
 
-Every step and release is a call on the device's one runner (`devices/fleet.py`), in its
-turn: on a device shared with a batch model, a step and a batch never run at once, and after
-a step the batcher may take the device first. The device's health machine judges the calls:
-a step that runs past its budget (`--batch-timeout-ms`, or 5x the step's predicted time,
-`a + b x tokens` learned from the steps before it over the tokens it processes, and past the
-largest step seen no less than that step's time scaled by the tokens; at least 1 s)
-without progress hangs its device: its sequences go back to the head of the line with their
-tokens, for another device to recompute and go on with (500 where no other device can), and
-the device takes nothing new until the step returns and a probe (a one-token step) answers
-in time; what the step returns is dropped, and the sequences it held are released on it
-then. A release (of ended or preempted sequences) runs under the same watchdog: one that
-hangs hands the running sequences on in the same way. A whole step that fails twice in a row
-there (and nowhere else) makes the device suspect, probed; one that fails its probe restarts
-(its generator loaded again on a fresh thread). While a device is out of service (hung, or a
-batch call's hang, or failing) its running sequences go on elsewhere, and it takes none.
-
-The watchdog judges the device by its thread, not by when the loop got round to looking:
-when the budget is up it is not hung if its thread has already returned the call (the loop
-was stalled: tokenizing, a slow handler), nor if the generator's `progress` counter (bumped
-as it works, e.g. once a layer) moved in the last budget: a busy machine's slow step gets
-another budget, as many as it keeps advancing. Only a call that made no progress for a whole
-budget is hung; with one device that fails its streams, the last resort.
+Steps and releases are calls on the device's one runner (`devices/fleet.py`), in turn with
+any batch model's calls there, under its watchdog and health machine. A call past its budget
+(`--batch-timeout-ms`, or 5x the step's predicted time, `a + b x tokens` learned from earlier
+steps; at least 1 s) without progress hangs the device: its sequences go back to the head of
+the line with their tokens, for another device to go on with (500 where none can), and it
+takes nothing until the call returns (dropped) and a probe (a one-token step) answers in time.
+Two whole steps failed in a row there alone make it suspect; failing its probe, it restarts.
 """
 
 from __future__ import annotations
@@ -201,27 +186,24 @@ class StepLoop:
         return None if full is None else tokens / per_step * full
 
     async def load(self, factory: GeneratorFactory) -> Generator:
-        """Loads the generator on the device's thread (started if it is not yet), and lives
-        there: a restart of the device loads it again (`reload`)."""
+        """Loads the generator on the device's thread (started if it is not yet), where it
+        lives: a restart of the device loads it again (`reload`)."""
         self._devices.open(self._device)
         self._factory = factory
-        self._generator = await self._device.thread.submit(factory, self.device)
-        self._chunked = getattr(self._generator, "chunked_prefill", False) is True
-        if self._chunked and isinstance(self._generator, PrefixCache):
-            self._cache = self._generator
         self._device.residents.append(self)
-        return self._generator
+        return await self.reload()
 
-    async def reload(self) -> None:
-        """On the device's fresh thread, after a restart: its sequences were handed on, and
-        nothing is left to release."""
+    async def reload(self) -> Generator:
+        """Loads the generator on the device's thread: at start, or on a fresh thread after a
+        restart (its sequences were handed on; nothing is left to release)."""
         assert self._factory is not None
         self._to_release = []
-        self._generator = await self._device.thread.submit(self._factory, self.device)
-        if self._cache is not None:
-            assert isinstance(self._generator, PrefixCache)
-            self._cache = self._generator
-            self._rows_held = self._cache.kv_rows_held
+        generator = await self._device.thread.submit(self._factory, self.device)
+        self._generator = generator
+        self._chunked = getattr(generator, "chunked_prefill", False) is True
+        self._cache = generator if self._chunked and isinstance(generator, PrefixCache) else None
+        self._rows_held = 0 if self._cache is None else self._cache.kv_rows_held
+        return generator
 
     def probe(self) -> Probe:
         """A one-token step of an empty prompt, then its release, as the warm-up does."""
@@ -423,17 +405,11 @@ class StepLoop:
         def hung(budget_s: float) -> None:
             """The watchdog: the device is hung; its sequences go on elsewhere, or fail."""
             self._model.hung_steps += 1
-            log.error(
-                "%s: a %s ran past its budget of %.0f ms without progress; the device takes"
-                " no new sequences until it returns and a probe answers in time",
-                self.device,
-                what,
-                budget_s * 1e3,
-            )
+            past = f"the {what} on {self.device} ran past its budget of {budget_s * 1e3:.0f} ms"
+            log.error("%s without progress; the device takes nothing until a probe answers", past)
             self._leave(
-                f"the {what} on {self.device} ran past its budget of {budget_s * 1e3:.0f} ms"
-                " without progress and no other device can go on with the sequence; if the"
-                " device is only slow, raise --batch-timeout-ms"
+                f"{past} without progress and no other device can go on with the sequence; if"
+                " the device is only slow, raise --batch-timeout-ms"
             )
 
         return hung
@@ -447,14 +423,10 @@ class StepLoop:
         """The device left service: the running sequences go on elsewhere, or fail; their
         state on the device is released once it is back."""
         handed_back, self.running = self.running, []
-        if not handed_back:
-            return
         for gen in handed_back:
             gen.computed = 0
         self._to_release += [gen.seq.id for gen in handed_back]
-        why = why or (
-            f"{self.device} is {self.state} and no other device can go on with the sequence"
-        )
+        why = why or f"{self.device} is {self.state}; no other device can go on with it"
         self._model.hand_back(handed_back, BackendError(why), self._clock.time())
 
     async def _release(self, seq_ids: list[str]) -> None:
