@@ -1,19 +1,17 @@
-"""Devices, their threads and their health: each device runs one batch call at a time.
+"""The batch models' side of the devices: each device runs one call at a time, a batch or
+(on a device shared with a generation model) a step.
 
 The pool loads each device's batch function on that device's thread (so weights land where
-they will be used), runs batches there, checks what comes back and resolves the waiting
-futures on the event loop. A failed batch goes back to its listener (the batcher, which
-decides what runs again). A call past its budget marks its device hung: the device gets no
-work until that call has returned and a probe has answered in time. The pool owns every
-task it starts and cancels what is left of them on close. Each successful call's duration
-goes into the engine's one batch-time estimate; all timing reads its clock. Its wings are
-in devices/: the Device record, version loading, the pure health state machine, and the
-care (probes, restarts) of devices out of service.
+they will be used), runs batches there under the device's watchdog, checks what comes back
+and resolves the waiting futures on the event loop. A failed batch goes back to its listener
+(the batcher, which decides what runs again). The devices themselves, their threads, their
+watchdog, the health machine and the care of devices out of service (probes, restarts) are
+`devices/`'s (`Devices`, fleet.py), shared with the generation models' step loops. The pool
+owns every task it starts and cancels what is left of them on close. Each successful call's
+duration goes into the engine's one batch-time estimate; all timing reads its clock.
 
-GpuPool has about 30 methods: 11 are one-line queries the batcher asks of the devices at
-each decision (free_for, healthy_avoiding, ...), which belong with the devices they count.
-The module is over ~400 lines for that class and the stats records that doors and metrics
-read; its other jobs are already in devices/.
+GpuPool has about 24 methods, 9 of them one-line queries the batcher asks of the devices at
+each decision (free_for, healthy_for, ...), which belong with the devices they count.
 """
 
 from __future__ import annotations
@@ -22,23 +20,16 @@ import asyncio
 import functools
 import logging
 from collections import Counter
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
 from .batching.faults import BatchFailure, FailureKind
 from .batching.request import QueuedRequest, Result
-from .clock import Clock, Timer
+from .clock import Clock
 from .devices import loading
-from .devices.care import Care
 from .devices.device import Device, Malformed, padded, run_checked, who
-from .devices.health import (
-    HEALTHY,
-    DeviceState,
-    Health,
-    Verdict,
-)
-from .devices.thread import DeviceThread
+from .devices.fleet import Devices, PoolStats
+from .devices.health import HEALTHY, DeviceState, Verdict
 from .errors import BackendError, BatchserveError, StartupError
 from .models.registry import Key, ModelVersion
 from .models.specs import DEFAULT_MODEL
@@ -82,24 +73,6 @@ LOGGED_IDS = 5
 """A failed batch's log line names this many request ids and counts the rest."""
 
 
-@dataclass(frozen=True, slots=True)
-class DeviceStats:
-    name: str
-    state: DeviceState
-    busy_ratio: float
-    """Share of the last BUSY_WINDOW_S spent inside batch calls."""
-    busy_seconds: float
-    """Time spent in finished batch calls."""
-
-
-@dataclass(frozen=True, slots=True)
-class PoolStats:
-    """What the metrics and the dashboard read of the pool at a scrape (copies)."""
-
-    devices: tuple[DeviceStats, ...]
-    faults: Mapping[str, int]
-
-
 class GpuPool:
     """The physical devices, shared by every model version placed on them."""
 
@@ -110,60 +83,52 @@ class GpuPool:
         clock: Clock,
         on_crash: CrashHandler,
         listener: PoolListener | None = None,
+        devices: Devices | None = None,
     ) -> None:
+        """`devices`: the engine's, shared with its generation models; without them the
+        pool has devices of its own, which it closes."""
         self._versions = versions
         self._clock = clock
         self._listener: PoolListener = listener or _NO_LISTENER
+        self._own = devices is None
+        self._fleet = devices or Devices(clock=clock, on_crash=on_crash)
         names = dict.fromkeys(name for v in versions for name in v.device_names)
-        self._devices = [Device(name, DeviceThread(name)) for name in names]
+        self.devices = [self._fleet.get(name) for name in names]
+        """Its devices (not to be changed: the batcher counts them at every decision)."""
+        self._names = frozenset(names)
         self._tasks = TaskSet(on_crash)
-        self._health = Health()
         self._sharing: dict[ModelVersion, frozenset[ModelVersion]] = {}
         """`sharing`'s answers, until a load or unload changes what the devices hold."""
-        self.faults: Counter[str] = Counter()
-        """Faults by kind, counted in the logs and on /metrics."""
-        self._care = Care(
-            self._health,
-            clock=clock,
-            faults=self.faults,
-            tasks=self._tasks,
-            changed=self._health_changed,
-        )
+        self.faults: Counter[str] = self._fleet.faults
+        """Faults by kind, the devices' (shared), counted in the logs and on /metrics."""
+        self.healthy = 0
+        """Its devices in service, counted again whenever one changes."""
+        self._fleet.listen(self._changed)
         self.on_call: Callable[[BatchCall], None] | None = None
         """Told of each batch call as it returns, before anyone is answered (tracing)."""
 
     def __repr__(self) -> str:
         return (
-            f"<GpuPool devices={len(self._devices)} healthy={self.healthy} free={self.free_count}>"
+            f"<GpuPool devices={len(self.devices)} healthy={self.healthy} free={self.free_count}>"
         )
-
-    @property
-    def healthy(self) -> int:
-        """Devices in service."""
-        return self._health.healthy
 
     @property
     def free_count(self) -> int:
         # Counted in a list, not summed over a generator: the batcher asks at every arrival.
-        return [device.state for device in self._devices].count(DeviceState.IDLE)
+        return [device.state for device in self.devices].count(DeviceState.IDLE)
 
-    def free_for(self, version: ModelVersion) -> int:
-        """Free devices that can run `version`."""
-        return sum(d.state is DeviceState.IDLE and version in d.fns for d in self._devices)
-
-    def healthy_for(self, version: ModelVersion) -> int:
-        return sum(d.state in HEALTHY and version in d.fns for d in self._devices)
-
-    def free_avoiding(self, version: ModelVersion, avoid: tuple[str, ...]) -> int:
+    def free_for(self, version: ModelVersion, avoid: tuple[str, ...] = ()) -> int:
         """Free devices that can run `version`, other than those named in `avoid`."""
+        if not avoid:  # the batcher's question at every decision
+            return sum(d.state is DeviceState.IDLE and version in d.fns for d in self.devices)
         return sum(
             d.state is DeviceState.IDLE and version in d.fns and d.name not in avoid
-            for d in self._devices
+            for d in self.devices
         )
 
-    def healthy_avoiding(self, version: ModelVersion, avoid: tuple[str, ...]) -> int:
+    def healthy_for(self, version: ModelVersion, avoid: tuple[str, ...] = ()) -> int:
         return sum(
-            d.state in HEALTHY and version in d.fns and d.name not in avoid for d in self._devices
+            d.state in HEALTHY and version in d.fns and d.name not in avoid for d in self.devices
         )
 
     def sharing(self, version: ModelVersion) -> frozenset[ModelVersion]:
@@ -171,7 +136,7 @@ class GpuPool:
         neighbours = self._sharing.get(version)
         if neighbours is None:
             neighbours = self._sharing[version] = frozenset(
-                v for d in self._devices if version in d.fns for v in d.fns
+                v for d in self.devices if version in d.fns for v in d.fns
             )
         return neighbours
 
@@ -179,40 +144,20 @@ class GpuPool:
         """Start times of the batches of `key` running now: what its spacing counts from."""
         return [
             d.busy_since
-            for d in self._devices
+            for d in self.devices
             if d.busy_since is not None and (d.key is key or d.key == key)
         ]
 
     @property
     def in_flight_requests(self) -> int:
         """Requests running and still unanswered (a deadline may have answered one)."""
-        return sum(not r.future.done() for device in self._devices for r in device.batch)
-
-    @property
-    def devices(self) -> list[Device]:
-        return list(self._devices)
+        return sum(not r.future.done() for device in self.devices for r in device.batch)
 
     def stats(self, now: float) -> PoolStats:
-        return PoolStats(
-            devices=tuple(
-                DeviceStats(d.name, d.state, d.busy_ratio(now), d.busy_total_s)
-                for d in self._devices
-            ),
-            faults=dict(self.faults),
-        )
-
-    @property
-    def batch_slots(self) -> int:
-        """Requests the healthy devices take in one call each: per device, the largest max
-        batch size of the versions loaded there (the gateway picker's read, every 50 ms)."""
-        return sum(
-            max((v.spec.max_batch_size for v in d.fns), default=0)
-            for d in self._devices
-            if d.state in HEALTHY
-        )
+        return PoolStats.of(self.devices, self.faults, now)
 
     def states(self) -> dict[str, str]:
-        return {device.name: device.state.value for device in self._devices}
+        return {device.name: device.state.value for device in self.devices}
 
     def listen(self, listener: PoolListener) -> None:
         """Makes `listener` the one that hears of batches and devices (set once, before
@@ -226,22 +171,19 @@ class GpuPool:
         land where they run); a device where nothing loaded is dead."""
         if self._listener is _NO_LISTENER:
             raise RuntimeError("the pool needs a listener before it starts (see listen)")
-        loop = asyncio.get_running_loop()
-        for device in self._devices:
-            device.thread.start(loop)
+        for device in self.devices:
+            self._fleet.open(device)
         problems: list[str] = []
         for version in self._versions:
             problems += await self.load(version)
-        for device in self._devices:
+        for device in self.devices:
             if not device.fns:
-                self._health.dead(device)
-                device.thread.stop()
-                self.faults["device_dead"] += 1
-        self._health.count(self._devices)
+                self._fleet.dead(device)
+        self._changed(None)
         unloaded = [v.spec.label for v in self._versions if not v.loaded_on]
         if unloaded:
-            for device in self._devices:
-                device.thread.stop()
+            if self._own:
+                await self._fleet.__aexit__()
             if [v.name for v in self._versions] == [DEFAULT_MODEL]:
                 raise StartupError("no device loaded: " + "; ".join(problems))
             raise StartupError(f"{', '.join(unloaded)} loaded on no device: " + "; ".join(problems))
@@ -252,36 +194,36 @@ class GpuPool:
     async def load(self, version: ModelVersion, *, beside_serving: bool = False) -> list[str]:
         """Loads `version` on its devices in service (see `devices/loading.py`); returns
         what failed."""
-        devices = [
-            d for d in self._devices if d.name in version.device_names and d.state in HEALTHY
-        ]
+        devices = [d for d in self.devices if d.name in version.device_names and d.state in HEALTHY]
         problems = await loading.load(
-            devices, version, beside_serving=beside_serving, freed=self._freed
+            devices, version, beside_serving=beside_serving, freed=self._fleet.changed
         )
         self._sharing.clear()
         return problems
 
-    def _freed(self) -> None:
-        self._listener.health_changed()  # wakes the batcher for the free device
-
-    def _health_changed(self) -> None:
-        self._listener.health_changed()  # a listener set by `listen` after construction
+    def _changed(self, device: Device | None) -> None:
+        """One of the devices left service, came back or freed (None: any, at start)."""
+        if device is None or device.name in self._names:
+            self.healthy = sum(d.state in HEALTHY for d in self.devices)
+            if device is not None:
+                self._listener.health_changed()  # a listener set by `listen` after construction
 
     def unload(self, version: ModelVersion) -> None:
         """Drops `version`'s batch functions, so that its weights can be freed; the caller
         has made sure none of its batches runs."""
-        loading.unload(self._devices, version)
+        loading.unload(self.devices, version)
         self._sharing.clear()
 
     def running(self, version: ModelVersion) -> bool:
         """Whether a batch of `version` is inside a device now."""
-        return any(d.key is not None and d.key.version is version for d in self._devices)
+        return any(d.key is not None and d.key.version is version for d in self.devices)
 
     async def __aexit__(self, *exc_info: object) -> None:
-        """Cancels what is left: probes, and calls nobody waits for after the drain."""
+        """Cancels what is left: calls nobody waits for after the drain; then its own
+        devices' probes and threads."""
         await self._tasks.aclose()
-        for device in self._devices:
-            device.thread.stop()
+        if self._own:
+            await self._fleet.__aexit__()
 
     def dispatch(
         self, batch: list[QueuedRequest], batch_id: int, key: Key, reason: str = "policy"
@@ -289,13 +231,13 @@ class GpuPool:
         """Starts `batch` (every request of `key`) on a free device that runs its version;
         the caller has checked that one is free. `reason`: why it left, for `on_call`."""
         version = key.version
-        device = next(d for d in self._devices if d.state is DeviceState.IDLE and version in d.fns)
+        device = next(d for d in self.devices if d.state is DeviceState.IDLE and version in d.fns)
         avoid = batch[-1].failed_on  # riding rescue groups, if any, come last
         if device.name in avoid:  # a rescue: another device, if one is free
             device = next(
                 (
                     d
-                    for d in self._devices
+                    for d in self.devices
                     if d.state is DeviceState.IDLE and version in d.fns and d.name not in avoid
                 ),
                 device,
@@ -309,21 +251,24 @@ class GpuPool:
         # Submitted here, not in the task's first step: that step would queue behind every
         # handler that the last finished batch just woke, leaving the device idle meanwhile.
         run = functools.partial(run_checked, device.fns[version], key.params)
-        call = device.thread.submit(run, [r.input for r in batch])
-        # A plain timer, not asyncio.wait: that would add a loop pass between the call's end
-        # and this device's next batch, and under load each pass waits behind every handler.
-        budget_s = version.call_budget_s(padded(batch))
-        watchdog = self._clock.call_at(
-            started + budget_s, self._hung, device, batch, batch_id, budget_s
+        # The watchdog is a plain timer, not asyncio.wait: that would add a loop pass between
+        # the call's end and this device's next batch, and under load each pass waits behind
+        # every handler.
+        call = self._fleet.watch(
+            device,
+            run,
+            [r.input for r in batch],
+            version.call_budget_s(padded(batch)),
+            functools.partial(self._hung, device, batch, batch_id),
         )
         self._tasks.start(
-            self._finish(device, batch, batch_id, started, call, watchdog, reason),
+            self._finish(device, batch, batch_id, started, call, reason),
             name=f"batchserve-batch-{batch_id}",
         )
 
     def fail_in_flight(self, error: BatchserveError) -> None:
         """Answers everyone whose batch is still running; late results are then dropped."""
-        for device in self._devices:
+        for device in self.devices:
             for request in device.batch:
                 if not request.future.done():
                     request.future.set_exception(error)
@@ -335,20 +280,18 @@ class GpuPool:
         batch_id: int,
         started: float,
         call: asyncio.Future[list[Any]],
-        watchdog: Timer,
         reason: str,
     ) -> None:
         try:
             returned: list[Any] | Exception = await call
         except Exception as exc:
             returned = exc
-        watchdog.cancel()
+        hung = self._fleet.returned(device)  # then the watchdog handed the batch back
         if self.on_call is not None:
-            error = "hung" if device.state is DeviceState.HUNG else _error_type(returned)
+            error = "hung" if hung else _error_type(returned)
             now = self._clock.time()
             self.on_call(BatchCall(batch, batch_id, device.name, started, now, reason, error))
-        if device.state is DeviceState.HUNG:  # the watchdog already handed the batch back
-            await self._care.recover(device)
+        if hung:
             return
         key = device.key
         assert key is not None
@@ -364,9 +307,10 @@ class GpuPool:
             if device.state is DeviceState.IDLE:
                 device.hand_turn()
             return
-        self._health.call_succeeded(device)
+        self._fleet.health.call_succeeded(device)
         if batch[0].failed_on:  # a rescue: where it failed before may have been to blame
-            self._exonerate(device, batch)
+            names = {name for r in batch for name in r.failed_on} - {device.name}
+            self._fleet.exonerate(names, {who(r) for r in batch})
         outputs = returned
         version = key.version
         version.estimate.observe(finished - started, padded(batch))
@@ -417,9 +361,8 @@ class GpuPool:
         first_try = not any(request.failed_on for request in batch)
         for request in batch:
             request.failed_on += (device.name,)
-        verdict = self._health.call_failed(device, {who(r) for r in batch}, first_try=first_try)
+        verdict = self._fleet.failed(device, {who(r) for r in batch}, first_try=first_try)
         if verdict is Verdict.SUSPECT:
-            self._tasks.start(self._care.check(device), name=f"batchserve-check-{device.name}")
             self._failed(
                 batch,
                 key,
@@ -430,30 +373,18 @@ class GpuPool:
         if verdict is Verdict.INPUTS:
             self._failed(batch, key, BatchFailure(kind, error, device.name, batch_id, shared))
             return
-        self._care.mark_failing(device)
         self._failed(
             batch,
             key,
             BatchFailure(FailureKind.DEVICE_FAILING, error, device.name, batch_id, shared),
             then=f"; {device.name} is failing and restarts",
         )
-        self._listener.health_changed()
-
-    def _exonerate(self, device: Device, batch: list[QueuedRequest]) -> None:
-        """A rescued batch succeeded on `device`: where its requests failed before, on other
-        devices, a failed call none of whose inputs is left unanswered was the device's
-        fault."""
-        answered = {who(r) for r in batch}
-        names = {name for r in batch for name in r.failed_on} - {device.name}
-        for other in self._devices:
-            if other.name in names and self._health.exonerate(other, answered):
-                self._care.mark_failing(other)
-                self._listener.health_changed()
+        self._fleet.changed(device)
 
     def poison_found(self, request: QueuedRequest) -> None:
         """A poison input explains the failed calls it was in: they no longer count against
         their devices."""
-        self._health.poison_found(self._devices, who(request))
+        self._fleet.poison_found(who(request))
 
     def _failed(
         self, batch: list[QueuedRequest], key: Key, failure: BatchFailure, then: str = ""
@@ -478,11 +409,9 @@ class GpuPool:
     def _hung(
         self, device: Device, batch: list[QueuedRequest], batch_id: int, budget_s: float
     ) -> None:
+        """The watchdog found the call hung (the device is out): the batch goes back."""
         key = device.key
         assert key is not None
-        self._health.hung(device)
-        device.end_turns()
-        device.busy_since = None
         device.key = None
         device.batch = []
         error = BackendError(
@@ -494,7 +423,6 @@ class GpuPool:
             BatchFailure(FailureKind.HUNG, error, device.name, batch_id),
             then="; the device gets no work until a probe answers in time",
         )
-        self._listener.health_changed()
 
 
 class _NoListener:

@@ -14,6 +14,9 @@ from batchserve.clock import FakeClock
 from .conftest import GatedBackend, reach
 from .test_batch_api import IDLE
 
+LINE = Caller(tenant=IDLE)
+"""A Batch API line's caller: the idle tier."""
+
 
 @asynccontextmanager
 async def running(gated: GatedBackend, **settings: object) -> AsyncIterator[Engine]:
@@ -30,7 +33,7 @@ async def test_online_requests_go_before_waiting_lines_and_never_share_their_cal
     async with running(gated) as engine:
         first = asyncio.ensure_future(engine.infer("online-0"))
         await reach(engine, lambda s: s.in_flight == 1)
-        lines = [asyncio.ensure_future(engine.infer(f"line-{n}", Caller(tenant=IDLE))) for n in range(3)]
+        lines = [asyncio.ensure_future(engine.infer(f"line-{n}", LINE)) for n in range(3)]
         online = [asyncio.ensure_future(engine.infer(f"online-{n}")) for n in (1, 2)]
         await reach(engine, lambda s: s.queued == 2)
         gated.gate.set()
@@ -40,9 +43,9 @@ async def test_online_requests_go_before_waiting_lines_and_never_share_their_cal
 
 async def test_an_online_request_waits_for_at_most_the_one_batch_call_in_hand(gated):
     async with running(gated) as engine:
-        lines = [asyncio.ensure_future(engine.infer(f"line-{n}", Caller(tenant=IDLE))) for n in range(2)]
+        lines = [asyncio.ensure_future(engine.infer(f"line-{n}", LINE)) for n in range(2)]
         await reach(engine, lambda s: s.in_flight == 2)  # an idle device takes them at once
-        more = [asyncio.ensure_future(engine.infer(f"later-{n}", Caller(tenant=IDLE))) for n in range(2)]
+        more = [asyncio.ensure_future(engine.infer(f"later-{n}", LINE)) for n in range(2)]
         online = asyncio.ensure_future(engine.infer("online"))
         await reach(engine, lambda s: s.queued == 1)
         gated.gate.set()
@@ -54,7 +57,7 @@ async def test_waiting_lines_take_none_of_the_online_queue_bound(gated):
     async with running(gated, max_queue=1) as engine:
         first = asyncio.ensure_future(engine.infer("online-0"))
         await reach(engine, lambda s: s.in_flight == 1)
-        lines = [asyncio.ensure_future(engine.infer(f"line-{n}", Caller(tenant=IDLE))) for n in range(5)]
+        lines = [asyncio.ensure_future(engine.infer(f"line-{n}", LINE)) for n in range(5)]
         online = asyncio.ensure_future(engine.infer("online-1"))  # the one place is free
         await reach(engine, lambda s: s.queued == 1)
         assert engine.stats().queued == 1

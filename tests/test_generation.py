@@ -36,7 +36,7 @@ from batchserve.models.specs import ModelSpec
 from batchserve.observability.window import WINDOW_S
 from batchserve.server import create_app
 
-from .conftest import HANG_GUARD_S, real_server
+from .conftest import HANG_GUARD_S, real_server, recovering
 
 FAIL_AT_3 = "!fail@3!"
 """A prompt carrying this makes the step that would make its fourth token raise."""
@@ -370,6 +370,13 @@ def watched_engine(recorders: list[RecordingGenerator], hang: OneHang, devices: 
     return Engine(Config(batch_timeout_ms=1000), models=[spec], clock=clock), clock
 
 
+async def probed_back(engine: Engine, clock: FakeClock, device: str) -> None:
+    """Once the hung call on `device` has returned, the device's probe runs after one budget
+    (1 s) and, answering, brings it back into service."""
+    await recovering(engine, f"{device} (writer@1)")
+    clock.advance(1.0)
+
+
 async def test_a_hung_step_hands_its_sequences_to_another_device_mid_stream(recorders):
     hang = OneHang()
     engine, clock = watched_engine(recorders, hang, "sim:2")
@@ -386,8 +393,10 @@ async def test_a_hung_step_hands_its_sequences_to_another_device_mid_stream(reco
         assert other.steps == [["moved"]] * (len(prompt) + 1 - 3)
         stuck.release_seen.clear()
         hang.release.set()  # the late step returns: dropped, and its sequence released
-        assert await asyncio.to_thread(stuck.release_seen.wait, HANG_GUARD_S)
-        assert "moved" in stuck.released
+        await probed_back(engine, clock, hang.device)  # once a probe has answered
+        while "moved" not in stuck.released:  # the probe's own release may come first
+            assert await asyncio.to_thread(stuck.release_seen.wait, HANG_GUARD_S)
+            stuck.release_seen.clear()
         assert engine.metrics is not None
         (row,) = engine.metrics.snapshot()["generation"]
         assert (row["hung_steps"], row["running"], row["kv_used_tokens"]) == (1, 0, 0)
@@ -404,7 +413,8 @@ async def test_a_hung_step_with_no_other_device_fails_its_sequences_then_recover
             await streamed
         later = asyncio.ensure_future(generate(engine, "later"))
         hang.release.set()
-        assert (await later)[0] == "retal"  # the device takes work again once it returned
+        await probed_back(engine, clock, "sim:0")
+        assert (await later)[0] == "retal"  # the device takes work again once probed
 
 
 async def test_a_hung_release_does_not_hold_the_running_sequences_with_it(recorders):
@@ -420,7 +430,8 @@ async def test_a_hung_release_does_not_hold_the_running_sequences_with_it(record
             with pytest.raises(BackendError, match="the release on sim:0 ran past its budget"):
                 await running
         recorder.release_gate.set()
-        assert (await generate(engine, "later"))[0] == "retal"  # back once it returned
+        await probed_back(engine, clock, "sim:0")
+        assert (await generate(engine, "later"))[0] == "retal"  # back once probed
 
 
 async def test_requests_for_the_wrong_kind_of_model_say_where_to_go():

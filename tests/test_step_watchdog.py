@@ -54,7 +54,7 @@ async def test_a_loop_stall_past_the_budget_is_not_a_hung_device(recorders):
         recorder.gate.set()
         (model,) = list(engine._generators)
         returned = threading.Event()  # queued behind the step: set once it has returned
-        model.loops[0]._thread.submit(lambda _: returned.set(), None)
+        model.loops[0]._device.thread.submit(lambda _: returned.set(), None)
         assert returned.wait(HANG_GUARD_S)
         clock.advance(3.0)  # the watchdog looks only now, long past the 1 s budget
         output, _ = await streamed

@@ -51,11 +51,9 @@ class Devices(Protocol):
     @property
     def free_count(self) -> int: ...
 
-    def free_for(self, version: ModelVersion) -> int: ...
+    def free_for(self, version: ModelVersion, avoid: tuple[str, ...] = ()) -> int: ...
 
-    def free_avoiding(self, version: ModelVersion, avoid: tuple[str, ...]) -> int: ...
-
-    def healthy_avoiding(self, version: ModelVersion, avoid: tuple[str, ...]) -> int: ...
+    def healthy_for(self, version: ModelVersion, avoid: tuple[str, ...] = ()) -> int: ...
 
     def poison_found(self, request: QueuedRequest) -> None: ...
 
@@ -188,7 +186,7 @@ class Rescue:
             unproven=bool(fresh)
             or (
                 len(set(batch[0].failed_on)) < 2
-                and devices.healthy_avoiding(key.version, batch[0].failed_on) > 0
+                and devices.healthy_for(key.version, batch[0].failed_on) > 0
             ),
             known_poison=bool(key.poison),
             ride=self._rides_coming(key),
@@ -332,13 +330,13 @@ class Rescue:
     def _can_run(self, key: Key, group: list[QueuedRequest]) -> bool:
         """Whether a device that may run `group` is free."""
         devices, failed_on = self._devices, group[0].failed_on
-        if group[0].device_retried and devices.healthy_avoiding(key.version, failed_on):
+        if group[0].device_retried and devices.healthy_for(key.version, failed_on):
             # A lone input, proving it fails on a device it has not failed on yet.
-            return bool(devices.free_avoiding(key.version, failed_on))
-        if devices.healthy_avoiding(key.version, last := failed_on[-1:]):
+            return bool(devices.free_for(key.version, failed_on))
+        if devices.healthy_for(key.version, last := failed_on[-1:]):
             # Not back to the device it just failed on: a broken device, failing fast, is
             # free most often, and would take its whole rescue with nobody answered.
-            return bool(devices.free_avoiding(key.version, last))
+            return bool(devices.free_for(key.version, last))
         return bool(devices.free_for(key.version))
 
     def _ride(self, group: list[QueuedRequest]) -> list[QueuedRequest]:

@@ -1,18 +1,20 @@
-"""A device as the pool holds it: its thread, the versions loaded on it, the batch it runs,
-its busy time, its turns for the pool's own calls, and (inherited) its health; and the one
-checked call that every batch, warm-up and probe makes on a device's thread."""
+"""A physical device, the one runner of every call made on it: its thread, the batch versions
+and the residents (generation models' step loops) loaded on it, the batch it runs, its busy
+time, its turns for calls that are not the batcher's (steps, a warm-up), and (inherited) its
+health; and the one checked call that every batch, warm-up and probe makes on its thread."""
 
 from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 
 from ..batching.request import QueuedRequest
+from ..clock import Timer
 from ..models.registry import Key, ModelVersion
 from ..models.specs import BatchFn
 from .health import HEALTHY, DeviceHealth, DeviceState, Who
@@ -21,11 +23,26 @@ from .thread import DeviceThread
 BUSY_WINDOW_S = 10.0
 """The busy ratio's window."""
 
+Probe = tuple[Callable[[Any], object], Any, float]
+"""A known-good call, its argument and its budget in seconds."""
+
+
+class Resident(Protocol):
+    """What lives on a device beside its batch versions and must come back with it after a
+    restart: a generation model's step loop (its generator)."""
+
+    async def reload(self) -> object:
+        """Loads again on the device's fresh thread; raises if that fails."""
+
+    def probe(self) -> Probe:
+        """A known-good call through it, to tell whether the device answers."""
+
 
 @dataclass(eq=False)
 class Device(DeviceHealth):
     """A device: its thread, what it holds and runs, and (inherited, so that the hot paths
-    read `device.state` directly) its health, which `Health` moves."""
+    read `device.state` directly) its health, which `Health` moves. Every call on it, a
+    batch or a step, takes it (BUSY) first: one call at a time, whoever makes it."""
 
     name: str
     thread: DeviceThread
@@ -45,8 +62,15 @@ class Device(DeviceHealth):
     gateway scrapes 20 times a second, and a walk of the window at each cost more than
     the rest of the device's series."""
     turns: deque[asyncio.Future[bool]] = field(default_factory=deque)
-    """Calls of the pool's own (a new version's warm-up) waiting for the device to be free:
-    each takes it before the batcher can, once the call inside has returned."""
+    """Calls that are not the batcher's (steps, a new version's warm-up) waiting for the
+    device to be free: each takes it before the batcher can, once the call inside returned."""
+    residents: list[Resident] = field(default_factory=list)
+    watchdog: Timer | None = None
+    """The running call's: it looks at the device when the call's budget is up."""
+    stop_wait_s: float = 0.0
+    """How long closing waits for a call still inside (a resident's step in torch)."""
+    back: list[asyncio.Future[None]] = field(default_factory=list)
+    """Who waits for the device to be in service again (`wait_in_service`)."""
 
     def call_ended(self, started: float, finished: float) -> None:
         """Counts a call in the busy ratio; the window drops what it no longer covers here
@@ -80,8 +104,12 @@ class Device(DeviceHealth):
             self.recent_busy_s = 0.0  # no rounding left over from the sums
 
     async def take_turn(self) -> bool:
-        """Takes the device (busy, holding no batch) for a call of the pool's own as soon
-        as it is free; False if it leaves service first (hung, failing)."""
+        """Takes the device (busy, holding no batch) for a call that is not the batcher's as
+        soon as it is free; False if it leaves service first (hung, failing)."""
+        if self.state is DeviceState.IDLE and self.fns:
+            # Batch versions live here: the batcher, woken when the device freed, is let have
+            # it first (one loop pass), so that steps do not run back to back past its batches.
+            await asyncio.sleep(0)
         if self.state not in HEALTHY:
             return False
         if self.state is DeviceState.IDLE and all(turn.done() for turn in self.turns):
@@ -108,6 +136,21 @@ class Device(DeviceHealth):
             turn = self.turns.popleft()
             if not turn.done():
                 turn.set_result(False)
+
+    async def wait_in_service(self) -> None:
+        """Returns once the device is in service (`HEALTHY`)."""
+        while self.state not in HEALTHY:
+            back: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self.back.append(back)
+            await back
+
+    def in_service_again(self) -> None:
+        """Wakes who waits for the device, if it is in service now."""
+        if self.state in HEALTHY:
+            back, self.back = self.back, []
+            for waiter in back:
+                if not waiter.done():
+                    waiter.set_result(None)
 
 
 class Malformed(Exception):

@@ -23,7 +23,7 @@ async def load(
     version: ModelVersion,
     *,
     beside_serving: bool,
-    freed: Callable[[], None],
+    freed: Callable[[Device], None],
 ) -> list[str]:
     """Calls `version`'s factory for each of `devices`; returns what failed. At start-up
     each load runs on its device's thread. `beside_serving` (a version added while serving)
@@ -69,13 +69,15 @@ async def reload(device: Device) -> str | None:
     return None
 
 
-async def _load_beside(version: ModelVersion, device: Device, freed: Callable[[], None]) -> BatchFn:
+async def _load_beside(
+    version: ModelVersion, device: Device, freed: Callable[[Device], None]
+) -> BatchFn:
     fn = await asyncio.to_thread(version.factory, device.name)
     await _warm_up(device, fn, freed)
     return fn
 
 
-async def _warm_up(device: Device, fn: BatchFn, freed: Callable[[], None]) -> None:
+async def _warm_up(device: Device, fn: BatchFn, freed: Callable[[Device], None]) -> None:
     """One input through `fn` on the device's own thread, once the device is free and
     taken for it: never beside a batch (the backend contract is one call at a time), and
     never queued on the thread ahead of a batch whose budget would then run out. Raises
@@ -90,4 +92,4 @@ async def _warm_up(device: Device, fn: BatchFn, freed: Callable[[], None]) -> No
     finally:
         if not device.hand_turn():
             device.state = DeviceState.IDLE
-            freed()
+            freed(device)

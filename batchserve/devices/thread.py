@@ -40,6 +40,10 @@ class DeviceThread:
     def __repr__(self) -> str:
         return f"<DeviceThread {self._thread.name} alive={self._thread.is_alive()}>"
 
+    @property
+    def started(self) -> bool:
+        return self._loop is not None
+
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         self._thread.start()

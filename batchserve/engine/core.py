@@ -36,6 +36,7 @@ from ..batching.faults import RetryBudget
 from ..batching.request import Ask, QueuedRequest, Result, Ticket, new_request_id
 from ..clock import Clock, LoopClock, Timer
 from ..config import Config
+from ..devices.fleet import Devices
 from ..errors import BatchserveError, ClientClosed
 from ..generation.models import Generators, build_generation_model
 from ..gpu_pool import GpuPool
@@ -85,16 +86,22 @@ class Engine:
             config, models, fn=fn, fn_per_device=fn_per_device, devices=devices, policy=policy
         )
         self._registry = Registry(versions)
+        self._devices = Devices(clock=self.clock, on_crash=self._crashed)
+        """Every device, one runner each, shared by the pool and the generation models."""
         self._generators = Generators(
             [
-                build_generation_model(config, spec, clock=self.clock, on_crash=self._crashed)
+                build_generation_model(
+                    config, spec, clock=self.clock, on_crash=self._crashed, devices=self._devices
+                )
                 for spec in generating
             ]
         )
         self.started = asyncio.Event()
         """Set once every device has loaded and the engine takes requests."""
         self._deadlines = Deadlines(self.clock)
-        self._pool = GpuPool(versions, clock=self.clock, on_crash=self._crashed)
+        self._pool = GpuPool(
+            versions, clock=self.clock, on_crash=self._crashed, devices=self._devices
+        )
         self.device_names = [device.name for device in self._pool.devices]
         self._batcher = Batcher(
             self._pool,
@@ -178,6 +185,7 @@ class Engine:
         if isinstance(self.clock, LoopClock):
             self.clock.attach(asyncio.get_running_loop())
         async with contextlib.AsyncExitStack() as stack:
+            await stack.enter_async_context(self._devices)
             await stack.enter_async_context(self._pool)
             await stack.enter_async_context(self._batcher)
             await stack.enter_async_context(self._generators)

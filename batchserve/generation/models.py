@@ -3,7 +3,9 @@ devices' schedulers, and which version a request goes to.
 
 A `GenerationModel` owns the queue its devices take from (fair between tenants, by tier, as
 for batch requests; preempted sequences go back ahead of it) and its `StepLoop`s; it starts
-their tasks and, closing, cancels and awaits them. `Generators` holds them all by name.
+their tasks and, closing, cancels and awaits them. The devices themselves (threads, watchdog,
+health) are the engine's `Devices`, shared with the batch models placed on them.
+`Generators` holds the models by name.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 
 from ..clock import Clock
 from ..config import Config, GenerateMode
+from ..devices.fleet import Devices
 from ..errors import (
     BackendError,
     BatchserveError,
@@ -49,7 +52,7 @@ INLINE_CHARS = 1024
 
 
 def build_generation_model(
-    config: Config, spec: ModelSpec, *, clock: Clock, on_crash: CrashHandler
+    config: Config, spec: ModelSpec, *, clock: Clock, on_crash: CrashHandler, devices: Devices
 ) -> GenerationModel:
     """A generation model ready to load: its devices and the factory that loads each."""
     assert spec.generator is not None
@@ -99,6 +102,7 @@ def build_generation_model(
         spec,
         generator_factory(spec.generator, flag, simulated, settings),
         names,
+        devices=devices,
         clock=clock,
         mode=config.generate_mode,
         step_budget=BatchBudget(fixed_s=config.batch_timeout_ms / 1e3 or None),
@@ -140,6 +144,7 @@ class GenerationModel:
         factory: GeneratorFactory,
         device_names: list[str],
         *,
+        devices: Devices,
         clock: Clock,
         mode: GenerateMode,
         step_budget: BatchBudget,
@@ -151,10 +156,13 @@ class GenerationModel:
         """Always ready once the engine serves: generation models load only at start."""
         self.mode = mode
         self._factory = factory
-        self._stop_wait_s = step_budget.seconds(None)
         self.loops = [
-            StepLoop(name, self, clock, step_budget, step_tokens) for name in device_names
+            StepLoop(devices.get(name), devices, self, clock, step_budget, step_tokens)
+            for name in device_names
         ]
+        for name in device_names:  # closing waits this long for a step still inside torch
+            device = devices.get(name)
+            device.stop_wait_s = max(device.stop_wait_s, step_budget.seconds(None))
         self._waiting: FairQueue[Generation] = FairQueue()
         self._resumed: deque[Generation] = deque()
         """Preempted, or taken and found too big for the device that took it: next in line."""
@@ -257,7 +265,6 @@ class GenerationModel:
         if self._tokenizer is not None:
             self._tokenizer.shutdown(wait=False, cancel_futures=True)
         await self._tasks.aclose()
-        await asyncio.gather(*(loop.stop(self._stop_wait_s) for loop in self.loops))
 
     async def prompt_tokens(self, prompt: str) -> int:
         """`prompt`'s tokens, counted on the model's tokenizer thread, not the event loop:
@@ -273,7 +280,7 @@ class GenerationModel:
         """Notes on `gen` how much of its prompt a device's cache holds now, for the
         first-token forecast and its wait in line; keying a long prompt's blocks means
         tokenizing it, so that is done on the tokenizer thread too."""
-        loops = [loop for loop in self.loops if not loop.hung and loop.caches_prefixes]
+        loops = [loop for loop in self.loops if loop.in_service and loop.caches_prefixes]
         if not loops:
             return
         if len(gen.seq.prompt) <= INLINE_CHARS:
@@ -297,7 +304,7 @@ class GenerationModel:
         that take work, on the one that would finish first. None while a device cannot
         predict it: no grounds to refuse anything. One pass over the running sequences, and
         a few steps for each tenant in line."""
-        loops = [loop for loop in self.loops if not loop.hung]
+        loops = [loop for loop in self.loops if loop.in_service]
         if not loops:
             return None
         new = gen.prefill()
@@ -338,21 +345,16 @@ class GenerationModel:
         if gen.prefill_tokens:
             self._line_prefill.add(gen, gen.prefill())
 
-    def hand_back(self, gens: list[Generation], call: str, budget_s: float, now: float) -> None:
-        """Sequences of a device whose `call` ("the step on sim:0") hung: back to the head of
-        the line, tokens and all, while another device can go on with them; failed (500)
-        otherwise."""
-        if any(not loop.hung for loop in self.loops):
+    def hand_back(self, gens: list[Generation], error: BackendError, now: float) -> None:
+        """Sequences of a device that left service (a hung step): back to the head of the
+        line, tokens and all, while another device can go on with them; failed (500, with
+        `error`) otherwise."""
+        if any(loop.in_service for loop in self.loops):
             for gen in reversed(gens):
                 if not gen.done and not gen.cancelled:
                     gen.state = GenState.WAITING
                     self.put_back(gen)
             return
-        error = BackendError(
-            f"{call} ran past its budget of {budget_s * 1e3:.0f} ms without progress and no"
-            " other device can go on with the sequence; if the device is only slow, raise"
-            " --batch-timeout-ms"
-        )
         for gen in gens:
             gen.fail(error, now)
 
@@ -419,7 +421,7 @@ class Generators(Routes[GenerationModel]):
 
     def states(self) -> dict[str, str]:
         return {
-            f"{loop.device} ({model.spec.label})": "busy" if loop.running else "idle"
+            f"{loop.device} ({model.spec.label})": loop.state
             for model in self
             for loop in model.loops
         }

@@ -34,39 +34,33 @@ running streams keep making a token a step while a long prompt comes in, and sho
 finish their prefill beside it instead of after it. The steps that carry prefill measure the
 device's prefill cost, from which the model predicts a new request's first token.
 
-A step that runs past its budget (`--batch-timeout-ms`, or 5x the step's predicted time,
-`a + b x tokens` learned from the steps before it over the tokens it processes, and past the
-largest step seen no less than that step's time scaled by the tokens; at least 1 s)
-without progress hangs its device: its sequences go back to the head of the line with their
-tokens, for another device to recompute and go on with (500 where no other device can), and
-the device takes nothing new until the step returns; what it returns then is dropped, and the
-sequences it held are released on it. A release (of ended or preempted sequences) runs under
-the same watchdog: one that hangs hands the running sequences on in the same way.
-
-The watchdog judges the device by its thread, not by when the loop got round to looking:
-when the budget is up it is not hung if its thread has already returned the call (the loop
-was stalled: tokenizing, a slow handler), nor if the generator's `progress` counter (bumped
-as it works, e.g. once a layer) moved in the last budget: a busy machine's slow step gets
-another budget, as many as it keeps advancing. Only a call that made no progress for a whole
-budget is hung; with one device that fails its streams, the last resort.
+Steps and releases are calls on the device's one runner (`devices/fleet.py`), in turn with
+any batch model's calls there, under its watchdog and health machine. A call past its budget
+(`--batch-timeout-ms`, or 5x the step's predicted time, `a + b x tokens` learned from earlier
+steps; at least 1 s) without progress hangs the device: its sequences go back to the head of
+the line with their tokens, for another device to go on with (500 where none can), and it
+takes nothing until the call returns (dropped) and a probe (a one-token step) answers in time.
+Two whole steps failed in a row there alone make it suspect; failing its probe, it restarts.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Callable
-from typing import Protocol, TypeVar
+from typing import Protocol
 
-from ..clock import Clock, Timer
+from ..clock import Clock
 from ..config import GenerateMode
-from ..devices.thread import DeviceThread
+from ..devices.device import Device, Probe
+from ..devices.fleet import Devices, OutOfService
+from ..devices.health import HEALTHY
 from ..errors import BackendError
 from ..models.generators import (
     CachedPrefix,
     Generator,
     GeneratorFactory,
     PrefixCache,
+    Seq,
     StepAnswer,
     check_step,
 )
@@ -75,18 +69,12 @@ from ..rules.prefill import fair_split
 from .request import Generation, GenState
 
 log = logging.getLogger(__name__)
-Arg = TypeVar("Arg")
-Ret = TypeVar("Ret")
 
 PASS_LIMIT = 64
 """Sequences that may be admitted past one waiting for room, before the line waits for it."""
 PASS_DEPTH = 16
 """How many sequences that do not fit admission looks past, so a long line costs no more."""
-
-
-class _Hung(Exception):
-    """The call (a step or a release) ran past its budget; its sequences were already
-    handed back."""
+PROBE_ID = "batchserve-probe"
 
 
 class LineOwner(Protocol):
@@ -113,22 +101,27 @@ class LineOwner(Protocol):
     def put_back(self, gen: Generation) -> None:
         """To the head of the line (preempted, or too big for this device now)."""
 
-    def hand_back(self, gens: list[Generation], call: str, budget_s: float, now: float) -> None:
-        """The sequences of a device whose `call` hung: on to another device, or failed."""
+    def hand_back(self, gens: list[Generation], error: BackendError, now: float) -> None:
+        """The sequences of a device that left service: on to another device, or failed
+        with `error`."""
 
 
 class StepLoop:
-    """One device: its thread, its generator and the sequences running on it."""
+    """One generation model on one device: its generator and the sequences running on it;
+    its calls go to the device's runner (`Devices`), shared with whoever else is there."""
 
     def __init__(
         self,
-        device: str,
+        device: Device,
+        devices: Devices,
         model: LineOwner,
         clock: Clock,
         budget: BatchBudget,
         step_tokens: int,
     ) -> None:
-        self.device = device
+        self.device = device.name
+        self._device = device
+        self._devices = devices
         self._model = model
         self._clock = clock
         self._budget = budget
@@ -139,9 +132,7 @@ class StepLoop:
         """A step's seconds over the tokens it processes: its hang budget's prediction."""
         self.prefill_cost = PrefillCost()
         """The time of the steps that carry prefill: the first-token forecast's."""
-        self.hung = False
-        """A step ran past its budget and has not returned yet."""
-        self._thread = DeviceThread(device)
+        self._factory: GeneratorFactory | None = None
         self._generator: Generator | None = None
         self._cache: PrefixCache | None = None
         """The generator, if it caches prefixes (and prefills in chunks, to start after them)."""
@@ -150,11 +141,18 @@ class StepLoop:
         self.running: list[Generation] = []
         """In the order they were admitted: the newest is preempted first."""
         self._to_release: list[str] = []
-        self._watchdog: Timer | None = None
-        """The running call's: it looks at the device when the call's budget is up."""
 
     def __repr__(self) -> str:
         return f"<StepLoop {self.device} running={len(self.running)}>"
+
+    @property
+    def in_service(self) -> bool:
+        """Its device takes work: not hung, recovering, failing or dead."""
+        return self._device.state in HEALTHY
+
+    @property
+    def state(self) -> str:
+        return self._device.state.value
 
     @property
     def kv_budget(self) -> int:
@@ -189,23 +187,45 @@ class StepLoop:
         return None if full is None else tokens / per_step * full
 
     async def load(self, factory: GeneratorFactory) -> Generator:
-        """Starts the device's thread and loads the generator on it."""
-        self._thread.start(asyncio.get_running_loop())
-        self._generator = await self._thread.submit(factory, self.device)
-        self._chunked = getattr(self._generator, "chunked_prefill", False) is True
-        if self._chunked and isinstance(self._generator, PrefixCache):
-            self._cache = self._generator
-        return self._generator
+        """Loads the generator on the device's thread (started if it is not yet), where it
+        lives: a restart of the device loads it again (`reload`)."""
+        self._devices.open(self._device)
+        self._factory = factory
+        self._device.residents.append(self)
+        return await self.reload()
 
-    async def stop(self, wait_s: float) -> None:
-        """Ends the device's thread, waiting up to `wait_s` for a call still inside the model
-        (a process that exits under a thread inside torch aborts)."""
-        self._thread.stop()
-        await self._thread.join(wait_s)
+    async def reload(self) -> Generator:
+        """Loads the generator on the device's thread: at start, or on a fresh thread after a
+        restart (its sequences were handed on; nothing is left to release)."""
+        assert self._factory is not None
+        self._to_release = []
+        generator = await self._device.thread.submit(self._factory, self.device)
+        self._generator = generator
+        self._chunked = getattr(generator, "chunked_prefill", False) is True
+        self._cache = generator if self._chunked and isinstance(generator, PrefixCache) else None
+        self._rows_held = 0 if self._cache is None else self._cache.kv_rows_held
+        return generator
+
+    def probe(self) -> Probe:
+        """A one-token step of an empty prompt, then its release, as the warm-up does."""
+        generator = self._generator
+        assert generator is not None
+
+        def run(seq: Seq) -> None:
+            try:
+                check_step(generator.step([seq]), 1)
+            finally:
+                generator.release([seq.id])
+
+        budget_s = self._budget.seconds(self.step_cost.predict(1))
+        return run, Seq(PROBE_ID, "", max_tokens=1), budget_s
 
     async def run(self, mode: GenerateMode) -> None:
-        """Steps back to back while anything runs; sleeps until work arrives otherwise."""
+        """Steps back to back while anything runs; sleeps until work arrives, or until its
+        device is in service again, otherwise."""
         while True:
+            if not self.in_service:
+                await self._device.wait_in_service()
             self._sweep()
             if self._to_release:  # first, so that their rows count no more
                 released, self._to_release = self._to_release, []
@@ -324,23 +344,33 @@ class StepLoop:
             self._to_release.append(gen.seq.id)
             self._model.put_back(gen)
 
-    async def _step(self, gens: list[Generation]) -> list[tuple[Generation, StepAnswer]]:
-        """One step over `gens`; on a failure, the halves again, down to the culprits."""
+    async def _step(
+        self, gens: list[Generation], first_try: bool = True
+    ) -> list[tuple[Generation, StepAnswer]]:
+        """One step over `gens`; on a failure, the halves again, down to the culprits. A
+        whole step (`first_try`, not a half) that fails counts against the device."""
         generator = self._generator
         assert generator is not None
         tokens = sum(gen.tokens_this_step for gen in gens)
         prefills = any(gen.prefill_tokens for gen in gens)
-        started = self._clock.time()
         try:
             budget_s = self._budget.seconds(self.step_cost.predict(tokens))
-            answer = await self._watched(
-                generator.step, [gen.seq for gen in gens], "step", budget_s
+            answer, seconds = await self._devices.call(
+                self._device,
+                generator.step,
+                [gen.seq for gen in gens],
+                budget_s,
+                self._on_hung("step"),
+                progress=self._progress,
+                who={(gen.tenant, gen.seq.id, False) for gen in gens},
+                first_try=first_try,
             )
-            self.step_cost.observe(self._clock.time() - started, tokens)
+            self.step_cost.observe(seconds, tokens)
             if prefills:
-                self.prefill_cost.observe(self._clock.time() - started, tokens)
+                self.prefill_cost.observe(seconds, tokens)
             made = check_step(answer, len(gens))
-        except _Hung:
+        except OutOfService:
+            self._leave()
             return []
         except Exception as exc:
             self._model.step_failures += 1
@@ -361,10 +391,10 @@ class StepLoop:
                 gen.computed = 0
             await self._release([gen.seq.id for gen in gens])  # the halves recompute
             half = len(gens) // 2
-            first = await self._step(gens[:half])
-            if not self.running:  # handed back: the first half's step hung
+            first = await self._step(gens[:half], first_try=False)
+            if not self.running:  # handed back: the device left service
                 return first
-            return first + await self._step(gens[half:])
+            return first + await self._step(gens[half:], first_try=False)
         self._model.steps += 1
         prompts = (gen.tokens_this_step for gen in gens if gen.first_token_at is None)
         self._model.prefill_tokens += sum(prompts)
@@ -374,65 +404,33 @@ class StepLoop:
             self._rows_held = self._cache.kv_rows_held
         return list(zip(gens, made, strict=True))
 
-    async def _watched(
-        self, call: Callable[[Arg], Ret], arg: Arg, what: str, budget_s: float
-    ) -> Ret:
-        """`call(arg)` (a step, or a release) on the device's thread, under a watchdog: past
-        its budget the running sequences are handed back at once, and this waits for the
-        late call."""
-        done = self._thread.submit(call, arg)
-        self._look_later(self._thread.submitted, self._progress(), budget_s, what)
-        try:
-            returned = await done
-        except Exception:
-            if not self.hung:
-                raise
-        finally:
-            assert self._watchdog is not None
-            self._watchdog.cancel()
-        if self.hung:  # it returned at last: what it made is dropped
-            log.warning("%s: the hung %s returned; its results were discarded", self.device, what)
-            self.hung = False
-            raise _Hung
-        return returned
+    def _on_hung(self, what: str) -> Callable[[float], None]:
+        def hung(budget_s: float) -> None:
+            """The watchdog: the device is hung; its sequences go on elsewhere, or fail."""
+            self._model.hung_steps += 1
+            past = f"the {what} on {self.device} ran past its budget of {budget_s * 1e3:.0f} ms"
+            log.error("%s without progress; the device takes nothing until a probe answers", past)
+            self._leave(
+                f"{past} without progress and no other device can go on with the sequence; if"
+                " the device is only slow, raise --batch-timeout-ms"
+            )
 
-    def _look_later(self, call: int, seen: int | None, budget_s: float, what: str) -> None:
-        when = self._clock.time() + budget_s
-        self._watchdog = self._clock.call_at(when, self._look, call, seen, budget_s, what)
-
-    def _look(self, call: int, seen: int | None, budget_s: float, what: str) -> None:
-        """The budget of call number `call` is up: hung only if it has not returned and
-        made no progress since the last look (`seen`)."""
-        if self._thread.returned >= call:
-            return  # it came back in time; the loop was late to hear of it
-        progress = self._progress()
-        if progress != seen:
-            self._look_later(call, progress, budget_s, what)  # slow, still advancing
-            return
-        self._hang(budget_s, what)
+        return hung
 
     def _progress(self) -> int | None:
         """The generator's work counter, if it keeps one (`Generator.progress`)."""
         progress = getattr(self._generator, "progress", None)
         return progress if isinstance(progress, int) else None
 
-    def _hang(self, budget_s: float, what: str) -> None:
-        """The watchdog: the device is hung; its sequences go on elsewhere, or fail."""
-        self.hung = True
-        self._model.hung_steps += 1
-        log.error(
-            "%s: a %s ran past its budget of %.0f ms without progress; the device takes no"
-            " new sequences until it returns",
-            self.device,
-            what,
-            budget_s * 1e3,
-        )
+    def _leave(self, why: str = "") -> None:
+        """The device left service: the running sequences go on elsewhere, or fail; their
+        state on the device is released once it is back."""
         handed_back, self.running = self.running, []
         for gen in handed_back:
             gen.computed = 0
-        self._to_release += [gen.seq.id for gen in handed_back]  # once it is back
-        now = self._clock.time()
-        self._model.hand_back(handed_back, f"the {what} on {self.device}", budget_s, now)
+        self._to_release += [gen.seq.id for gen in handed_back]
+        why = why or f"{self.device} is {self.state}; no other device can go on with it"
+        self._model.hand_back(handed_back, BackendError(why), self._clock.time())
 
     async def _release(self, seq_ids: list[str]) -> None:
         """Frees ended or preempted sequences' state on the device, under the same watchdog
@@ -441,10 +439,14 @@ class StepLoop:
         assert generator is not None
         try:
             budget_s = self._budget.seconds(self.step_cost.predict(0))
-            await self._watched(generator.release, seq_ids, "release", budget_s)
+            await self._devices.call(
+                self._device, generator.release, seq_ids, budget_s, self._on_hung("release")
+            )
             if self._cache is not None:
                 self._rows_held = self._cache.kv_rows_held
-        except _Hung:
-            return  # the running sequences went on elsewhere meanwhile
+        except OutOfService as out:
+            if not out.ran:  # released once the device is back
+                self._to_release = seq_ids + self._to_release
+            self._leave()
         except Exception as exc:
             log.error("%s: release failed (%s: %s)", self.device, type(exc).__name__, exc)

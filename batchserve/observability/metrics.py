@@ -25,10 +25,11 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from ..batcher import Batcher, BatcherSnapshot
 from ..batching.request import QueuedRequest, Result
 from ..clock import Clock
+from ..devices.fleet import PoolStats
 from ..devices.health import HEALTHY, DeviceState
 from ..generation.models import Generators
 from ..generation.request import Generation
-from ..gpu_pool import GpuPool, PoolStats
+from ..gpu_pool import GpuPool
 from ..models.registry import Registry
 from .exposition import Child, FamilyText, Gauges, HistogramText, Scrape, TextCollector
 from .generation_metrics import GenerationCollector

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from ..batcher import Batcher
 from ..clock import Clock
+from ..devices.device import Device
+from ..devices.health import HEALTHY
 from ..generation.models import GenerationStats, Generators
 from ..gpu_pool import GpuPool
 from .exposition import FamilyText, Gauges, Scrape, TextCollector
@@ -39,8 +41,19 @@ class PickerCollector(TextCollector):
         now = self._clock.time()
         batcher = self._batcher.stats()
         generation = [model.stats(now) for model in self._generators]
-        load = picker_load(batcher.queued, batcher.in_flight, self._pool.batch_slots, generation)
+        slots = batch_slots(self._pool.devices)
+        load = picker_load(batcher.queued, batcher.in_flight, slots, generation)
         self._families.scrape(out, load, self._started)
+
+
+def batch_slots(devices: Iterable[Device]) -> int:
+    """Requests the healthy devices take in one call each: per device, the largest max batch
+    size of the versions loaded there (read every 50 ms)."""
+    return sum(
+        max((v.spec.max_batch_size for v in d.fns), default=0)
+        for d in devices
+        if d.state in HEALTHY
+    )
 
 
 _PICKER_GAUGES = (
