@@ -23,6 +23,7 @@ from ..errors import BatchserveError, DuplicateRequestId
 from ..generation.models import GenerationModel, Generators
 from ..generation.request import Generation
 from ..models.generators import Seq
+from ..models.grammar import Constraint
 from ..observability.tracing import Tracer
 from ..rules.admission import stop_strings
 from ..rules.prefill import refuse_if_late
@@ -72,6 +73,7 @@ class GenerationPath:
         arrival: float | None = None,
         route: str = "generate",
         cache_salt: str | None = None,
+        constraint: Constraint | None = None,
     ) -> AsyncIterator[Generation]:
         """Starts one generation; read its text as it comes with `gen.pieces()`, or whole
         with `await gen.result()`:
@@ -85,6 +87,8 @@ class GenerationPath:
         bounds the wait for the first token; the sequence then runs to its end. Leaving the
         block before it ends cancels it: its sequence is released before the next step.
         `cache_salt` (vLLM's): only requests with the same salt share cached prefixes.
+        `constraint`: a grammar the output keeps to, compiled (or found compiled) before the
+        sequence is queued; one that does not compile is refused (InvalidInput).
         """
         arrival = self._clock.time() if arrival is None else arrival
         request_id = request_id or new_request_id()
@@ -93,7 +97,7 @@ class GenerationPath:
         try:
             generation_model, gen, in_flight = await self._admit(
                 prompt, model, version, max_tokens, stop, params, timeout_ms,
-                request_id, tenant, arrival, cache_salt,
+                request_id, tenant, arrival, cache_salt, constraint,
             )  # fmt: skip
             self._intake.generating[in_flight] = gen
         except BatchserveError as error:
@@ -136,6 +140,7 @@ class GenerationPath:
         tenant: Tenant | None,
         arrival: float,
         cache_salt: str | None,
+        constraint: Constraint | None,
     ) -> tuple[GenerationModel, Generation, InFlightKey]:
         """Admits a generation as the engine admits a batch request (intake.py), then checks
         its tokens: a prompt that can never fit a device's budget is refused at once (413),
@@ -154,6 +159,8 @@ class GenerationPath:
             raise DuplicateRequestId(f"request id {request_id} is already in flight")
         limit = rules.new_tokens(prompt_tokens, max_tokens, budget)
         sampling = checked_params(params, limit)
+        grammars = generation_model.grammars
+        grammar = None if constraint is None else await grammars.compiled(*constraint)
         gen = Generation(
             # The sequence's id is the generator's handle, unique across tenants.
             Seq(_seq_id(tenant, request_id), prompt, params=sampling),
@@ -169,6 +176,7 @@ class GenerationPath:
         if tenant is not None:
             gen.tenant, gen.tier_rank = tenant.name, tenant.rank
             gen.tenant_weight = tenant.weight
+        gen.seq.grammar = grammar
         gen.seq.cache_key = self._cache_key(tenant, cache_salt)  # before the cache is asked
         await generation_model.note_cached_prefix(gen)
         if in_flight in self._intake.generating:  # admitted beside it meanwhile
@@ -187,9 +195,15 @@ class GenerationPath:
         salt = "" if cache_salt is None else cache_salt
         return f"{len(owner)}:{owner}:{salt}"
 
-    def chat_prompt(self, model: str | None, messages: list[dict[str, str]]) -> str:
-        """A chat's messages as one prompt, in the template of `model`'s generator."""
-        return self._generators.route(model, None, "").chat_prompt(messages)
+    def chat_prompt(
+        self,
+        model: str | None,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
+        """A chat's messages (and tools) as one prompt, in the template of `model`'s
+        generator (`chat_tools.py` where it has no tools section)."""
+        return self._generators.route(model, None, "").chat_prompt(messages, tools)
 
     def _expire(self, generation_model: GenerationModel, gen: Generation) -> None:
         gen.expire(self._clock.time())

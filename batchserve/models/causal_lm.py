@@ -37,8 +37,10 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import StartupError
+from .chat_tools import templated_chat
 from .cpu import bound_kernel_caches, cpu_flags, has_bf16, pin_compute
-from .generators import CachedPrefix, GeneratorSettings, Made, Seq, plain_chat_prompt
+from .generators import CachedPrefix, GeneratorSettings, Made, Seq
+from .grammar import Compiled, GrammarCompiler, GrammarSpec, constrain
 from .kv_cache import BLOCK, PagedKV
 from .linears import LayerWeights, Products, layer_weights, mlp
 from .sampling import choose_tokens
@@ -103,6 +105,7 @@ class CausalLM:
         identity = f"{getattr(config, '_name_or_path', '')}|{type(model).__name__}|{dtype}"
         self._seqs = Sequences(tokenizer, self._encode, identity)
         self.max_token_bytes = token_bytes_bound(tokenizer)
+        self._grammars: GrammarCompiler | None = None
         self.progress = 0
         """Layers run, bumped on the device's thread: the watchdog gives a step that is
         still advancing another budget (a busy CPU's slow step is not a hang)."""
@@ -115,13 +118,18 @@ class CausalLM:
     def count_tokens(self, text: str) -> int:
         return len(self._encode(text))
 
-    def chat_prompt(self, messages: list[dict[str, str]]) -> str:
-        if getattr(self.tokenizer, "chat_template", None) is None:
-            return plain_chat_prompt(messages)
-        text: str = self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True
-        )
-        return text
+    def chat_prompt(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> str:
+        return templated_chat(self.tokenizer, messages, tools)
+
+    def compile_grammar(self, spec: GrammarSpec) -> Compiled:
+        """`spec` compiled for this tokenizer (on the model's compile thread, never a step's;
+        the compiled grammar serves every device)."""
+        if self._grammars is None:
+            vocab = self.model.lm_head.weight.shape[0]
+            self._grammars = GrammarCompiler(self.tokenizer, vocab, self._eos)
+        return self._grammars.compile(spec)
 
     def step(self, seqs: list[Seq]) -> list[Made]:
         with self._torch.inference_mode():
@@ -216,18 +224,19 @@ class CausalLM:
         if makers:
             last = self.model.model.norm(x[torch.tensor(ends, device=device)])
             logits = self._products(last, self._lm_head, self.model.lm_head.bias).float()
-            chosen = choose_tokens(
-                torch,
-                logits,
-                [seqs[i].params for i in makers],
-                [len(held[i].text.made) for i in makers],
-                self._eos,
-            )
+            params = [seqs[i].params for i in makers]
+            matchers = [held[i].matcher for i in makers]
+            if any(matchers):  # rows without a grammar pay nothing
+                params = constrain(torch, logits, matchers, params, self._eos)
+            made = [len(held[i].text.made) for i in makers]
+            chosen = choose_tokens(torch, logits, params, made, self._eos)
             for i, token in zip(makers, chosen, strict=True):
                 answers[i] = self._made(seqs[i], held[i], token)
         return answers
 
     def _made(self, seq: Seq, held: Held, token: int) -> Made:
+        if held.matcher is not None:
+            held.matcher.accept(token)
         if token in self._eos:
             return Made(held.text.flush(), end=True)
         held.ids.append(token)

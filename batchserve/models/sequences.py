@@ -11,6 +11,7 @@ from typing import Any
 
 from .detokenizer import Detokenizer
 from .generators import Seq
+from .grammar import Matcher
 from .kv_cache import BLOCK, block_keys, root_key
 
 LOOKUPS_KEPT = 256
@@ -28,6 +29,8 @@ class Held:
     text: Detokenizer
     root: bytes
     keys: list[bytes] = field(default_factory=list)
+    matcher: Matcher | None = None
+    """Its place in its grammar, if it has one: the step masks its logits by it."""
 
     def usable(self) -> list[bytes]:
         """Keys of the blocks that may come from the cache: never the one holding the last
@@ -99,4 +102,5 @@ class Sequences:
         text = Detokenizer(self._tokenizer, made, sum(map(len, seq.tokens)))
         ids = self._encode(seq.prompt) + made
         root = root_key(self._identity, seq.cache_key)
-        return Held(ids, 0, text, root, block_keys(root, ids))
+        matcher = None if seq.grammar is None else seq.grammar.matcher(made)
+        return Held(ids, 0, text, root, block_keys(root, ids), matcher)
