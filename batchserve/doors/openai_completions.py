@@ -28,11 +28,15 @@ from ..config import Config
 from ..engine.core import Engine
 from ..errors import BatchserveError, InvalidInput
 from ..generation.request import Generation
+from ..models.grammar import Constraint
 from ..rules.sampling_params import SCHEMAS
 from .generate_api import SSE, STOP, max_tokens_schema
 from .generation_answer import Events, answer_generation, data_event
 from .openai_fields import check_fields, neutral_schemas, sampling_params
+from .openai_tools import CHAT_SCHEMAS, MESSAGE, STRUCTURED_SCHEMAS, ChatShape, one_constraint
 from .openapi import REQUEST_ID, TIMEOUT, Answer, ModelName, Operation, errors
+from .structured import constraint_of
+from .tool_calls import Tools, read_messages, read_tools
 from .wire import CACHE_SALT_SCHEMA, cache_salt_of, read_call, timeout_ms_of
 
 
@@ -42,7 +46,7 @@ class Completion(NamedTuple):
     model: str
     prompt: str
     """The prompt; for a chat, its messages in the generator's template once read."""
-    messages: list[dict[str, str]] | None
+    messages: list[dict[str, Any]] | None
     max_tokens: int | None
     stop: str | list[str] | None
     params: dict[str, Any]
@@ -50,6 +54,8 @@ class Completion(NamedTuple):
     include_usage: bool
     timeout_ms: float | None
     cache_salt: str | None
+    constraint: Constraint | None
+    tools: Tools
 
 
 class OpenAICompletionsApi:
@@ -73,14 +79,16 @@ class OpenAICompletionsApi:
             body = _read_completion(payload, request, chat=chat)
             if body.messages is None:
                 return body
-            return body._replace(prompt=engine.generation.chat_prompt(body.model, body.messages))
+            prompt = engine.generation.chat_prompt(body.model, body.messages, body.tools.listed)
+            return body._replace(prompt=prompt)
 
         like = CHAT_LIKE if chat else COMPLETION_LIKE
         call = await read_call(request, engine, route, arrival, parse, like=like, openai_shape=True)
         if isinstance(call, web.Response):
             return call
         body = call.body
-        shape = _Shape(chat, f"{'chatcmpl' if chat else 'cmpl'}-{call.request_id}", body.model)
+        answer_id = f"{'chatcmpl' if chat else 'cmpl'}-{call.request_id}"
+        shape = _Shape(chat, answer_id, body.model, ChatShape(body.tools.reads_calls))
         generating = engine.generate(
             body.prompt,
             model=body.model,
@@ -93,6 +101,7 @@ class OpenAICompletionsApi:
             arrival=arrival,
             route=route,
             cache_salt=body.cache_salt,
+            constraint=body.constraint,
         )
         events = Events(
             piece=shape.piece,
@@ -113,8 +122,9 @@ class OpenAICompletionsApi:
 class _Shape:
     """How one answer is written: a completion or a chat completion, whole or in chunks."""
 
-    def __init__(self, chat: bool, answer_id: str, model: str) -> None:
+    def __init__(self, chat: bool, answer_id: str, model: str, calls: ChatShape) -> None:
         self._chat = chat
+        self._calls = calls
         self._head = {
             "id": answer_id,
             "object": "chat.completion" if chat else "text_completion",
@@ -126,19 +136,29 @@ class _Shape:
     def whole(self, gen: Generation, output: str) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": 0, "finish_reason": gen.finish_reason}
         if self._chat:
-            choice["message"] = {"role": "assistant", "content": output}
+            choice |= self._calls.whole(output, gen.finish_reason)
         else:
             choice |= {"text": output, "logprobs": None}
         return self._head | {"choices": [choice], "usage": _usage(gen)}
 
     def piece(self, text: str) -> bytes:
-        return self._chunk(text, None)
+        if not self._chat:
+            return self._chunk(text, None)
+        return b"".join(self._delta_chunk(delta) for delta in self._calls.feed(text))
 
     def ending(self, gen: Generation, include_usage: bool) -> bytes:
-        ending = self._chunk("", gen.finish_reason)
+        held = b"".join(self._delta_chunk(delta) for delta in self._calls.flush())
+        ending = held + self._chunk("", self._calls.finish_reason(gen.finish_reason))
         if include_usage:
             ending += data_event(self._chunk_head() | {"choices": [], "usage": _usage(gen)})
         return ending
+
+    def _delta_chunk(self, delta: dict[str, Any]) -> bytes:
+        if not self._started:
+            delta["role"] = "assistant"
+        self._started = True
+        choice = {"index": 0, "finish_reason": None, "delta": delta}
+        return data_event(self._chunk_head() | {"choices": [choice]})
 
     def _chunk(self, text: str, finish_reason: str | None) -> bytes:
         choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason}
@@ -179,7 +199,8 @@ def _read_completion(payload: dict[str, Any], request: web.Request, *, chat: boo
     model = payload.get("model")
     if not isinstance(model, str):
         raise InvalidInput('the body needs a string field "model"')
-    messages = _messages(payload.get("messages")) if chat else None
+    messages = read_messages(payload.get("messages")) if chat else None
+    tools = read_tools(payload) if chat else Tools(None, None)
     prompt = "" if chat else _prompt(payload.get("prompt"))
     max_tokens = payload.get("max_completion_tokens")
     if max_tokens is None:
@@ -199,6 +220,8 @@ def _read_completion(payload: dict[str, Any], request: web.Request, *, chat: boo
         options.get("include_usage") is True,
         timeout_ms_of(None, request),
         cache_salt_of(payload),
+        one_constraint(constraint_of(payload), tools.constraint),
+        tools,
     )
 
 
@@ -210,42 +233,10 @@ def _prompt(given: object) -> str:
     return given
 
 
-def _messages(given: object) -> list[dict[str, str]]:
-    """A chat's messages as (role, text) pairs; content parts of type text are joined."""
-    if not isinstance(given, list) or not given:
-        raise InvalidInput('"messages" must be a non-empty list')
-    messages: list[dict[str, str]] = []
-    for message in given:
-        role = message.get("role") if isinstance(message, dict) else None
-        content = message.get("content") if isinstance(message, dict) else None
-        if isinstance(content, list):
-            parts = [p.get("text") for p in content if isinstance(p, dict)]
-            if len(parts) != len(content) or not all(isinstance(p, str) for p in parts):
-                raise InvalidInput("message content parts must be of type text")
-            content = "".join(parts)  # type: ignore[arg-type]
-        if not isinstance(role, str) or not isinstance(content, str):
-            raise InvalidInput('each message needs a string "role" and text "content"')
-        messages.append({"role": role, "content": content})
-    return messages
-
-
 COMPLETION_LIKE = '{"model": "...", "prompt": "..."}'
 CHAT_LIKE = '{"model": "...", "messages": [{"role": "user", "content": "..."}]}'
 """What the bodies of /v1/completions and /v1/chat/completions look like, for one that
 does not."""
-_TEXT_PART = {
-    "type": "object",
-    "required": ["text"],
-    "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
-}
-_MESSAGE = {
-    "type": "object",
-    "required": ["role", "content"],
-    "properties": {
-        "role": {"type": "string"},
-        "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART}]},
-    },
-}
 _CHOICE = {"type": "object", "required": ["index", "finish_reason"]}
 _USAGE = {
     "type": "object",
@@ -266,8 +257,9 @@ def completion_operation(config: Config, *, chat: bool) -> Operation:
     they take (`openai_fields.py`); any other field is 400."""
     text = (
         {
-            "messages": {"type": "array", "minItems": 1, "items": _MESSAGE},
+            "messages": {"type": "array", "minItems": 1, "items": MESSAGE},
             "max_completion_tokens": max_tokens_schema(config),
+            **CHAT_SCHEMAS,
         }
         if chat
         else {
@@ -297,6 +289,7 @@ def completion_operation(config: Config, *, chat: bool) -> Operation:
                 "properties": {"include_usage": {"type": "boolean"}},
             },
             **SCHEMAS,
+            **STRUCTURED_SCHEMAS,
             **neutral_schemas(chat=chat),
         },
     }
