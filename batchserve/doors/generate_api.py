@@ -8,6 +8,8 @@
 absent), and any other key passes through unchanged for a custom generator to read.
 
 `cache_salt` (vLLM's) keeps the request's cached prefixes to requests with the same salt.
+`response_format`, or vLLM's `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`
+or `structured_outputs`, holds the output to a grammar (`structured.py`).
 
 Not streaming: 200 {"output", "tokens", "finish_reason", "ttft_ms", "latency_ms", ...};
 `cached_tokens` are the prompt's tokens taken from the prefix cache.
@@ -25,10 +27,12 @@ from aiohttp import web
 from ..config import Config
 from ..engine.core import Engine
 from ..errors import BatchserveError, InvalidInput
+from ..models.grammar import Constraint
 from ..rules.admission import MAX_STOP_CHARS, MAX_STOPS
 from ..rules.sampling_params import SCHEMAS
 from .generation_answer import Events, answer_generation, data_event
 from .openapi import REQUEST_ID, TIMEOUT, Answer, ModelName, Operation, errors
+from .structured import STRUCTURED_FIELDS, STRUCTURED_SCHEMAS, constraint_of
 from .wire import (
     CACHE_SALT_SCHEMA,
     cache_salt_of,
@@ -51,6 +55,7 @@ _FIELDS = frozenset(
         "model",
         "version",
         "cache_salt",
+        *STRUCTURED_FIELDS,
     }
 )
 
@@ -65,6 +70,7 @@ class GenerateBody(NamedTuple):
     model: str | None
     version: str | None
     cache_salt: str | None
+    constraint: Constraint | None
 
 
 def parse_generate(payload: dict[str, Any], request: web.Request) -> GenerateBody:
@@ -87,6 +93,7 @@ def parse_generate(payload: dict[str, Any], request: web.Request) -> GenerateBod
         model,
         version,
         cache_salt_of(payload),
+        constraint_of(payload),
     )
 
 
@@ -115,6 +122,7 @@ class GenerateApi:
             tenant=call.tenant,
             arrival=arrival,
             cache_salt=body.cache_salt,
+            constraint=body.constraint,
         )
         return await answer_generation(
             request,
@@ -177,6 +185,7 @@ def generate_operation(config: Config) -> Operation:
             "model": ModelName("generation", nullable=True),
             "version": {"type": ["string", "null"]},
             "cache_salt": CACHE_SALT_SCHEMA,
+            **STRUCTURED_SCHEMAS,
         },
     }
     answer = {

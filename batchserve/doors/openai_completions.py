@@ -33,9 +33,9 @@ from ..rules.sampling_params import SCHEMAS
 from .generate_api import SSE, STOP, max_tokens_schema
 from .generation_answer import Events, answer_generation, data_event
 from .openai_fields import check_fields, neutral_schemas, sampling_params
-from .openai_tools import CHAT_SCHEMAS, MESSAGE, STRUCTURED_SCHEMAS, ChatShape, one_constraint
+from .openai_tools import CHAT_SCHEMAS, MESSAGE, ChatShape, one_constraint
 from .openapi import REQUEST_ID, TIMEOUT, Answer, ModelName, Operation, errors
-from .structured import constraint_of
+from .structured import STRUCTURED_SCHEMAS, constraint_of
 from .tool_calls import Tools, read_messages, read_tools
 from .wire import CACHE_SALT_SCHEMA, cache_salt_of, read_call, timeout_ms_of
 

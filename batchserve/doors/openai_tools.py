@@ -7,7 +7,7 @@ from typing import Any
 
 from ..errors import InvalidInput
 from ..models.grammar import Constraint
-from .structured import MAX_CHOICES
+from .structured import SCHEMA
 from .tool_calls import MAX_TOOLS, ToolStream
 
 
@@ -92,7 +92,6 @@ MESSAGE = {
         "tool_call_id": {"type": "string", "description": "a tool message: the call it answers"},
     },
 }
-_SCHEMA = {"type": ["object", "boolean"]}
 _FUNCTION = {
     "type": "object",
     "required": ["type", "function"],
@@ -104,15 +103,12 @@ _FUNCTION = {
             "properties": {
                 "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"},
                 "description": {"type": "string"},
-                "parameters": _SCHEMA,
+                "parameters": SCHEMA,
                 "strict": {"type": ["boolean", "null"]},
             },
         },
     },
 }
-_GRAMMAR_TEXT = {"type": ["string", "null"], "minLength": 1}
-_CHOICES = {"type": ["array", "null"], "minItems": 1, "maxItems": MAX_CHOICES,
-            "items": {"type": "string", "minLength": 1}}  # fmt: skip
 CHAT_SCHEMAS: dict[str, Any] = {
     "tools": {"type": ["array", "null"], "maxItems": MAX_TOOLS, "items": _FUNCTION},
     "tool_choice": {
@@ -133,43 +129,3 @@ CHAT_SCHEMAS: dict[str, Any] = {
         ]
     },
 }
-STRUCTURED_SCHEMAS: dict[str, Any] = {
-    "response_format": {
-        "anyOf": [
-            {"type": "null"},
-            {
-                "type": "object",
-                "required": ["type"],
-                "properties": {"type": {"enum": ["text", "json_object"]}},
-            },
-            {
-                "type": "object",
-                "required": ["type", "json_schema"],
-                "properties": {
-                    "type": {"const": "json_schema"},
-                    "json_schema": {
-                        "type": "object",
-                        "required": ["schema"],
-                        "properties": {"name": {"type": "string"}, "schema": _SCHEMA,
-                                       "strict": {"type": ["boolean", "null"]}},
-                    },
-                },
-            },
-        ]
-    },
-    "guided_json": {"anyOf": [{"type": "string"}, _SCHEMA, {"type": "null"}]},
-    "guided_regex": _GRAMMAR_TEXT,
-    "guided_choice": _CHOICES,
-    "guided_grammar": _GRAMMAR_TEXT,
-    "structured_outputs": {
-        "type": ["object", "null"],
-        "additionalProperties": False,
-        "properties": {
-            "json": {"anyOf": [{"type": "string"}, _SCHEMA, {"type": "null"}]},
-            "regex": _GRAMMAR_TEXT,
-            "choice": _CHOICES,
-            "grammar": _GRAMMAR_TEXT,
-            "json_object": {"type": ["boolean", "null"]},
-        },
-    },
-}  # fmt: skip

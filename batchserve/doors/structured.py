@@ -119,3 +119,49 @@ def _choice_grammar(value: object, field: str) -> str:
     ):
         raise InvalidInput(f'"{field}" must be a list of 1 to {MAX_CHOICES} non-empty strings')
     return "root ::= " + " | ".join(orjson.dumps(choice).decode() for choice in value)
+
+
+SCHEMA = {"type": ["object", "boolean"]}
+_GRAMMAR_TEXT = {"type": ["string", "null"], "minLength": 1}
+_CHOICES = {"type": ["array", "null"], "minItems": 1, "maxItems": MAX_CHOICES,
+            "items": {"type": "string", "minLength": 1}}  # fmt: skip
+STRUCTURED_SCHEMAS: dict[str, Any] = {
+    "response_format": {
+        "anyOf": [
+            {"type": "null"},
+            {
+                "type": "object",
+                "required": ["type"],
+                "properties": {"type": {"enum": ["text", "json_object"]}},
+            },
+            {
+                "type": "object",
+                "required": ["type", "json_schema"],
+                "properties": {
+                    "type": {"const": "json_schema"},
+                    "json_schema": {
+                        "type": "object",
+                        "required": ["schema"],
+                        "properties": {"name": {"type": "string"}, "schema": SCHEMA,
+                                       "strict": {"type": ["boolean", "null"]}},
+                    },
+                },
+            },
+        ]
+    },
+    "guided_json": {"anyOf": [{"type": "string"}, SCHEMA, {"type": "null"}]},
+    "guided_regex": _GRAMMAR_TEXT,
+    "guided_choice": _CHOICES,
+    "guided_grammar": _GRAMMAR_TEXT,
+    "structured_outputs": {
+        "type": ["object", "null"],
+        "additionalProperties": False,
+        "properties": {
+            "json": {"anyOf": [{"type": "string"}, SCHEMA, {"type": "null"}]},
+            "regex": _GRAMMAR_TEXT,
+            "choice": _CHOICES,
+            "grammar": _GRAMMAR_TEXT,
+            "json_object": {"type": ["boolean", "null"]},
+        },
+    },
+}  # fmt: skip

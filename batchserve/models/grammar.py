@@ -105,10 +105,9 @@ class GrammarCompiler:
     def compile(self, spec: GrammarSpec) -> Compiled:
         xgr, compiler = self._xgr, self._compiler
         try:
-            if spec.kind == "json_object":
-                compiled = compiler.compile_builtin_json_grammar()
-            elif spec.kind == "json_schema":
-                compiled = compiler.compile_grammar(_json_grammar(xgr, spec.text))
+            if spec.kind in ("json_object", "json_schema"):
+                schema = spec.text if spec.kind == "json_schema" else '{"type": "object"}'
+                compiled = compiler.compile_grammar(_json_grammar(xgr, schema))
             elif spec.kind == "regex":
                 compiled = compiler.compile_regex(spec.text)
             elif spec.kind == "grammar":
