@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any, Literal
 
 import aiohttp
@@ -25,7 +25,7 @@ from batchserve.server import create_app
 
 pytest.importorskip("torch")
 pytest.importorskip("xgrammar")
-from batchserve.models.causal_lm import CausalLM  # noqa: E402
+from batchserve.models.causal_lm import CausalLM
 
 
 class Pet(BaseModel):
@@ -62,10 +62,10 @@ def engine_for(tok: Any, model: Any, **settings: Any) -> Engine:
 
 
 @pytest.fixture
-async def served(tok: Any, tiny: Any, aiohttp_server: Any) -> AsyncIterator[tuple[Any, Engine]]:
+async def served(tok: Any, tiny: Any, aiohttp_server: Any) -> tuple[Any, Engine]:
     engine = engine_for(tok, tiny)
     server = await aiohttp_server(create_app(engine))
-    yield server, engine
+    return server, engine
 
 
 def json_object(text: str) -> None:
@@ -77,7 +77,7 @@ def client_of(server: Any) -> openai.AsyncOpenAI:
 
 
 async def test_every_structured_output_field_holds_the_answer_to_its_grammar(served):
-    server, engine = served
+    server, _ = served
     schema = Pet.model_json_schema()
     fields: list[tuple[dict[str, Any], Callable[[str], object]]] = [
         ({"response_format": {"type": "json_schema",
@@ -104,28 +104,25 @@ async def test_every_structured_output_field_holds_the_answer_to_its_grammar(ser
     ]
     async with aiohttp.ClientSession() as http:
         for extra, valid in fields:
-            if True:
-                for path, body, sampling in routes:
-                    body = {**body, **extra, "max_tokens": 200}
-                    if path == "/api/generate":
-                        body["params"] = sampling
-                    else:
-                        body |= sampling
-                    async with http.post(server.make_url(path), json=body) as response:
-                        answer = await response.json()
-                    assert response.status == 200, (path, extra, answer)
-                    if path == "/api/generate":
-                        text, reason = answer["output"], answer["finish_reason"]
-                    else:
-                        choice = answer["choices"][0]
-                        reason = choice["finish_reason"]
-                        text = (
-                            choice["message"]["content"] if "message" in choice else choice["text"]
-                        )
-                    if reason == "length" and valid is json_object:
-                        continue  # an object of any size: it may not end within max_tokens
-                    assert reason == "stop", (path, extra, sampling, text)
-                    valid(text)
+            for path, body, sampling in routes:
+                body = {**body, **extra, "max_tokens": 200}
+                if path == "/api/generate":
+                    body["params"] = sampling
+                else:
+                    body |= sampling
+                async with http.post(server.make_url(path), json=body) as response:
+                    answer = await response.json()
+                assert response.status == 200, (path, extra, answer)
+                if path == "/api/generate":
+                    text, reason = answer["output"], answer["finish_reason"]
+                else:
+                    choice = answer["choices"][0]
+                    reason = choice["finish_reason"]
+                    text = choice["message"]["content"] if "message" in choice else choice["text"]
+                if reason == "length" and valid is json_object:
+                    continue  # an object of any size: it may not end within max_tokens
+                assert reason == "stop", (path, extra, sampling, text)
+                valid(text)
 
 
 async def test_a_cut_answer_says_length_and_is_a_start_of_a_valid_one(served):
@@ -138,7 +135,8 @@ async def test_a_cut_answer_says_length_and_is_a_start_of_a_valid_one(served):
         )  # fmt: skip
     assert cut.choices[0].finish_reason == "length"
     text = cut.choices[0].message.content or ""
-    assert text and '{"name": "'.startswith(text), text  # the schema's start, cut
+    assert text
+    assert '{"name": "'.startswith(text), text  # the schema's start, cut
 
 
 async def test_the_openai_client_parses_a_pydantic_model(served):
@@ -180,7 +178,8 @@ async def test_a_tool_call_round_trip_whole_and_streamed(served):
             assert len(deltas) > 1, "a call streams as its head, then its arguments in pieces"
             head = deltas[0][0]
             arguments = "".join(d[0].function.arguments or "" for d in deltas)  # type: ignore[union-attr]
-            assert head.id and head.function.name == call.function.name  # type: ignore[union-attr]
+            assert head.id
+            assert head.function.name == call.function.name  # type: ignore[union-attr]
             assert arguments == call.function.arguments  # type: ignore[union-attr]
             assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
@@ -322,4 +321,43 @@ def test_a_length_bounded_string_holds_no_control_character(tok):
     logits = torch.zeros(1, len(tok))
     xgr.apply_token_bitmask_inplace(logits, bitmask)
     allowed = [tok.decode([i]) for i in torch.nonzero(logits[0] == 0).flatten().tolist()]
-    assert allowed and not [t for t in allowed if t and ord(t[0]) < 0x20]
+    assert allowed
+    assert not [t for t in allowed if t and ord(t[0]) < 0x20]
+
+
+async def test_a_pydantic_ai_agent_calls_its_tool_and_answers_in_its_schema(served):
+    """pydantic-ai asks for its output as a call of its own `final_result` tool, with
+    tool_choice required: every answer is a valid call; the agent runs its tool, sends the
+    result back as a tool message, and ends on a valid output."""
+    from pydantic_ai import Agent
+    from pydantic_ai.messages import ToolReturnPart
+    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+    from pydantic_ai.usage import UsageLimits
+
+    server, _ = served
+    async with client_of(server) as ai:
+        model = OpenAIChatModel("llm", provider=OpenAIProvider(openai_client=ai))
+        agent = Agent(model, output_type=Weather, model_settings={"max_tokens": 200})
+        looked_up: list[str] = []
+
+        async def once(ctx: Any, tool: Any) -> Any:
+            """A random model would call it for ever: offered until it has run."""
+            return None if looked_up else tool
+
+        @agent.tool_plain(prepare=once)
+        def look_up(city: Literal["paris", "rome"]) -> str:
+            """The weather in a city."""
+            looked_up.append(city)
+            return "sunny"
+
+        result = await agent.run("the cat", usage_limits=UsageLimits(request_limit=6))
+    assert isinstance(result.output, Weather)
+    returns = [
+        part
+        for message in result.all_messages()
+        for part in getattr(message, "parts", [])
+        if isinstance(part, ToolReturnPart)
+    ]
+    assert looked_up in (["paris"], ["rome"])
+    assert [part.tool_name for part in returns] == ["look_up", "final_result"]
