@@ -180,6 +180,16 @@ class Config:
         " sequence's one token, then prompts in chunks of what is left, so running streams"
         " keep making tokens while a long prompt prefills",
     )
+    grammar_cache_size: int = setting(
+        256,
+        help="compiled grammars (structured output, forced tool calls) each generation model"
+        " keeps, by their canonical text, least recently used out first",
+    )
+    grammar_compile_timeout_ms: float = setting(
+        10_000.0,
+        help="how long a request waits for its grammar to compile (on the model's compile"
+        " thread, never in a step) before it is refused with 400",
+    )
     policy: PolicyName = setting(
         "adaptive",
         help=f"when a batch leaves: {' or '.join(POLICIES)}. adaptive sends a full batch at"
@@ -516,6 +526,11 @@ class Config:
             (self.cpu_threads >= 0, "cpu_threads must be 0 (every core but the loop's) or more"),
             (self.kv_cache_bytes >= 2**20, "kv_cache_bytes must be 1 MiB (1048576) or more"),
             (self.step_tokens >= 1, "step_tokens must be 1 or more"),
+            (self.grammar_cache_size >= 0, "grammar_cache_size must be 0 or more"),
+            (
+                0 < self.grammar_compile_timeout_ms <= 3_600_000,
+                "grammar_compile_timeout_ms must be more than 0, at most an hour",
+            ),
             (
                 all(0 < timeout <= 86_400 for timeout in self.connection_timeouts),
                 "header, body, body deadline, keepalive and write timeouts must be more than"
@@ -603,7 +618,7 @@ FLAG_GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
     "generation": ("generation models and the CPU they run on", (
         "generator", "generate_mode", "max_tokens", "max_tokens_cap", "model_path",
         "weights_cache", "dtype", "cpu_threads", "preload", "kv_cache_bytes", "prefix_caching",
-        "prefix_cache_shared", "step_tokens",
+        "prefix_cache_shared", "step_tokens", "grammar_cache_size", "grammar_compile_timeout_ms",
     )),
     "store": ("the status API's results, the Batch API's files and batches", (
         "result_ttl_s", "result_store", "result_store_size", "result_store_bytes", "batch_db",

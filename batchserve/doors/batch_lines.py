@@ -137,7 +137,7 @@ class LineEngine:
     infer: Callable[[Ask, Caller], Awaitable[Result]]
     infer_all: Callable[[Sequence[Ask], Caller], Awaitable[list[Result]]]
     generate: Callable[[Prompt, Caller], contextlib.AbstractAsyncContextManager[Generation]]
-    chat_prompt: Callable[[str | None, list[dict[str, str]]], str]
+    chat_prompt: Callable[[str | None, list[dict[str, Any]], list[dict[str, Any]] | None], str]
     embedding_dim: Callable[[str], int]
     dimensions: Callable[[str], frozenset[int]]
     count_tokens: Callable[[Result, str], int]
@@ -193,12 +193,13 @@ class LineRunner:
             raise InvalidInput('a batch line answers one choice: leave out "n" or send 1')
         prompt = asked.prompt
         if asked.messages is not None:
-            prompt = replace(prompt, text=engine.chat_prompt(asked.model, asked.messages))
+            text = engine.chat_prompt(asked.model, asked.messages, asked.tools.listed)
+            prompt = replace(prompt, text=text)
         params = choice_params(dict(prompt.params or {}), asked.choices, 0, prompt.prompt_ids)
         async with engine.generate(replace(prompt, params=params), caller) as gen:
             output = await gen.result()
         answer_id = f"{'chatcmpl' if chat else 'cmpl'}-{request_id}"
-        return whole_answer(gen, output, chat=chat, answer_id=answer_id, choices=asked.choices)
+        return whole_answer(gen, output, answer_id=answer_id, asked=asked)
 
 
 def _error_body(error: BatchserveError) -> dict[str, Any]:

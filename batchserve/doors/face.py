@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
-from typing import Protocol
+from typing import Any, Protocol
 
 from ..batching.request import Ask, QueuedRequest, Result, Ticket
 from ..clock import Clock, Timer
@@ -100,6 +100,12 @@ class Generating(Protocol):
         self, prompt: Prompt | str, caller: Caller | None = None
     ) -> AbstractAsyncContextManager[Generation]: ...
 
-    def chat_prompt(self, model: str | None, messages: list[dict[str, str]]) -> str:
-        """A chat's messages as one prompt, in the template of `model`'s generator."""
+    def chat_prompt(
+        self,
+        model: str | None,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
+        """A chat's messages (and tools) as one prompt, in the template of `model`'s
+        generator."""
         ...

@@ -8,6 +8,8 @@
 absent), and any other key passes through unchanged for a custom generator to read.
 
 `cache_salt` (vLLM's) keeps the request's cached prefixes to requests with the same salt.
+`response_format`, or vLLM's `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`
+or `structured_outputs`, holds the output to a grammar (`structured.py`).
 
 Not streaming: 200 {"output", "tokens", "finish_reason", "ttft_ms", "latency_ms", ...};
 `cached_tokens` are the prompt's tokens taken from the prefix cache.
@@ -30,6 +32,7 @@ from ..rules.sampling_params import LOGPROBS, SCHEMAS
 from .face import Generating, Reception
 from .generation_answer import Events, answer_generation, data_event
 from .openapi import REQUEST_ID, TIMEOUT, Answer, ModelName, Operation, errors
+from .structured import STRUCTURED_FIELDS, STRUCTURED_SCHEMAS, constraint_of
 from .wire import (
     CACHE_SALT_SCHEMA,
     cache_salt_of,
@@ -52,6 +55,7 @@ _FIELDS = frozenset(
         "model",
         "version",
         "cache_salt",
+        *STRUCTURED_FIELDS,
     }
 )
 
@@ -86,6 +90,7 @@ def parse_generate(payload: dict[str, Any], request: web.Request) -> GenerateBod
         params=params,
         timeout_ms=timeout_ms_of(payload.get("timeout_ms"), request),
         cache_salt=cache_salt_of(payload),
+        constraint=constraint_of(payload),
     )
     return GenerateBody(prompt, stream)
 
@@ -162,6 +167,7 @@ def generate_operation(config: Config) -> Operation:
             "model": ModelName("generation", nullable=True),
             "version": {"type": ["string", "null"]},
             "cache_salt": CACHE_SALT_SCHEMA,
+            **STRUCTURED_SCHEMAS,
         },
     }
     answer = {

@@ -50,7 +50,10 @@ from .openai_choices import (
     read_choices,
 )
 from .openai_fields import check_fields, neutral_schemas, sampling_params
+from .openai_tools import CHAT_SCHEMAS, MESSAGE, ChatShape, one_constraint
 from .openapi import REQUEST_ID, TIMEOUT, Answer, ModelName, Operation, errors
+from .structured import STRUCTURED_SCHEMAS, constraint_of
+from .tool_calls import Tools, read_messages, read_tools
 from .wire import CACHE_SALT_SCHEMA, cache_salt_of, read_call, timeout_ms_of
 
 
@@ -60,10 +63,11 @@ class Completion(NamedTuple):
     model: str
     prompt: Prompt
     """The prompt; for a chat, its messages in the generator's template once read."""
-    messages: list[dict[str, str]] | None
+    messages: list[dict[str, Any]] | None
     stream: bool
     include_usage: bool
     choices: Choices
+    tools: Tools
 
 
 class OpenAICompletionsApi:
@@ -87,7 +91,7 @@ class OpenAICompletionsApi:
             body = _read_completion(payload, request, chat=chat)
             if body.messages is None:
                 return body
-            text = generation.chat_prompt(body.model, body.messages)
+            text = generation.chat_prompt(body.model, body.messages, body.tools.listed)
             return body._replace(prompt=replace(body.prompt, text=text))
 
         like = CHAT_LIKE if chat else COMPLETION_LIKE
@@ -96,7 +100,9 @@ class OpenAICompletionsApi:
             return call
         body = call.body
         answer_id = f"{'chatcmpl' if chat else 'cmpl'}-{call.request_id}"
-        shape = _Shape(chat, answer_id, body.model, body.choices, body.include_usage)
+        shape = _Shape(
+            chat, answer_id, body.model, body.choices, body.include_usage, body.tools.reads_calls
+        )
         caller, asked = call.caller, body.prompt
 
         def start(index: int) -> contextlib.AbstractAsyncContextManager[Generation]:
@@ -123,11 +129,19 @@ class _Shape:
     with its choices and, where asked, their log-probabilities."""
 
     def __init__(
-        self, chat: bool, answer_id: str, model: str, choices: Choices, include_usage: bool
+        self,
+        chat: bool,
+        answer_id: str,
+        model: str,
+        choices: Choices,
+        include_usage: bool,
+        reads_calls: bool = False,
     ) -> None:
         self._chat = chat
         self._choices = choices
         self._include_usage = include_usage
+        self._calls = [ChatShape(reads_calls) for _ in range(choices.n)]
+        """Each choice's message: its text, or its tool calls read out of it."""
         self._head = {
             "id": answer_id,
             "object": "chat.completion" if chat else "text_completion",
@@ -145,7 +159,7 @@ class _Shape:
         for index, (gen, output) in enumerate(zip(gens, outputs, strict=True)):
             choice: dict[str, Any] = {"index": index, "finish_reason": gen.finish_reason}
             if self._chat:
-                choice["message"] = {"role": "assistant", "content": output}
+                choice |= self._calls[index].whole(output, gen.finish_reason)
                 choice["logprobs"] = self._chat_logprobs(gen.logprobs)
             else:
                 text, logprobs = self._completion(index, gen, output, gen.logprobs)
@@ -154,28 +168,53 @@ class _Shape:
         return self._head | {"choices": choices, "usage": _usage(gens)}
 
     def event(self, event: Event, gens: list[Generation]) -> bytes:
-        """One choice's piece, or (its text None) its ending, as a chunk."""
+        """One choice's piece, or (its text None) its ending, as chunks."""
         index, gen = event.choice, gens[event.choice]
         ended = event.text is None
-        entries = gen.logprobs[self._sent[index] : None if ended else event.tokens]
-        self._sent[index] += len(entries)
+        if self._chat:
+            return self._chat_event(event, gen, ended)
+        entries = self._entries(event, gen, ended)
+        first = index not in self._started
+        self._started.add(index)
+        text, logprobs = self._completion(index, gen, event.text or "", entries, first)
         choice: dict[str, Any] = {
             "index": index,
             "finish_reason": gen.finish_reason if ended else None,
+            "text": text,
+            "logprobs": logprobs,
         }
-        first = index not in self._started
-        self._started.add(index)
-        if self._chat:
-            delta: dict[str, str] = {} if ended else {"content": event.text or ""}
-            if first:
-                delta["role"] = "assistant"
-            choice["delta"] = delta
-            if self._choices.logprobs is not None:
-                choice["logprobs"] = self._chat_logprobs(entries)
-        else:
-            text, logprobs = self._completion(index, gen, event.text or "", entries, first)
-            choice |= {"text": text, "logprobs": logprobs}
         return data_event(self._chunk_head() | {"choices": [choice]})
+
+    def _chat_event(self, event: Event, gen: Generation, ended: bool) -> bytes:
+        """A chat choice's deltas: its text, or its tool calls as they are read (text held
+        until it is known not to open a call sends nothing yet, its log-probabilities going
+        with the next delta); at its end, what was held, then the finish reason."""
+        index, calls = event.choice, self._calls[event.choice]
+        deltas = calls.flush() if ended else calls.feed(event.text or "")
+        if ended:
+            deltas.append({})
+        chunks = []
+        for number, delta in enumerate(deltas):
+            last = ended and number == len(deltas) - 1
+            if index not in self._started:
+                delta["role"] = "assistant"
+                self._started.add(index)
+            choice: dict[str, Any] = {
+                "index": index,
+                "finish_reason": calls.finish_reason(gen.finish_reason) if last else None,
+                "delta": delta,
+            }
+            if self._choices.logprobs is not None:
+                choice["logprobs"] = self._chat_logprobs(self._entries(event, gen, ended))
+            chunks.append(data_event(self._chunk_head() | {"choices": [choice]}))
+        return b"".join(chunks)
+
+    def _entries(self, event: Event, gen: Generation, ended: bool) -> list[TokenLogprob]:
+        """The choice's log-probabilities not yet sent, up to this event's tokens."""
+        index = event.choice
+        entries = gen.logprobs[self._sent[index] : None if ended else event.tokens]
+        self._sent[index] += len(entries)
+        return entries
 
     def closing(self, gens: list[Generation]) -> bytes:
         """After every choice's ending: the usage chunk, where asked."""
@@ -224,10 +263,12 @@ def read_line(payload: dict[str, Any], *, chat: bool) -> Completion:
 
 
 def whole_answer(
-    gen: Generation, output: str, *, chat: bool, answer_id: str, choices: Choices
+    gen: Generation, output: str, *, answer_id: str, asked: Completion
 ) -> dict[str, Any]:
     """The answer this door gives for `gen`, whole: a Batch API line's output (one choice)."""
-    return _Shape(chat, answer_id, gen.model, choices, include_usage=False).whole([gen], [output])
+    chat = asked.messages is not None
+    shape = _Shape(chat, answer_id, gen.model, asked.choices, False, asked.tools.reads_calls)
+    return shape.whole([gen], [output])
 
 
 class _NoHeaders:
@@ -254,7 +295,8 @@ def _read_completion(payload: dict[str, Any], request: web.Request, *, chat: boo
     model = payload.get("model")
     if not isinstance(model, str):
         raise InvalidInput('the body needs a string field "model"')
-    messages = _messages(payload.get("messages")) if chat else None
+    messages = read_messages(payload.get("messages")) if chat else None
+    tools = read_tools(payload) if chat else Tools(None, None)
     prompt, prompt_ids = ("", None) if chat else _prompt(payload.get("prompt"))
     max_tokens = payload.get("max_completion_tokens")
     if max_tokens is None:
@@ -272,6 +314,7 @@ def _read_completion(payload: dict[str, Any], request: web.Request, *, chat: boo
         timeout_ms=timeout_ms_of(None, request),
         cache_salt=cache_salt_of(payload),
         prompt_ids=prompt_ids,
+        constraint=one_constraint(constraint_of(payload), tools.constraint),
     )
     return Completion(
         model,
@@ -280,6 +323,7 @@ def _read_completion(payload: dict[str, Any], request: web.Request, *, chat: boo
         stream,
         options.get("include_usage") is True,
         read_choices(payload, chat=chat),
+        tools,
     )
 
 
@@ -297,42 +341,10 @@ def _prompt(given: object) -> tuple[str, list[int] | None]:
     )
 
 
-def _messages(given: object) -> list[dict[str, str]]:
-    """A chat's messages as (role, text) pairs; content parts of type text are joined."""
-    if not isinstance(given, list) or not given:
-        raise InvalidInput('"messages" must be a non-empty list')
-    messages: list[dict[str, str]] = []
-    for message in given:
-        role = message.get("role") if isinstance(message, dict) else None
-        content = message.get("content") if isinstance(message, dict) else None
-        if isinstance(content, list):
-            parts = [p.get("text") for p in content if isinstance(p, dict)]
-            if len(parts) != len(content) or not all(isinstance(p, str) for p in parts):
-                raise InvalidInput("message content parts must be of type text")
-            content = "".join(parts)  # type: ignore[arg-type]
-        if not isinstance(role, str) or not isinstance(content, str):
-            raise InvalidInput('each message needs a string "role" and text "content"')
-        messages.append({"role": role, "content": content})
-    return messages
-
-
 COMPLETION_LIKE = '{"model": "...", "prompt": "..."}'
 CHAT_LIKE = '{"model": "...", "messages": [{"role": "user", "content": "..."}]}'
 """What the bodies of /v1/completions and /v1/chat/completions look like, for one that
 does not."""
-_TEXT_PART = {
-    "type": "object",
-    "required": ["text"],
-    "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
-}
-_MESSAGE = {
-    "type": "object",
-    "required": ["role", "content"],
-    "properties": {
-        "role": {"type": "string"},
-        "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART}]},
-    },
-}
 _CHOICE = {"type": "object", "required": ["index", "finish_reason"]}
 _USAGE = {
     "type": "object",
@@ -355,10 +367,11 @@ def completion_operation(config: Config, *, chat: bool) -> Operation:
     ids = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}
     text = (
         {
-            "messages": {"type": "array", "minItems": 1, "items": _MESSAGE},
+            "messages": {"type": "array", "minItems": 1, "items": MESSAGE},
             "max_completion_tokens": max_tokens_schema(config),
             "logprobs": {"type": ["boolean", "null"]},
             "top_logprobs": top | {"description": "needs logprobs: true"},
+            **CHAT_SCHEMAS,
         }
         if chat
         else {
@@ -395,6 +408,7 @@ def completion_operation(config: Config, *, chat: bool) -> Operation:
             },
             "n": {"type": ["integer", "null"], "minimum": 1, "maximum": MAX_N},
             **{name: schema for name, schema in SCHEMAS.items() if name not in LOGPROBS},
+            **STRUCTURED_SCHEMAS,
             **neutral_schemas(chat=chat),
         },
     }

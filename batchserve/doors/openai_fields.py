@@ -3,12 +3,14 @@
 Clients and benchmark tools send OpenAI's whole vocabulary. A field is one of three kinds:
 
 - read: the prompt or messages, `max_tokens`, `stop`, `stream`, vLLM's `cache_salt`, `n`,
-  log probabilities and `echo` (`openai_choices.py`), and the sampling fields
-  (`temperature`, `top_p`, `seed`, and vLLM's `top_k`, `ignore_eos`, `min_tokens`), which go
-  to the generator as params (`rules/sampling_params.py` checks them);
+  log probabilities and `echo` (`openai_choices.py`), the structured output fields
+  (`response_format` and vLLM's, `structured.py`), a chat's `tools` and `tool_choice`
+  (`tool_calls.py`), and the sampling fields (`temperature`, `top_p`, `seed`, and vLLM's
+  `top_k`, `ignore_eos`, `min_tokens`), which go to the generator as params
+  (`rules/sampling_params.py` checks them);
 - neutral: taken and ignored at a value that changes nothing about the answer here
-  (`tools: []`, `response_format: {"type": "text"}`, `store`, `metadata`, `user`,
-  `best_of: 1`, a penalty of 0, ...); at any other value refused with 400 naming the
+  (a completion's `tools: []`, `store`, `metadata`, `user`, `best_of: 1`, a penalty of 0,
+  ...); at any other value refused with 400 naming the
   field, since the answer would not be what was asked for;
 - unknown: refused with 400, named.
 
@@ -22,14 +24,16 @@ from typing import Any
 
 from ..errors import InvalidInput
 from .openai_choices import CHAT_FIELDS, COMPLETION_FIELDS
+from .structured import STRUCTURED_FIELDS
 
 SAMPLING_FIELDS = ("temperature", "top_p", "seed", "top_k", "ignore_eos", "min_tokens")
 """Top-level fields that become the generation's params, as given."""
 READ = frozenset(
-    {"model", "max_tokens", "stop", "stream", "stream_options", "cache_salt", *SAMPLING_FIELDS}
-)
+    {"model", "max_tokens", "stop", "stream", "stream_options", "cache_salt", *SAMPLING_FIELDS,
+     *STRUCTURED_FIELDS}
+)  # fmt: skip
 COMPLETION_READ = READ | {"prompt", *COMPLETION_FIELDS}
-CHAT_READ = READ | {"messages", "max_completion_tokens", *CHAT_FIELDS}
+CHAT_READ = READ | {"messages", "max_completion_tokens", "tools", "tool_choice", *CHAT_FIELDS}
 
 
 def _is_number(wanted: float) -> Callable[[object], bool]:
@@ -46,10 +50,6 @@ def _of_type(*types: type) -> Callable[[object], bool]:
     return lambda value: isinstance(value, types)
 
 
-def _text_format(value: object) -> bool:
-    return isinstance(value, Mapping) and dict(value) == {"type": "text"}
-
-
 _Rule = tuple[Callable[[object], bool], str, str]
 """A neutral field's test, the value(s) it passes in words, and why no other value will do."""
 
@@ -59,7 +59,6 @@ _NEUTRAL: dict[str, _Rule] = {
     "repetition_penalty": (_is_number(1), "1", "penalties are not applied"),
     "min_p": (_is_number(0), "0", "min_p sampling is not supported"),
     "logit_bias": (_is({}), "{}", "logit bias is not applied"),
-    "response_format": (_text_format, '{"type": "text"}', "structured output is not supported"),
     "tools": (_is([]), "[]", "tool calls are not supported"),
     "tool_choice": (_is("none", "auto"), '"none" or "auto"', "tool calls are not supported"),
     "functions": (_is([]), "[]", "function calls are not supported"),
@@ -89,7 +88,7 @@ def check_fields(payload: Mapping[str, Any], *, chat: bool) -> None:
     if unknown:
         raise InvalidInput(f"unknown field(s): {', '.join(unknown)[:200]}")
     for name, value in payload.items():
-        rule = neutral.get(name)
+        rule = None if name in read else neutral.get(name)
         if rule is not None and value is not None and not rule[0](value):
             passes, why = rule[1], rule[2]
             raise InvalidInput(f'"{name}" must be {passes} or null' + (f": {why}" if why else ""))
@@ -110,8 +109,6 @@ _NEUTRAL_SCHEMAS: dict[str, dict[str, Any]] = {
     "repetition_penalty": {"const": 1},
     "min_p": {"const": 0},
     "logit_bias": {"type": "object", "maxProperties": 0},
-    "response_format": {"type": "object", "required": ["type"], "additionalProperties": False,
-                        "properties": {"type": {"const": "text"}}},
     "tools": {"type": "array", "maxItems": 0},
     "tool_choice": {"enum": ["none", "auto"]},
     "functions": {"type": "array", "maxItems": 0},
@@ -135,4 +132,5 @@ _NEUTRAL_SCHEMAS: dict[str, dict[str, Any]] = {
 def neutral_schemas(*, chat: bool) -> dict[str, dict[str, Any]]:
     """The body's neutral fields, each at the value(s) it takes or null."""
     names = _NEUTRAL if chat else _COMPLETION_NEUTRAL
-    return {name: _or_null(_NEUTRAL_SCHEMAS[name]) for name in names}
+    read = CHAT_READ if chat else COMPLETION_READ
+    return {name: _or_null(_NEUTRAL_SCHEMAS[name]) for name in names if name not in read}

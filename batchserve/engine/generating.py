@@ -74,6 +74,8 @@ class GenerationPath:
         its end. Leaving the block before it ends cancels it: its sequence is released
         before the next step. `caller`: who sent it (requests.py); a bare string is
         `Prompt(text)`.
+        `prompt.constraint`: a grammar the output keeps to, compiled (or found compiled) before
+        the sequence is queued; one that does not compile is refused (InvalidInput).
         """
         prompt = Prompt(prompt) if isinstance(prompt, str) else prompt
         caller = caller or Caller()
@@ -144,6 +146,8 @@ class GenerationPath:
         least = 0 if (params or {}).get("prompt_logprobs") is not None else 1
         limit = rules.new_tokens(prompt_tokens, max_tokens, budget, least=least)
         sampling = checked_params(params, limit)
+        grammars = generation_model.grammars
+        grammar = None if prompt.constraint is None else await grammars.compiled(*prompt.constraint)
         gen = Generation(
             # The sequence's id is the generator's handle, unique across tenants.
             Seq(_seq_id(tenant, request_id), text, params=sampling, prompt_ids=prompt_ids),
@@ -159,6 +163,7 @@ class GenerationPath:
         if tenant is not None:
             gen.tenant, gen.tier_rank = tenant.name, tenant.rank
             gen.tenant_weight = tenant.weight
+        gen.seq.grammar = grammar
         gen.seq.cache_key = self._cache_key(tenant, prompt.cache_salt)  # before the cache is asked
         await generation_model.note_cached_prefix(gen)
         if in_flight in self._intake.generating:  # admitted beside it meanwhile
@@ -177,9 +182,15 @@ class GenerationPath:
         salt = "" if cache_salt is None else cache_salt
         return f"{len(owner)}:{owner}:{salt}"
 
-    def chat_prompt(self, model: str | None, messages: list[dict[str, str]]) -> str:
-        """A chat's messages as one prompt, in the template of `model`'s generator."""
-        return self._generators.route(model, None, "").chat_prompt(messages)
+    def chat_prompt(
+        self,
+        model: str | None,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
+        """A chat's messages (and tools) as one prompt, in the template of `model`'s
+        generator (`chat_tools.py` where it has no tools section)."""
+        return self._generators.route(model, None, "").chat_prompt(messages, tools)
 
     def _expire(self, generation_model: GenerationModel, gen: Generation) -> None:
         gen.expire(self._clock.time())

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from dataclasses import KW_ONLY, dataclass
 from typing import Any
 
+from ..models.grammar import Constraint
 from ..rules.tenants import Tenant
 
 MAX_INPUTS_PER_CALL = 2048
@@ -60,3 +61,5 @@ class Prompt:
     fork_of: str | None = None
     """The request id of a generation with the same prompt (one of `n` choices) whose
     prompt's rows this one copies instead of computing them."""
+    constraint: Constraint | None = None
+    """A grammar its output keeps to (structured output, a forced tool call)."""

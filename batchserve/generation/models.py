@@ -26,15 +26,16 @@ from ..errors import (
     BatchserveError,
     StartupError,
 )
+from ..models.chat_tools import plain_chat_prompt
 from ..models.device_names import parse_devices
 from ..models.generators import (
     SIM,
+    ChatFormatter,
     GeneratorFactory,
     GeneratorSettings,
     chat_formatter,
     generator_factory,
     max_token_bytes,
-    plain_chat_prompt,
     simulated_generator_factory,
     token_counter,
 )
@@ -44,6 +45,7 @@ from ..rules.capacity import BatchBudget, DecayedRate
 from ..rules.fair_queue import FairQueue
 from ..rules.prefill import PrefillLine, work_until_done
 from ..tasks import CrashHandler, TaskSet
+from .grammars import Grammars
 from .request import Generation, GenState
 from .step_loop import StepLoop
 
@@ -108,6 +110,7 @@ def build_generation_model(
         step_budget=BatchBudget(fixed_s=config.batch_timeout_ms / 1e3 or None),
         step_tokens=config.step_tokens,
         on_crash=on_crash,
+        grammar_cache=(config.grammar_cache_size, config.grammar_compile_timeout_ms / 1e3),
     )
 
 
@@ -150,8 +153,12 @@ class GenerationModel:
         step_budget: BatchBudget,
         step_tokens: int,
         on_crash: CrashHandler,
+        grammar_cache: tuple[int, float] = (256, 10.0),
     ) -> None:
         self.spec = spec
+        self._clock = clock
+        self._grammar_cache = grammar_cache
+        """How many compiled grammars it keeps, and the seconds a compile may take."""
         self.state = VersionState.READY
         """Always ready once the engine serves: generation models load only at start."""
         self.mode = mode
@@ -176,7 +183,9 @@ class GenerationModel:
         bytes are checked against before it is tokenized."""
         self._tokenizer: ThreadPoolExecutor | None = None
         """Counts prompts' tokens off the event loop (a 1 MiB prompt takes seconds)."""
-        self.chat_prompt: Callable[[list[dict[str, str]]], str] = plain_chat_prompt
+        self.chat_prompt: ChatFormatter = plain_chat_prompt
+        self.grammars = Grammars(None, clock, label=spec.label, cache_size=0, timeout_s=1.0)
+        """Its compiled grammars, once its generator has loaded."""
         self.kv_budget = 0
         """What a lone sequence must fit: the smallest device budget, or context length."""
         self.steps = 0
@@ -247,6 +256,12 @@ class GenerationModel:
         self.reports_logprobs = getattr(outcomes[0], "reports_logprobs", False) is True
         vocab = getattr(outcomes[0], "vocab_size", None)
         self.vocab_size = vocab if isinstance(vocab, int) and vocab > 0 else None
+        size, timeout_s = self._grammar_cache
+        compile_grammar = getattr(outcomes[0], "compile_grammar", None)
+        self.grammars = Grammars(
+            compile_grammar if callable(compile_grammar) else None, self._clock,
+            label=self.spec.label, cache_size=size, timeout_s=timeout_s,
+        )  # fmt: skip
         self.kv_budget = min(loop.max_seq_tokens for loop in self.loops)
         for loop in self.loops:
             self._tasks.start(loop.run(self.mode), name=f"batchserve-steps-{loop.device}")
@@ -262,6 +277,7 @@ class GenerationModel:
                 )
 
     async def aclose(self) -> None:
+        self.grammars.close()
         if self._tokenizer is not None:
             self._tokenizer.shutdown(wait=False, cancel_futures=True)
         await self._tasks.aclose()

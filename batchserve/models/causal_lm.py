@@ -35,8 +35,10 @@ from dataclasses import replace
 from typing import Any
 
 from ..errors import StartupError
+from .chat_tools import templated_chat
 from .cpu import bound_kernel_caches, cpu_flags, has_bf16, pin_compute
-from .generators import CachedPrefix, GeneratorSettings, Made, Seq, plain_chat_prompt
+from .generators import CachedPrefix, GeneratorSettings, Made, Seq
+from .grammar import Compiled, GrammarCompiler, GrammarSpec, constrain
 from .kv_cache import BLOCK, PagedKV
 from .linears import LayerWeights, Products, layer_weights, mlp
 from .logprobs import TokenLogprob, asks, chosen_logprobs, rows_logprobs
@@ -108,6 +110,7 @@ class CausalLM:
         self.vocab_size: int = config.vocab_size
         """Token ids of a prompt given as ids are below it."""
         self._token_bytes = byte_decoder(tokenizer)
+        self._grammars: GrammarCompiler | None = None
         self.progress = 0
         """Layers run, bumped on the device's thread: the watchdog gives a step that is
         still advancing another budget (a busy CPU's slow step is not a hang)."""
@@ -120,13 +123,18 @@ class CausalLM:
     def count_tokens(self, text: str) -> int:
         return len(self._encode(text))
 
-    def chat_prompt(self, messages: list[dict[str, str]]) -> str:
-        if getattr(self.tokenizer, "chat_template", None) is None:
-            return plain_chat_prompt(messages)
-        text: str = self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True
-        )
-        return text
+    def chat_prompt(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> str:
+        return templated_chat(self.tokenizer, messages, tools)
+
+    def compile_grammar(self, spec: GrammarSpec) -> Compiled:
+        """`spec` compiled for this tokenizer (on the model's compile thread, never a step's;
+        the compiled grammar serves every device)."""
+        if self._grammars is None:
+            vocab = self.model.lm_head.weight.shape[0]
+            self._grammars = GrammarCompiler(self.tokenizer, vocab, self._eos)
+        return self._grammars.compile(spec)
 
     def step(self, seqs: list[Seq]) -> list[Made]:
         with self._torch.inference_mode():
@@ -251,14 +259,14 @@ class CausalLM:
                 makers.append(i)
         if makers:
             logits = self._logits(x[torch.tensor(ends, device=device)])
-            chosen = choose_tokens(
-                torch,
-                logits,
-                [seqs[i].params for i in makers],
-                [len(held[i].text.made) for i in makers],
-                self._eos,
-            )
-            asking = [seqs[i].params for i in makers]
+            params = [seqs[i].params for i in makers]
+            asking = params
+            matchers = [held[i].matcher for i in makers]
+            if any(matchers):  # rows without a grammar pay nothing
+                params = constrain(torch, logits, matchers, params, self._eos)
+            made = [len(held[i].text.made) for i in makers]
+            chosen = choose_tokens(torch, logits, params, made, self._eos)
+            # After the grammar's mask (as vLLM reports them), before temperature and the rest.
             scored = chosen_logprobs(torch, logits, asking, chosen, self._token_bytes)
             for j, (i, token) in enumerate(zip(makers, chosen, strict=True)):
                 answers[i] = self._made(seqs[i], held[i], token, scored.get(j))
@@ -291,6 +299,8 @@ class CausalLM:
         return replace(made, prompt_logprobs=tuple(scored), prompt_start=start_at)
 
     def _made(self, seq: Seq, held: Held, token: int, logprob: TokenLogprob | None) -> Made:
+        if held.matcher is not None:
+            held.matcher.accept(token)
         if token in self._eos:  # its log-probability is reported, as vLLM does
             return Made(held.text.flush(), end=True, logprob=logprob)
         held.ids.append(token)

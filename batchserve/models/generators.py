@@ -42,6 +42,8 @@ from typing import Any, Protocol, runtime_checkable
 
 from ..errors import StartupError
 from .backends import POISON_MARKER, HangOnce, SimulatedFault, import_attr
+from .chat_tools import fallback_messages, plain_chat_prompt
+from .grammar import Compiled
 from .logprobs import TokenLogprob
 
 SIM = "sim"
@@ -73,6 +75,9 @@ class Seq:
     fork_of: str = ""
     """One of the `n` choices of a request: the id of the sibling whose prompt's rows it
     copies once they are computed, rather than computing them again."""
+    grammar: Compiled | None = None
+    """What its output must keep to (structured output, a forced tool call): compiled by
+    the generator's `compile_grammar` before the sequence is queued."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -191,16 +196,20 @@ def max_token_bytes(generator: Generator) -> int | None:
     return None if callable(getattr(generator, "count_tokens", None)) else 1
 
 
-def plain_chat_prompt(messages: list[dict[str, str]]) -> str:
-    """A chat as one prompt, for generators without a template of their own."""
-    turns = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages)
-    return turns + "<|assistant|>\n"
+ChatFormatter = Callable[[list[dict[str, Any]], list[dict[str, Any]] | None], str]
+"""A chat's messages (OpenAI's shape) and its tools (or None) as one prompt."""
 
 
-def chat_formatter(generator: Generator) -> Callable[[list[dict[str, str]]], str]:
-    """The generator's own `chat_prompt(messages)`, else the plain template."""
+def chat_formatter(generator: Generator) -> ChatFormatter:
+    """The generator's own `chat_prompt(messages, tools)`; one that takes no `tools` gets
+    the chat with the tools written in (`chat_tools.fallback_messages`); else the plain
+    template."""
     formatter = getattr(generator, "chat_prompt", None)
-    return formatter if callable(formatter) else plain_chat_prompt
+    if not callable(formatter):
+        return plain_chat_prompt
+    if "tools" in inspect.signature(formatter).parameters:
+        return lambda messages, tools: str(formatter(messages, tools=tools))
+    return lambda messages, tools: str(formatter(fallback_messages(messages, tools)))
 
 
 class SimulatedGenerator:

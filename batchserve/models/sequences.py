@@ -11,6 +11,7 @@ from typing import Any
 
 from .detokenizer import Detokenizer
 from .generators import Seq
+from .grammar import Matcher
 from .kv_cache import BLOCK, block_keys, root_key
 
 LOOKUPS_KEPT = 256
@@ -30,6 +31,8 @@ class Held:
     keys: list[bytes] = field(default_factory=list)
     prompt: int = 0
     """How many of `ids` are the prompt's."""
+    matcher: Matcher | None = None
+    """Its place in its grammar, if it has one: the step masks its logits by it."""
 
     def usable(self) -> list[bytes]:
         """Keys of the blocks that may come from the cache: never the one holding the last
@@ -118,4 +121,5 @@ class Sequences:
         prompt = self._encode(seq.prompt) if seq.prompt_ids is None else list(seq.prompt_ids)
         ids = prompt + made
         root = root_key(self._identity, seq.cache_key)
-        return Held(ids, 0, text, root, block_keys(root, ids), len(prompt))
+        matcher = None if seq.grammar is None else seq.grammar.matcher(made)
+        return Held(ids, 0, text, root, block_keys(root, ids), len(prompt), matcher)

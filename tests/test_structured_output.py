@@ -1,0 +1,364 @@
+"""Structured output and tool calls (issue #41, items 1, 2 and 4) on the tiny random Llama:
+its text is garbage, so every valid answer here is the grammar's doing."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from collections.abc import Callable
+from typing import Any, Literal
+
+import aiohttp
+import openai
+import pytest
+from pydantic import BaseModel, Field
+
+from batchserve.clock import FakeClock
+from batchserve.config import Config
+from batchserve.engine.core import Engine
+from batchserve.engine.requests import Prompt
+from batchserve.errors import InvalidInput
+from batchserve.generation.grammars import Grammars
+from batchserve.models.grammar import Compiled, Constraint, GrammarError, GrammarSpec
+from batchserve.models.specs import ModelSpec
+from batchserve.server import create_app
+
+pytest.importorskip("torch")
+pytest.importorskip("xgrammar")
+from batchserve.models.causal_lm import CausalLM
+
+
+class Pet(BaseModel):
+    name: str = Field(max_length=6)
+    kind: Literal["cat", "dog", "bird"]
+    vaccinated: bool
+    toys: list[Literal["ball", "rope"]] = Field(max_length=2)
+
+
+class Weather(BaseModel):
+    city: str = Field(max_length=8)
+    unit: Literal["c", "f"]
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "the weather in a city",
+        "parameters": Weather.model_json_schema(),
+    },
+}
+NOTE_TOOL = {
+    "type": "function",
+    "function": {"name": "take_note", "parameters": Pet.model_json_schema()},
+}
+CHAT = [{"role": "user", "content": "the cat"}]
+
+
+def engine_for(tok: Any, model: Any, **settings: Any) -> Engine:
+    generator = lambda device: CausalLM(model, tok, device, kv_cache_bytes=2**20)  # noqa: E731
+    spec = ModelSpec(name="llm", version="1", generator=generator, devices="cpu")
+    return Engine(Config(**settings), models=[spec])
+
+
+@pytest.fixture
+async def served(tok: Any, tiny: Any, aiohttp_server: Any) -> tuple[Any, Engine]:
+    engine = engine_for(tok, tiny)
+    server = await aiohttp_server(create_app(engine))
+    return server, engine
+
+
+def json_object(text: str) -> None:
+    assert isinstance(json.loads(text), dict), text
+
+
+def client_of(server: Any) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=str(server.make_url("/v1")), api_key="-", max_retries=0)
+
+
+async def test_every_structured_output_field_holds_the_answer_to_its_grammar(served):
+    server, _ = served
+    schema = Pet.model_json_schema()
+    fields: list[tuple[dict[str, Any], Callable[[str], object]]] = [
+        ({"response_format": {"type": "json_schema",
+                              "json_schema": {"name": "pet", "schema": schema, "strict": True}}},
+         Pet.model_validate_json),
+        ({"response_format": {"type": "json_object"}}, json_object),
+        ({"guided_json": schema}, Pet.model_validate_json),
+        ({"guided_regex": "[a-c]{2,4}-[0-9]{3}"},
+         lambda text: re.fullmatch("[a-c]{2,4}-[0-9]{3}", text) or pytest.fail(text)),
+        ({"guided_choice": ["yes", "no", "qu\"oted"]},
+         lambda text: text in ("yes", "no", 'qu"oted') or pytest.fail(text)),
+        ({"guided_grammar": 'root ::= "a" [0-9]{1,3} "z"'},
+         lambda text: re.fullmatch("a[0-9]{1,3}z", text) or pytest.fail(text)),
+        ({"structured_outputs": {"json": schema}}, Pet.model_validate_json),
+        ({"structured_outputs": {"choice": ["up", "down"]}},
+         lambda text: text in ("up", "down") or pytest.fail(text)),
+    ]  # fmt: skip
+    chat = ("/v1/chat/completions", {"model": "llm", "messages": CHAT})
+    routes = [
+        (*chat, {}),
+        (*chat, {"temperature": 1.0, "seed": 11}),
+        ("/v1/completions", {"model": "llm", "prompt": "the cat"}, {}),
+        ("/api/generate", {"model": "llm", "prompt": "the cat"}, {}),
+    ]
+    async with aiohttp.ClientSession() as http:
+        for extra, valid in fields:
+            for path, body, sampling in routes:
+                body = {**body, **extra, "max_tokens": 200}
+                if path == "/api/generate":
+                    body["params"] = sampling
+                else:
+                    body |= sampling
+                async with http.post(server.make_url(path), json=body) as response:
+                    answer = await response.json()
+                assert response.status == 200, (path, extra, answer)
+                if path == "/api/generate":
+                    text, reason = answer["output"], answer["finish_reason"]
+                else:
+                    choice = answer["choices"][0]
+                    reason = choice["finish_reason"]
+                    text = choice["message"]["content"] if "message" in choice else choice["text"]
+                if reason == "length" and valid is json_object:
+                    continue  # an object of any size: it may not end within max_tokens
+                assert reason == "stop", (path, extra, sampling, text)
+                valid(text)
+
+
+async def test_a_cut_answer_says_length_and_is_a_start_of_a_valid_one(served):
+    server, _ = served
+    async with client_of(server) as ai:
+        cut = await ai.chat.completions.create(
+            model="llm", messages=CHAT, max_tokens=4,  # type: ignore[arg-type]
+            response_format={"type": "json_schema", "json_schema": {
+                "name": "pet", "schema": Pet.model_json_schema()}},
+        )  # fmt: skip
+    assert cut.choices[0].finish_reason == "length"
+    text = cut.choices[0].message.content or ""
+    assert text
+    assert '{"name": "'.startswith(text), text  # the schema's start, cut
+
+
+async def test_the_openai_client_parses_a_pydantic_model(served):
+    server, _ = served
+    async with client_of(server) as ai:
+        for temperature in (None, 0.8):
+            answer = await ai.chat.completions.parse(
+                model="llm", messages=CHAT, response_format=Pet,  # type: ignore[arg-type]
+                max_tokens=200, temperature=temperature, seed=5,
+            )  # fmt: skip
+            assert isinstance(answer.choices[0].message.parsed, Pet)
+
+
+async def test_a_tool_call_round_trip_whole_and_streamed(served):
+    server, _ = served
+    async with client_of(server) as ai:
+        for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+            called = await ai.chat.completions.create(
+                model="llm", messages=CHAT, tools=[NOTE_TOOL, WEATHER_TOOL],  # type: ignore[list-item]
+                tool_choice=choice, max_tokens=200,  # type: ignore[arg-type]
+            )  # fmt: skip
+            answer = called.choices[0]
+            assert answer.finish_reason == "tool_calls"
+            assert answer.message.content is None
+            (call,) = answer.message.tool_calls or []
+            schema = Weather if call.function.name == "get_weather" else Pet  # type: ignore[union-attr]
+            schema.model_validate_json(call.function.arguments)  # type: ignore[union-attr]
+            if choice != "required":
+                assert call.function.name == "get_weather"  # type: ignore[union-attr]
+
+            streamed = await ai.chat.completions.create(
+                model="llm", messages=CHAT, tools=[NOTE_TOOL, WEATHER_TOOL],  # type: ignore[list-item]
+                tool_choice=choice, max_tokens=200, stream=True,  # type: ignore[arg-type]
+            )  # fmt: skip
+            chunks = [chunk async for chunk in streamed]
+            deltas = [
+                c.choices[0].delta.tool_calls for c in chunks if c.choices[0].delta.tool_calls
+            ]
+            assert len(deltas) > 1, "a call streams as its head, then its arguments in pieces"
+            head = deltas[0][0]
+            arguments = "".join(d[0].function.arguments or "" for d in deltas)  # type: ignore[union-attr]
+            assert head.id
+            assert head.function.name == call.function.name  # type: ignore[union-attr]
+            assert arguments == call.function.arguments  # type: ignore[union-attr]
+            assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+            history = [
+                *CHAT,
+                {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                {"role": "tool", "tool_call_id": call.id, "content": '{"celsius": 21}'},
+            ]
+            final = await ai.chat.completions.create(
+                model="llm", messages=history, tools=[NOTE_TOOL, WEATHER_TOOL],  # type: ignore[arg-type, list-item]
+                tool_choice="none", max_tokens=8,
+            )  # fmt: skip
+            assert final.choices[0].message.tool_calls is None
+            assert final.choices[0].message.content
+
+
+async def test_bad_tools_and_grammars_are_refused_naming_them_before_any_step(served):
+    server, engine = served
+    nonsense = {"type": "object", "properties": {"a": {"type": "nonsense"}}}
+    bad_tool = {"type": "function", "function": {"name": "broken", "parameters": nonsense}}
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                             "arguments": "{}"}}  # fmt: skip
+    cases = [
+        ({"tools": [WEATHER_TOOL], "tool_choice": {"type": "function",
+                                                   "function": {"name": "nope"}}},
+         "names nope, which is not among"),
+        ({"messages": [*CHAT, {"role": "tool", "tool_call_id": "call_9", "content": "x"}]},
+         'messages[1].tool_call_id" "call_9" answers no tool call'),
+        ({"messages": [*CHAT, {"role": "assistant", "content": None, "tool_calls": [call]},
+                       {"role": "tool", "tool_call_id": "call_2", "content": "x"}]},
+         'messages[2].tool_call_id'),
+        ({"tools": [WEATHER_TOOL, bad_tool], "tool_choice": "required"},
+         'tools" does not compile: tool broken: Unsupported type "nonsense"'),
+        ({"tools": [bad_tool], "tool_choice": {"type": "function",
+                                               "function": {"name": "broken"}}},
+         'tools[0].function.parameters" does not compile'),
+        ({"tools": [bad_tool]}, "tool broken"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x",
+                                                                     "schema": nonsense}}},
+         'response_format.json_schema.schema" does not compile: Unsupported type'),
+        ({"guided_regex": "("}, '"guided_regex" does not compile'),
+        ({"guided_grammar": "root ::= "}, '"guided_grammar" does not compile'),
+        ({"guided_json": {"type": "object"}, "guided_regex": "a"}, "give one"),
+        ({"response_format": {"type": "json_object"}, "tools": [WEATHER_TOOL]}, "give one"),
+        ({"tool_choice": "required"}, 'needs "tools"'),
+        ({"response_format": {"type": "xml"}}, '"response_format" must be'),
+        ({"structured_outputs": {"yaml": 1}}, "unknown key(s): yaml"),
+        ({"guided_choice": []}, '"guided_choice" must be a list'),
+    ]  # fmt: skip
+    async with aiohttp.ClientSession() as http:
+        for extra, message in cases:
+            body = {"model": "llm", "messages": CHAT, **extra}
+            async with http.post(server.make_url("/v1/chat/completions"), json=body) as response:
+                answer = await response.json()
+            assert response.status == 400, (extra, answer)
+            assert message in answer["error"]["message"], (extra, answer)
+    (model,) = engine._generators  # type: ignore[attr-defined]
+    assert model.steps == 0, "a refused request reached a device"
+
+
+async def test_a_constrained_row_leaves_its_batch_mates_answers_alone(tok, tiny):
+    engine = engine_for(tok, tiny)
+    schema = GrammarSpec("json_schema", json.dumps(Pet.model_json_schema()))
+
+    async def text(prompt: str, constrained: bool) -> str:
+        constraint = Constraint(schema, "x") if constrained else None
+        asked = Prompt(prompt, max_tokens=24, constraint=constraint)
+        async with engine.generate(asked) as gen:
+            return await gen.result()
+
+    async with engine:
+        alone = await text("the dog", False)
+        together = await asyncio.gather(text("the dog", False), text("the cat", True))
+    assert together[0] == alone
+    assert together[1].startswith('{"name": "')
+
+
+class Spy:
+    """A compile function the test releases: counts calls, blocks until told."""
+
+    def __init__(self) -> None:
+        self.calls: list[GrammarSpec] = []
+        self.release = asyncio.Event()
+        self.loop = asyncio.get_running_loop()
+
+    def __call__(self, spec: GrammarSpec) -> Compiled:
+        self.calls.append(spec)
+        asyncio.run_coroutine_threadsafe(self.release.wait(), self.loop).result()
+        if spec.text == "bad":
+            raise GrammarError("it is bad")
+        return Compiled(None, spec, [])
+
+
+async def test_grammars_compile_once_are_cached_bounded_and_refused_past_the_bound():
+    clock = FakeClock()
+    spy = Spy()
+    grammars = Grammars(spy, clock, label="llm", cache_size=2, timeout_s=5.0)
+    a, b, c, bad = (GrammarSpec("regex", t) for t in ("a", "b", "c", "bad"))
+    first_try = asyncio.ensure_future(grammars.compiled(a, "response_format"))
+    late = asyncio.ensure_future(grammars.compiled(b, "guided_regex"))  # behind a's compile
+    await asyncio.sleep(0)
+    clock.advance(5.0)
+    with pytest.raises(InvalidInput, match='"response_format" was not compiled within 5000 ms'):
+        await first_try
+    with pytest.raises(InvalidInput, match='"guided_regex" was not compiled within 5000 ms'):
+        await late
+    # a's compile runs on: later requests for it wait for that one compile
+    waiting = [asyncio.ensure_future(grammars.compiled(a, "f")) for _ in range(3)]
+    await asyncio.sleep(0)
+    spy.release.set()
+    first, *others = await asyncio.gather(*waiting)
+    assert all(other is first for other in others)
+    await grammars.compiled(b, "f")  # b's compile ran on: its outcome was kept
+    assert spy.calls == [a, b]
+    with pytest.raises(InvalidInput, match='"x" does not compile: it is bad'):
+        await grammars.compiled(bad, "x")
+    with pytest.raises(InvalidInput, match='"y" does not compile: it is bad'):
+        await grammars.compiled(bad, "y")  # a failure is cached too
+    await grammars.compiled(c, "f")
+    assert len(grammars) == 2  # bounded: a and b went out first
+    await grammars.compiled(a, "f")
+    assert spy.calls == [a, b, bad, c, a]
+    grammars.close()
+
+
+def test_a_length_bounded_string_holds_no_control_character(tok):
+    """xgrammar 0.2 lets a string with maxLength hold control characters (JSON forbids
+    them, and pydantic refuses them): the rule is rewritten."""
+    import torch
+    import xgrammar as xgr
+
+    from batchserve.models.grammar import GrammarCompiler
+
+    compiler = GrammarCompiler(tok, len(tok), {tok.eos_token_id})
+    matcher = compiler.compile(GrammarSpec("json_schema", json.dumps(Weather.model_json_schema())))
+    step = matcher.matcher(tok.encode('{"city": "a'))
+    bitmask = xgr.allocate_token_bitmask(1, len(tok))
+    step.fill(bitmask, 0)
+    logits = torch.zeros(1, len(tok))
+    xgr.apply_token_bitmask_inplace(logits, bitmask)
+    allowed = [tok.decode([i]) for i in torch.nonzero(logits[0] == 0).flatten().tolist()]
+    assert allowed
+    assert not [t for t in allowed if t and ord(t[0]) < 0x20]
+
+
+async def test_a_pydantic_ai_agent_calls_its_tool_and_answers_in_its_schema(served):
+    """pydantic-ai asks for its output as a call of its own `final_result` tool, with
+    tool_choice required: every answer is a valid call; the agent runs its tool, sends the
+    result back as a tool message, and ends on a valid output."""
+    from pydantic_ai import Agent
+    from pydantic_ai.messages import ToolReturnPart
+    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+    from pydantic_ai.usage import UsageLimits
+
+    server, _ = served
+    async with client_of(server) as ai:
+        model = OpenAIChatModel("llm", provider=OpenAIProvider(openai_client=ai))
+        agent = Agent(model, output_type=Weather, model_settings={"max_tokens": 200})
+        looked_up: list[str] = []
+
+        async def once(ctx: Any, tool: Any) -> Any:
+            """A random model would call it for ever: offered until it has run."""
+            return None if looked_up else tool
+
+        @agent.tool_plain(prepare=once)
+        def look_up(city: Literal["paris", "rome"]) -> str:
+            """The weather in a city."""
+            looked_up.append(city)
+            return "sunny"
+
+        result = await agent.run("the cat", usage_limits=UsageLimits(request_limit=6))
+    assert isinstance(result.output, Weather)
+    returns = [
+        part
+        for message in result.all_messages()
+        for part in getattr(message, "parts", [])
+        if isinstance(part, ToolReturnPart)
+    ]
+    assert looked_up in (["paris"], ["rome"])
+    assert [part.tool_name for part in returns] == ["look_up", "final_result"]
