@@ -12,9 +12,10 @@ or a policy's own wake-up time comes. Below every lane wait the Batch API's line
 (`batching/idle.py`): a device gets them only when no online lane would send now and no
 online request waits for its versions.
 
-The batcher is the pool's listener (the pool calls it when a batch ends or a device's health
-changes). What runs again after a failed batch is `batching/rescue.py`'s, and the refusal of
-requests predicted to be late is `batching/shedding.py`'s: the batcher owns one of each.
+The batcher builds its pool and hands it its callbacks (the pool calls them when a batch
+ends or a device's health changes). What runs again after a failed batch is
+`batching/rescue.py`'s, and the refusal of requests predicted to be late is
+`batching/shedding.py`'s: the batcher owns one of each.
 
 Batcher has 27 methods, over the house's 25: its public face (submit, discard, fail_queued,
 the pool's three callbacks, stats and capacity queries for the engine and metrics) plus the
@@ -38,9 +39,11 @@ from .batching.request import QueuedRequest
 from .batching.rescue import LaneView, Rescue, still_waiting
 from .batching.shedding import Shedding
 from .clock import Clock
+from .config import Config
+from .devices.fleet import Devices
 from .devices.health import HEALTHY
 from .errors import BatchserveError, NotReady, Overloaded
-from .gpu_pool import GpuPool
+from .gpu_pool import BatchCall, BatchDone, GpuPool
 from .models.registry import Key, ModelVersion
 from .rules.capacity import DecayedRate
 from .rules.fair_queue import FairQueue
@@ -113,39 +116,47 @@ def length_bucket(version: ModelVersion, tokens: int) -> int:
 
 
 class Batcher:
-    """The lanes and the loop; the pool's listener, told of finished and failed batches
-    and of health changes."""
+    """The lanes and the loop, and the pool they dispatch to, which tells them of finished
+    and failed batches and of health changes."""
 
     def __init__(
         self,
-        pool: GpuPool,
+        versions: list[ModelVersion],
+        config: Config,
         *,
+        devices: Devices,
         clock: Clock,
-        max_queue: int,
-        bisect_failures: bool,
-        retry_budget: RetryBudget,
-        shed: bool,
-        poison_memory: int,
         on_crash: CrashHandler,
+        on_call: Callable[[BatchCall], None] | None = None,
+        on_batch_ran: BatchDone | None = None,
     ):
-        self._pool = pool
-        pool.listen(self)
+        """Builds the pool of `versions` over `devices`, handing it the batcher's callbacks
+        (and `on_call`: tracing); `on_batch_ran` hears of each batch call that succeeded
+        (the metrics' queue waits and call times)."""
+        self.pool = pool = GpuPool(
+            versions, clock=clock, on_crash=on_crash, on_call=on_call, devices=devices,
+            batch_done=self.batch_done, batch_failed=self.batch_failed,
+            health_changed=self.health_changed,
+        )  # fmt: skip
+        """Its pool, which it starts and closes, the one it dispatches to and hears."""
         self._clock = clock
-        self.max_queue = max_queue
+        self.max_queue = config.max_queue
         """Queued requests beyond which it refuses more (503); the engine may change it."""
         self._lanes: dict[Key, Lane] = {}
         self._queued = 0
         self.idle = IdleLines()
         """The Batch API's lines: outside the queue bound, sent only to idle devices."""
         self._virtual_time = 0.0
-        self._shedding = Shedding() if shed else None
+        self._shedding = Shedding() if config.keys_file is not None else None
+        reserve = config.retry_reserve
+        budget = RetryBudget(ratio=config.retry_budget, reserve=reserve, tokens=reserve)
         self._rescue = Rescue(
             pool,
             self._lanes,
             clock=clock,
-            bisect_failures=bisect_failures,
-            retry_budget=retry_budget,
-            poison_memory=poison_memory,
+            bisect_failures=config.bisect_failures,
+            retry_budget=budget,
+            poison_memory=config.poison_memory,
         )
         self.recoveries: Counter[str] = self._rescue.recoveries
         """Requests sent round again by kind of failure, and those answered 500."""
@@ -156,8 +167,7 @@ class Batcher:
         self._completed = 0
         self._drain_rate = DecayedRate()
         self._arrival_rate = DecayedRate()
-        self.on_batch_ran: Callable[[list[QueuedRequest], float, float], None] | None = None
-        """Told of each batch call that succeeded (the metrics' queue waits and call times)."""
+        self._on_batch_ran = on_batch_ran
         self.batch_sizes: Counter[int] = Counter()
         """How many batches of each size were sent, retries included."""
         self.batch_fill: Counter[tuple[str, str, str]] = Counter()
@@ -181,9 +191,9 @@ class Batcher:
     def stats(self) -> BatcherStats:
         return BatcherStats(
             queued=self._queued + self._rescue.retrying(),
-            in_flight=self._pool.in_flight_requests,
-            free_devices=self._pool.free_count,
-            healthy_devices=self._pool.healthy,
+            in_flight=self.pool.in_flight_requests,
+            free_devices=self.pool.free_count,
+            healthy_devices=self.pool.healthy,
             batches=self._batches,
             completed=self._completed,
         )
@@ -219,16 +229,20 @@ class Batcher:
         return waiting + sum(len(g) for _, g in self._rescue.groups(version))
 
     async def __aenter__(self) -> Batcher:
+        """Loads the pool's devices, then starts the loop."""
+        await self.pool.__aenter__()
         self._tasks.start(self._run(), name="batchserve-batcher")
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
+        """Stops the loop, then the pool (what is left of its calls)."""
         await self._tasks.aclose()
+        await self.pool.__aexit__()
 
     def submit(self, request: QueuedRequest) -> None:
         if request.tier_rank == IDLE_RANK:
             self.idle.push(request)
-            if not self._wakeup.is_set() and self._pool.free_count:
+            if not self._wakeup.is_set() and self.pool.free_count:
                 self._wakeup.set()
             return
         if self._queued >= self.max_queue:
@@ -255,7 +269,7 @@ class Batcher:
         self._queued += 1
         self._arrival_rate.add(request.arrival, 1)
         request.key.version.arrivals.add(request.arrival, 1)
-        if not self._wakeup.is_set() and self._pool.free_count:
+        if not self._wakeup.is_set() and self.pool.free_count:
             self._wakeup.set()
         self._changed()
 
@@ -287,7 +301,7 @@ class Batcher:
         self.idle.fail(error, version)
         self._changed()
 
-    # The pool's listener: it tells what happened to a batch or a device.
+    # The pool's callbacks: it tells what happened to a batch or a device.
 
     def batch_done(self, batch: list[QueuedRequest], started: float, finished: float) -> None:
         """`batch`'s call succeeded and its device is free; nobody is answered yet."""
@@ -298,8 +312,8 @@ class Batcher:
         self._drain_rate.add(finished, answered)
         self._wakeup.set()
         self._changed()
-        if self.on_batch_ran is not None:
-            self.on_batch_ran(batch, started, finished)
+        if self._on_batch_ran is not None:
+            self._on_batch_ran(batch, started, finished)
 
     def batch_failed(self, batch: list[QueuedRequest], key: Key, failure: BatchFailure) -> None:
         """Hands a failed batch to its rescue, which plans what runs again."""
@@ -311,11 +325,11 @@ class Batcher:
 
     def health_changed(self) -> None:
         """Fails what no healthy device is left to run."""
-        if not self._pool.healthy:
+        if not self.pool.healthy:
             self.fail_queued(NotReady("no healthy device is left to run this request"))
         waiting = itertools.chain(self._lanes, (key for key, _ in self._rescue.groups()))
         for version in {key.version for key in waiting} | self.idle.versions():
-            if not self._pool.healthy_for(version):
+            if not self.pool.healthy_for(version):
                 self.fail_queued(
                     NotReady(f"no healthy device is left to run {version.spec.label}"), version
                 )
@@ -358,7 +372,7 @@ class Batcher:
             return self._devices_left(version) * version.spec.max_batch_size / call_s
         rates = [
             max(measured)
-            for device in self._pool.devices
+            for device in self.pool.devices
             if device.state in HEALTHY
             and (measured := [rate for v in device.fns if (rate := _full_batch_rps(v))])
         ]
@@ -368,8 +382,8 @@ class Batcher:
         """The healthy devices `version` can count on: what the versions sharing them took
         of their time lately is not, though start-time fair queuing leaves it at least an
         even split when all want more."""
-        devices = self._pool.healthy_for(version)
-        sharing = self._pool.sharing(version)
+        devices = self.pool.healthy_for(version)
+        sharing = self.pool.sharing(version)
         if len(sharing) < 2:
             return devices
         now = self._clock.time()
@@ -414,8 +428,8 @@ class Batcher:
         """Batch API lines for a free device that no online request waits for: none of the
         versions sharing it has a request queued or to be retried."""
         waiting = itertools.chain(self._lanes, (key for key, _ in self._rescue.groups()))
-        busy = {shared for key in waiting for shared in self._pool.sharing(key.version)}
-        return self.idle.take(busy, self._pool.free_for, lambda key: Lane(key, 0.0).max_batch)
+        busy = {shared for key in waiting for shared in self.pool.sharing(key.version)}
+        return self.idle.take(busy, self.pool.free_for, lambda key: Lane(key, 0.0).max_batch)
 
     def _taker(self, now: float) -> Callable[[LaneView, int], list[QueuedRequest]]:
         """`_take` at `now`, for a rescue group that takes its lane's requests along."""
@@ -432,7 +446,7 @@ class Batcher:
             self.batch_fill[model, version, "requests"] += len(batch)
             if batch[0].tier_rank == IDLE_RANK:
                 self.idle.sent(len(batch))
-            self._pool.dispatch(batch, self._batches, key, reason)
+            self.pool.dispatch(batch, self._batches, key, reason)
         self._changed()
 
     def _choose(self, now: float) -> tuple[Lane | None, int, float | None, FlushReason]:
@@ -449,7 +463,7 @@ class Batcher:
         wake_at: float | None = None
         reason: FlushReason
         for lane in self._lanes.values():
-            free = self._pool.free_for(lane.key.version)
+            free = self.pool.free_for(lane.key.version)
             if not free:
                 continue  # a device freeing wakes the loop
             size = len(lane.queue)
@@ -465,7 +479,7 @@ class Batcher:
                     device_share=self._device_share(lane.key.version, now),
                 )
                 decision = lane.key.version.policy.decide(
-                    now, view, free, self._pool.busy_since_of(lane.key)
+                    now, view, free, self.pool.busy_since_of(lane.key)
                 )
                 count, reason = min(decision.dispatch, lane.max_batch), decision.reason
                 if not count:
@@ -492,13 +506,13 @@ class Batcher:
         well was measured worse: the small batches it allows take time the others then
         lack, so their share falls and this one's grows.) None where it has its devices
         to itself."""
-        sharing = self._pool.sharing(version)
+        sharing = self.pool.sharing(version)
         if len(sharing) < 2:
             return None
         total = sum(v.arrivals.at(now) for v in sharing)
         if total <= 0:
             return None
-        return self._pool.healthy_for(version) * version.arrivals.at(now) / total
+        return self.pool.healthy_for(version) * version.arrivals.at(now) / total
 
     def _take(self, lane: Lane, count: int, now: float) -> list[QueuedRequest]:
         """`count` requests in batch order; expired ones are answered 504 instead."""

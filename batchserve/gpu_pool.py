@@ -3,12 +3,13 @@
 
 The pool loads each device's batch function on that device's thread (so weights land where
 they will be used), runs batches there under the device's watchdog, checks what comes back
-and resolves the waiting futures on the event loop. A failed batch goes back to its listener
-(the batcher, which decides what runs again). The devices themselves, their threads, their
-watchdog, the health machine and the care of devices out of service (probes, restarts) are
-`devices/`'s (`Devices`, fleet.py), shared with the generation models' step loops. The pool
-owns every task it starts and cancels what is left of them on close. Each successful call's
-duration goes into the engine's one batch-time estimate; all timing reads its clock.
+and resolves the waiting futures on the event loop. A failed batch goes back to the batcher
+(which builds the pool, handing it its callbacks), which decides what runs again. The
+devices themselves, their threads, their watchdog, the health machine and the care of
+devices out of service (probes, restarts) are `devices/`'s (`Devices`, fleet.py), shared
+with the generation models' step loops. The pool owns every task it starts and cancels
+what is left of them on close. Each successful call's duration goes into the engine's one
+batch-time estimate; all timing reads its clock.
 
 GpuPool has about 24 methods, 9 of them one-line queries the batcher asks of the devices at
 each decision (free_for, healthy_for, ...), which belong with the devices they count.
@@ -21,7 +22,7 @@ import functools
 import logging
 from collections import Counter
 from collections.abc import Callable
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple
 
 from .batching.faults import BatchFailure, FailureKind
 from .batching.request import QueuedRequest, Result
@@ -38,20 +39,11 @@ from .tasks import CrashHandler, TaskSet
 log = logging.getLogger(__name__)
 
 
-class PoolListener(Protocol):
-    """Who hears what happened to a batch or a device: the batcher (`Batcher.__init__`
-    calls `listen`), or a test's recorder."""
-
-    def batch_done(self, batch: list[QueuedRequest], started: float, finished: float) -> None:
-        """`batch`'s call, from `started`, succeeded at `finished` and its device is free;
-        called before anyone is answered."""
-
-    def batch_failed(self, batch: list[QueuedRequest], key: Key, failure: BatchFailure) -> None:
-        """Nobody in `batch` (all of `key`) has been answered; the listener retries or fails
-        them."""
-
-    def health_changed(self) -> None:
-        """A device went unhealthy or came back."""
+BatchDone = Callable[[list[QueuedRequest], float, float], None]
+"""A batch's call, from `started`, succeeded at `finished` and its device is free; told
+before anyone is answered."""
+BatchFailed = Callable[[list[QueuedRequest], Key, BatchFailure], None]
+"""Nobody in the batch (all of the key) has been answered: who hears retries or fails them."""
 
 
 class BatchCall(NamedTuple):
@@ -82,16 +74,28 @@ class GpuPool:
         *,
         clock: Clock,
         on_crash: CrashHandler,
-        listener: PoolListener | None = None,
+        batch_done: BatchDone,
+        batch_failed: BatchFailed,
+        health_changed: Callable[[], None],
+        on_call: Callable[[BatchCall], None] | None = None,
         devices: Devices | None = None,
     ) -> None:
-        """`devices`: the engine's, shared with its generation models; without them the
-        pool has devices of its own, which it closes."""
+        """Who hears what happens (the batcher, which builds its pool): `batch_done`,
+        `batch_failed`, and `health_changed` when a device goes out of service or comes
+        back; `on_call` of each batch call as it returns, before anyone is answered
+        (tracing). `devices`: the engine's, shared with its generation models and built
+        before the pool (the engine forwards their `changed` to `device_changed`); without
+        them the pool has devices of its own, which tell it directly and which it closes."""
         self._versions = versions
         self._clock = clock
-        self._listener: PoolListener = listener or _NO_LISTENER
+        self._batch_done = batch_done
+        self._batch_failed = batch_failed
+        self._health_changed = health_changed
+        self._on_call = on_call
         self._own = devices is None
-        self._fleet = devices or Devices(clock=clock, on_crash=on_crash)
+        self._fleet = devices or Devices(
+            clock=clock, on_crash=on_crash, changed=self.device_changed
+        )
         names = dict.fromkeys(name for v in versions for name in v.device_names)
         self.devices = [self._fleet.get(name) for name in names]
         """Its devices (not to be changed: the batcher counts them at every decision)."""
@@ -103,9 +107,6 @@ class GpuPool:
         """Faults by kind, the devices' (shared), counted in the logs and on /metrics."""
         self.healthy = 0
         """Its devices in service, counted again whenever one changes."""
-        self._fleet.listen(self._changed)
-        self.on_call: Callable[[BatchCall], None] | None = None
-        """Told of each batch call as it returns, before anyone is answered (tracing)."""
 
     def __repr__(self) -> str:
         return (
@@ -159,18 +160,9 @@ class GpuPool:
     def states(self) -> dict[str, str]:
         return {device.name: device.state.value for device in self.devices}
 
-    def listen(self, listener: PoolListener) -> None:
-        """Makes `listener` the one that hears of batches and devices (set once, before
-        the pool starts)."""
-        if self._listener is not _NO_LISTENER:
-            raise RuntimeError("the pool has a listener already")
-        self._listener = listener
-
     async def __aenter__(self) -> GpuPool:
         """Loads every version on each of its devices (on that device's thread, so weights
         land where they run); a device where nothing loaded is dead."""
-        if self._listener is _NO_LISTENER:
-            raise RuntimeError("the pool needs a listener before it starts (see listen)")
         for device in self.devices:
             self._fleet.open(device)
         problems: list[str] = []
@@ -179,7 +171,7 @@ class GpuPool:
         for device in self.devices:
             if not device.fns:
                 self._fleet.dead(device)
-        self._changed(None)
+        self.device_changed(None)
         unloaded = [v.spec.label for v in self._versions if not v.loaded_on]
         if unloaded:
             if self._own:
@@ -201,12 +193,12 @@ class GpuPool:
         self._sharing.clear()
         return problems
 
-    def _changed(self, device: Device | None) -> None:
+    def device_changed(self, device: Device | None) -> None:
         """One of the devices left service, came back or freed (None: any, at start)."""
         if device is None or device.name in self._names:
             self.healthy = sum(d.state in HEALTHY for d in self.devices)
             if device is not None:
-                self._listener.health_changed()  # a listener set by `listen` after construction
+                self._health_changed()
 
     def unload(self, version: ModelVersion) -> None:
         """Drops `version`'s batch functions, so that its weights can be freed; the caller
@@ -287,10 +279,10 @@ class GpuPool:
         except Exception as exc:
             returned = exc
         hung = self._fleet.returned(device)  # then the watchdog handed the batch back
-        if self.on_call is not None:
+        if self._on_call is not None:
             error = "hung" if hung else _error_type(returned)
             now = self._clock.time()
-            self.on_call(BatchCall(batch, batch_id, device.name, started, now, reason, error))
+            self._on_call(BatchCall(batch, batch_id, device.name, started, now, reason, error))
         if hung:
             return
         key = device.key
@@ -317,7 +309,7 @@ class GpuPool:
         device.hand_turn()
         # Wake the batcher before the waiting handlers: its wake-up is then queued ahead of
         # theirs, so the device gets its next batch before a hundred responses are written.
-        self._listener.batch_done(batch, started, finished)
+        self._batch_done(batch, started, finished)
         # What every result of the batch shares, read once rather than once a request.
         compute_s, size, name = finished - started, len(batch), device.name
         model, model_version = version.name, version.version
@@ -404,7 +396,7 @@ class GpuPool:
             then,
             ids,
         )
-        self._listener.batch_failed(batch, key, failure)
+        self._batch_failed(batch, key, failure)
 
     def _hung(
         self, device: Device, batch: list[QueuedRequest], batch_id: int, budget_s: float
@@ -423,22 +415,6 @@ class GpuPool:
             BatchFailure(FailureKind.HUNG, error, device.name, batch_id),
             then="; the device gets no work until a probe answers in time",
         )
-
-
-class _NoListener:
-    """The listener of a pool not yet listened to: it never starts (see `listen`)."""
-
-    def batch_done(self, batch: list[QueuedRequest], started: float, finished: float) -> None:
-        raise RuntimeError("the pool has no listener")
-
-    def batch_failed(self, batch: list[QueuedRequest], key: Key, failure: BatchFailure) -> None:
-        raise RuntimeError("the pool has no listener")
-
-    def health_changed(self) -> None:
-        raise RuntimeError("the pool has no listener")
-
-
-_NO_LISTENER = _NoListener()
 
 
 def _error_type(returned: list[Any] | Exception) -> str | None:

@@ -1,4 +1,4 @@
-"""The device pool on its own, in virtual time: a recording listener, a gated backend, no
+"""The device pool on its own, in virtual time: recording callbacks, a gated backend, no
 batcher and no HTTP."""
 
 from __future__ import annotations
@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 
@@ -24,7 +25,7 @@ from .conftest import HANG_GUARD_S, Factory, GatedBackend, sim_version
 
 @dataclass
 class Heard:
-    """What the pool told its listener, in order."""
+    """What the pool told its callbacks, in order."""
 
     events: list[tuple[str, object]] = field(default_factory=list)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
@@ -37,6 +38,14 @@ class Heard:
 
     def health_changed(self) -> None:
         self._hear("health", None)
+
+    def hooks(self) -> dict[str, Any]:
+        """The pool's callbacks, as the batcher hands them over."""
+        return {
+            "batch_done": self.batch_done,
+            "batch_failed": self.batch_failed,
+            "health_changed": self.health_changed,
+        }
 
     def _hear(self, kind: str, detail: object) -> None:
         self.events.append((kind, detail))
@@ -67,7 +76,7 @@ async def pool_of(gated: GatedBackend) -> AsyncIterator[Callable[..., object]]:
         version = sim_version(
             factory or gated, devices=f"sim:{devices}", batch_timeout_ms=budget_s * 1e3
         )
-        pool = GpuPool([version], clock=clock, listener=heard, on_crash=crash)
+        pool = GpuPool([version], clock=clock, on_crash=crash, **heard.hooks())
         await pool.__aenter__()
         pools.append(pool)
         return pool, heard, clock
@@ -111,7 +120,7 @@ async def test_a_batch_runs_on_a_free_device_and_is_timed_on_the_engine_clock(po
     assert pool.devices[0].busy_total_s == pytest.approx(0.100)
 
 
-async def test_a_malformed_result_answers_nobody_and_goes_back_to_the_listener(pool_of, gated):
+async def test_a_malformed_result_answers_nobody_and_goes_back_to_the_batcher(pool_of, gated):
     gated.gate.set()
     gated.malformed_calls = 1
     pool, heard, clock = await pool_of()
@@ -258,17 +267,6 @@ async def test_a_device_whose_warm_up_fails_does_not_take_the_version(pool_of, g
     assert (pool.states(), pool.free_for(added)) == ({"sim:0": "idle", "sim:1": "idle"}, 1)
 
 
-async def test_the_pool_starts_only_with_one_listener(gated):
-    """The batcher listens to the pool directly (no relay): a pool nobody listens to would
-    drop its failed batches, so it refuses to start, and a second listener is refused."""
-    pool = GpuPool([sim_version(gated)], clock=FakeClock(), on_crash=crash)
-    with pytest.raises(RuntimeError, match="needs a listener"):
-        await pool.__aenter__()
-    pool.listen(Heard())
-    with pytest.raises(RuntimeError, match="has a listener already"):
-        pool.listen(Heard())
-
-
 @dataclass
 class HeardRunning(Heard):
     """Also notes, as each failed batch comes back, whether its requests read as running."""
@@ -282,11 +280,11 @@ class HeardRunning(Heard):
 
 async def test_the_pool_alone_says_whether_a_request_is_running(gated):
     """`running` has one writer: the pool sets it at dispatch and clears it before it hands
-    a failed batch back, so its listener gets the batch as queued again."""
+    a failed batch back, so the batcher gets the batch as queued again."""
     gated.gate.set()
     gated.malformed_calls = 1
     clock, heard = FakeClock(), HeardRunning()
-    pool = GpuPool([sim_version(gated)], clock=clock, listener=heard, on_crash=crash)
+    pool = GpuPool([sim_version(gated)], clock=clock, on_crash=crash, **heard.hooks())
     async with pool:
         batch, key = batch_of(pool, clock, "x", "y")
         pool.dispatch(batch, 1, key)

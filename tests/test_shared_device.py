@@ -176,3 +176,52 @@ async def test_a_generation_device_whose_steps_keep_failing_is_probed_and_restar
         assert engine.faults["device_failing"] == 1  # its probe failed too
         assert len(loaded) == 2  # loaded again on a fresh thread, then probed
         assert (await generate(engine, "three"))[0] == "eerht"
+
+
+def failing_on(dead: str) -> object:
+    """A batch model's per-device factory that cannot load on `dead` (out of memory there)."""
+
+    def load(device: str) -> object:
+        if device == dead:
+            raise RuntimeError("CUDA out of memory")
+        return lambda inputs: [text[::-1] for text in inputs]
+
+    return load
+
+
+def dead_device_engine(writer_devices: str, load: object = RecordingGenerator) -> Engine:
+    """ "embed" fails to load on sim:0 and loads on sim:1, so sim:0 is dead; "writer" is on
+    `writer_devices`."""
+    models = [
+        ModelSpec(name="embed", version="1", fn_per_device=failing_on("sim:0"), devices="sim:2"),
+        ModelSpec(name="writer", version="1", generator=load, devices=writer_devices),  # type: ignore[arg-type]
+    ]
+    return Engine(Config(batch_timeout_ms=1000), models=models, clock=FakeClock())
+
+
+async def test_a_generation_model_whose_only_device_is_dead_refuses_at_once():
+    """A device where a batch model failed to load is dead: a generation model placed there
+    alone would queue its requests until their deadline; it answers 503 naming the device."""
+    async with dead_device_engine("sim:1") as engine:
+        assert engine.device_states()["sim:0 (writer@1)"] == "dead"
+        with pytest.raises(NotReady, match=r"writer@1: sim:0 is dead") as refused:
+            async with asyncio.timeout(HANG_GUARD_S):  # queued, it would wait forever
+                await generate(engine, "abc", model="writer")
+        assert refused.value.status == 503
+        assert (await engine.infer(Ask("still", model="embed"))).output == "llits"
+
+
+async def test_a_dead_device_gets_no_generator_and_no_step_loop():
+    """With another device the model serves there; the dead one neither loads the
+    generator nor runs a step loop that would wait forever for it to come back."""
+    made: list[RecordingGenerator] = []
+
+    def load(device: str) -> RecordingGenerator:
+        made.append(RecordingGenerator(device))
+        return made[-1]
+
+    async with dead_device_engine("sim:2", load) as engine:
+        (writer,) = engine._generators
+        assert [recorder.device for recorder in made] == ["sim:1"]
+        assert len(writer._tasks) == 1
+        assert (await generate(engine, "abc", model="writer"))[0] == "cba"

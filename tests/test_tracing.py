@@ -254,7 +254,7 @@ def test_with_tracing_off_opentelemetry_is_never_imported():
         "from batchserve import Config, Engine\n"
         "async def main():\n"
         "    async with Engine(Config(devices='sim:1', sim_latency_ms=0)) as engine:\n"
-        "        assert engine._pool.on_call is None\n"
+        "        assert engine._tracer is None\n"
         "        await engine.infer('x')\n"
         "asyncio.run(main())\n"
         "assert not [m for m in sys.modules if m.startswith('opentelemetry')]\n"

@@ -81,10 +81,14 @@ class Devices:
     """The devices by name, one health machine and one care for all of them; the tasks of
     their probes and restarts, and their threads, which closing ends."""
 
-    def __init__(self, *, clock: Clock, on_crash: CrashHandler) -> None:
+    def __init__(
+        self, *, clock: Clock, on_crash: CrashHandler, changed: Callable[[Device], None]
+    ) -> None:
+        """`changed` hears of every device that leaves service, comes back, or frees (the
+        pool, which tells the batcher)."""
         self._clock = clock
         self._by_name: dict[str, Device] = {}
-        self._listeners: list[Callable[[Device], None]] = []
+        self._changed = changed
         self._tasks = TaskSet(on_crash)
         self.health = Health()
         self.faults: Counter[str] = Counter()
@@ -102,10 +106,6 @@ class Devices:
         if device is None:
             device = self._by_name[name] = Device(name, DeviceThread(name))
         return device
-
-    def listen(self, changed: Callable[[Device], None]) -> None:
-        """`changed` hears of every device that leaves service, comes back, or frees."""
-        self._listeners.append(changed)
 
     def open(self, device: Device) -> None:
         """Starts the device's thread, once, whoever uses it first."""
@@ -129,8 +129,7 @@ class Devices:
 
     def changed(self, device: Device) -> None:
         device.in_service_again()
-        for listener in self._listeners:
-            listener(device)
+        self._changed(device)
 
     # Calls
 

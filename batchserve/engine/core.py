@@ -32,18 +32,17 @@ from typing import TYPE_CHECKING
 
 from ..batcher import Batcher, length_bucket
 from ..batching.deadlines import Deadlines
-from ..batching.faults import RetryBudget
 from ..batching.request import Ask, QueuedRequest, Result, Ticket, new_request_id
 from ..clock import Clock, LoopClock, Timer
 from ..config import Config
+from ..devices.device import Device
 from ..devices.fleet import Devices
 from ..errors import BatchserveError, ClientClosed
 from ..generation.models import Generators, build_generation_model
-from ..gpu_pool import GpuPool
 from ..live_config import LiveChanges, live_changes
 from ..models.registry import Key, Registry
 from ..models.specs import BatchFn, DeviceFactory, ModelSpec
-from ..observability.metrics import Metrics
+from ..observability.metrics import BatchTimes, Metrics
 from ..observability.tracing import Tracer, global_provider
 from ..rules.admission import Admission
 from ..rules.policy import Policy
@@ -86,7 +85,10 @@ class Engine:
             config, models, fn=fn, fn_per_device=fn_per_device, devices=devices, policy=policy
         )
         self._registry = Registry(versions)
-        self._devices = Devices(clock=self.clock, on_crash=self._crashed)
+        self._tracer = (
+            Tracer(tracer_provider or global_provider(), self.clock) if config.trace else None
+        )
+        self._devices = Devices(clock=self.clock, on_crash=self._crashed, changed=self._changed)
         """Every device, one runner each, shared by the pool and the generation models."""
         self._generators = Generators(
             [
@@ -99,46 +101,28 @@ class Engine:
         self.started = asyncio.Event()
         """Set once every device has loaded and the engine takes requests."""
         self._deadlines = Deadlines(self.clock)
-        self._pool = GpuPool(
-            versions, clock=self.clock, on_crash=self._crashed, devices=self._devices
-        )
-        self.device_names = [device.name for device in self._pool.devices]
+        times = BatchTimes() if config.metrics else None
         self._batcher = Batcher(
-            self._pool,
+            versions,
+            config,
+            devices=self._devices,
             clock=self.clock,
-            max_queue=config.max_queue,
-            bisect_failures=config.bisect_failures,
-            retry_budget=RetryBudget(
-                ratio=config.retry_budget, reserve=config.retry_reserve, tokens=config.retry_reserve
-            ),
-            shed=config.keys_file is not None,
-            poison_memory=config.poison_memory,
             on_crash=self._crashed,
+            on_call=None if self._tracer is None else self._tracer.batch_call,
+            on_batch_ran=None if times is None else times.ran,
         )
-        self.metrics = (
-            Metrics(
-                self._batcher,
-                self._pool,
-                self._registry,
-                self._generators,
-                clock=self.clock,
-                slo_s=config.slo_ms / 1e3,
-            )
-            if config.metrics
-            else None
-        )
-        if self.metrics is not None:
-            self._batcher.on_batch_ran = self.metrics.batch_ran
+        self._pool = self._batcher.pool
+        self.device_names = [device.name for device in self._pool.devices]
+        self.metrics = None if times is None else Metrics(
+            times, self._batcher, self._pool, self._registry, self._generators,
+            clock=self.clock, slo_s=config.slo_ms / 1e3,
+        )  # fmt: skip
         self._recorder = Recorder(self.metrics, config.access_log)
         self._intake = Intake(
             config, self._registry, self._generators, self._pool, self._batcher.capacity_rps
         )
         # The batch scheduler's routing, bound once: `admit` runs for every request.
         self._batch_route = self._intake.batch_version
-        self._tracer: Tracer | None = None
-        if config.trace:
-            self._tracer = Tracer(tracer_provider or global_provider(), self.clock)
-            self._pool.on_call = self._tracer.batch_call
         self.generation = GenerationPath(
             self.clock,
             self._intake,
@@ -186,8 +170,7 @@ class Engine:
             self.clock.attach(asyncio.get_running_loop())
         async with contextlib.AsyncExitStack() as stack:
             await stack.enter_async_context(self._devices)
-            await stack.enter_async_context(self._pool)
-            await stack.enter_async_context(self._batcher)
+            await stack.enter_async_context(self._batcher)  # the pool first, then its loop
             await stack.enter_async_context(self._generators)
             self._stack = stack.pop_all()
         self.versions.all_ready()
@@ -439,9 +422,14 @@ class Engine:
         rather than answered 503 (nginx does not retry a 503)."""
         await self._drain.drain(self.config.drain_timeout_s, refuse_new=refuse_new)
 
+    # The parts are built with these callbacks before what handles them: the Drain, and the
+    # pool (the devices are shared with the generation models, so come first).
+
     def _crashed(self, task_name: str, error: BaseException) -> None:
-        # The parts are built with this callback before the Drain that handles it.
         self._drain.crashed(task_name, error)
+
+    def _changed(self, device: Device) -> None:
+        self._pool.device_changed(device)
 
     @property
     def failure(self) -> str | None:

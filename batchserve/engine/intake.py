@@ -156,6 +156,13 @@ class Intake:
                     f"model {model[:64]} runs batches, not generation: POST /api/inference"
                 ) from None
             raise
+        dead = chosen.dead_devices
+        if len(dead) == len(chosen.loops):  # queued, it would wait for them forever
+            verb = "is" if len(dead) == 1 else "are"
+            raise NotReady(
+                f"no device can run {chosen.spec.label}: {', '.join(dead)} {verb} dead (a model"
+                " placed there failed to load at start-up); see /readyz"
+            )
         if chosen.waiting >= self._max_queue:
             raise Overloaded(
                 f"{chosen.waiting} generations are waiting, the limit", retry_after_s=1.0

@@ -21,6 +21,7 @@ from typing import Any
 from ..clock import Clock
 from ..config import Config, GenerateMode
 from ..devices.fleet import Devices
+from ..devices.health import DeviceState
 from ..errors import (
     BackendError,
     BatchserveError,
@@ -49,6 +50,7 @@ from .grammars import Grammars
 from .request import Generation, GenState
 from .step_loop import StepLoop
 
+DEAD = DeviceState.DEAD.value
 INLINE_CHARS = 1024
 """Prompts up to this long are tokenized on the loop: about a millisecond at most."""
 
@@ -214,6 +216,11 @@ class GenerationModel:
         return len(self._waiting) + len(self._resumed)
 
     @property
+    def dead_devices(self) -> list[str]:
+        """Its devices that never serve: a batch model placed there failed to load."""
+        return [loop.device for loop in self.loops if loop.state == DEAD]
+
+    @property
     def running(self) -> int:
         return sum(len(loop.running) for loop in self.loops)
 
@@ -241,14 +248,19 @@ class GenerationModel:
         """Loads the generator on its first device alone, then on the others together, then
         starts their schedulers. The first load does the one-time work (imports, a weights
         conversion) once, not racing itself on every device thread, and a model that cannot
-        load fails before its other copies are loaded."""
-        first, *others = self.loops
+        load fails before its other copies are loaded. A dead device (the pool's, which
+        starts first) gets neither: it never serves, and admission refuses a model left
+        with no other (intake.py)."""
+        live = [loop for loop in self.loops if loop.state != DEAD]
+        if not live:
+            return
+        first, *others = live
         outcomes: list[Any] = []
         for batch in ([first], others):
             outcomes += await asyncio.gather(
                 *(loop.load(self._factory) for loop in batch), return_exceptions=True
             )
-            self._raise_failed(outcomes)
+            self._raise_failed(live, outcomes)
         self.count_tokens = token_counter(outcomes[0])
         self.max_token_bytes = max_token_bytes(outcomes[0])
         self._tokenizer = ThreadPoolExecutor(1, f"batchserve-tokenize-{self.spec.label}")
@@ -262,12 +274,12 @@ class GenerationModel:
             compile_grammar if callable(compile_grammar) else None, self._clock,
             label=self.spec.label, cache_size=size, timeout_s=timeout_s,
         )  # fmt: skip
-        self.kv_budget = min(loop.max_seq_tokens for loop in self.loops)
-        for loop in self.loops:
+        self.kv_budget = min(loop.max_seq_tokens for loop in live)
+        for loop in live:
             self._tasks.start(loop.run(self.mode), name=f"batchserve-steps-{loop.device}")
 
-    def _raise_failed(self, outcomes: list[Any]) -> None:
-        for loop, outcome in zip(self.loops, outcomes, strict=False):
+    def _raise_failed(self, loops: list[StepLoop], outcomes: list[Any]) -> None:
+        for loop, outcome in zip(loops, outcomes, strict=False):
             if isinstance(outcome, StartupError):
                 raise outcome
             if isinstance(outcome, BaseException):

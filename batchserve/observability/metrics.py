@@ -53,9 +53,36 @@ NO_TIER = "none"
 REJECTIONS = frozenset({"OVERLOADED", "NOT_READY", "RATE_LIMITED"})
 
 
+class BatchTimes:
+    """The histograms fed once for each batch call that succeeded: built before the batcher,
+    which is handed `ran` (the rest of the metrics read the batcher, so come after it)."""
+
+    def __init__(self) -> None:
+        self.queue_wait = LoopHistograms(
+            "batchserve_queue_wait_seconds",
+            "Arrival to the start of the batch call, for each request of a call that succeeded.",
+            [],
+            LATENCY_BUCKETS,
+        )
+        self.compute = LoopHistograms(
+            "batchserve_compute_seconds",
+            "Duration of the batch call, once for each request of a call that succeeded.",
+            [],
+            LATENCY_BUCKETS,
+        )
+        self._queue_wait_all, self._compute_all = self.queue_wait.child(), self.compute.child()
+
+    def ran(self, batch: list[QueuedRequest], started: float, finished: float) -> None:
+        """Each request's queue wait and the call's duration: observed once a batch rather
+        than twice an answer."""
+        self.queue_wait.observe_each(self._queue_wait_all, [started - r.arrival for r in batch])
+        self.compute.observe(self._compute_all, finished - started, len(batch))
+
+
 class Metrics:
     def __init__(
         self,
+        batch_times: BatchTimes,
         batcher: Batcher,
         pool: GpuPool,
         registry: Registry,
@@ -85,22 +112,8 @@ class Metrics:
             ["model", "version"],
             LATENCY_BUCKETS,
         )
-        queue_wait = LoopHistograms(
-            "batchserve_queue_wait_seconds",
-            "Arrival to the start of the batch call, for each request of a call that succeeded.",
-            [],
-            LATENCY_BUCKETS,
-        )
-        compute = LoopHistograms(
-            "batchserve_compute_seconds",
-            "Duration of the batch call, once for each request of a call that succeeded.",
-            [],
-            LATENCY_BUCKETS,
-        )
-        for family in (self._requests, self._latency, queue_wait, compute):
+        for family in (self._requests, self._latency, batch_times.queue_wait, batch_times.compute):
             self.registry.register(family)
-        self._queue_wait, self._compute = queue_wait, compute
-        self._queue_wait_all, self._compute_all = queue_wait.child(), compute.child()
         self._ttft = Histogram(
             "batchserve_time_to_first_token_seconds",
             "Arrival to the first token, for generations that made one, by model and version.",
@@ -170,12 +183,6 @@ class Metrics:
         self._windows.pop(f"{model}@{version}", None)
         for family in (self._ttft, self._tpot, self._generated):
             family.remove(model, version)  # nothing to remove is not an error
-
-    def batch_ran(self, batch: list[QueuedRequest], started: float, finished: float) -> None:
-        """Each request's queue wait and the call's duration, for a batch call that succeeded:
-        observed once a batch rather than twice an answer."""
-        self._queue_wait.observe_each(self._queue_wait_all, [started - r.arrival for r in batch])
-        self._compute.observe(self._compute_all, finished - started, len(batch))
 
     def generated(self, route: str, tier: str, now: float, gen: Generation) -> None:
         """A generation that ended by itself (stop or length); per generation, not per token."""
