@@ -109,6 +109,18 @@ async def test_echo_with_max_tokens_0_gives_the_prompts_logprobs_as_evaluators_r
     assert all(len(top) == 2 for top in lp.top_logprobs[1:])
 
 
+async def test_echo_of_a_text_prompt_with_max_tokens_0_is_answered(served, tok):
+    """lm-eval's untokenized requests: a text prompt, echo, logprobs, max_tokens 0 (the
+    prompt's bytes were once checked as if a token had to be made)."""
+    client, _, _ = served
+    answer = await client.completions.create(
+        model="llm", prompt=PROMPT, max_tokens=0, echo=True, logprobs=0
+    )
+    logprobs = answer.choices[0].logprobs
+    assert answer.choices[0].text == PROMPT
+    assert len(logprobs.token_logprobs) == len(tok.encode(PROMPT))
+
+
 async def test_n_choices_cost_one_prefill(served, tok):
     client, url, _ = served
     prompt_tokens = len(tok.encode(PROMPT))

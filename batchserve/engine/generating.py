@@ -135,15 +135,16 @@ class GenerationPath:
         budget = generation_model.kv_budget
         params, prompt_ids = prompt.params, prompt.prompt_ids
         check_reported(generation_model, params, prompt_ids)
+        # The prompt's log-probabilities alone (echo) make no token.
+        least = 0 if (params or {}).get("prompt_logprobs") is not None else 1
         if prompt_ids is None:
-            rules.check_prompt_bytes(text, generation_model.max_token_bytes, max_tokens, budget)
+            most_bytes = generation_model.max_token_bytes
+            rules.check_prompt_bytes(text, most_bytes, max_tokens, budget, least=least)
             prompt_tokens = await generation_model.prompt_tokens(text)
         else:
             prompt_tokens = len(prompt_ids)
         if in_flight in self._intake.generating:  # admitted beside it while it was tokenized
             raise DuplicateRequestId(f"request id {request_id} is already in flight")
-        # The prompt's log-probabilities alone (echo) make no token.
-        least = 0 if (params or {}).get("prompt_logprobs") is not None else 1
         limit = rules.new_tokens(prompt_tokens, max_tokens, budget, least=least)
         sampling = checked_params(params, limit)
         grammars = generation_model.grammars

@@ -132,17 +132,24 @@ class Admission:
         return min(checked_timeout_ms(timeout_ms), cap_ms) / 1e3
 
     def check_prompt_bytes(
-        self, prompt: str, max_token_bytes: int | None, max_tokens: object, budget: int
+        self,
+        prompt: str,
+        max_token_bytes: int | None,
+        max_tokens: object,
+        budget: int,
+        *,
+        least: int = 1,
     ) -> None:
         """Refuses (413), before any tokenizer runs, a prompt too long for the budget by its
         UTF-8 bytes alone: one token stands for at most `max_token_bytes` of them (None: the
         tokenizer gives no such bound), so it is at least bytes / that many tokens. A 1 MiB
-        prompt costs the tokenizer seconds; its byte count, a millisecond."""
+        prompt costs the tokenizer seconds; its byte count, a millisecond. `least`: as
+        `new_tokens`'."""
         if max_token_bytes is None:
             return
         size = len(prompt) if prompt.isascii() else len(prompt.encode())
         fewest = -(-size // max_token_bytes)
-        limit = _max_tokens(max_tokens, self._max_tokens_cap) or 1
+        limit = _max_tokens(max_tokens, self._max_tokens_cap, least) or 1
         if fewest + limit > budget:
             raise InputTooLarge(
                 f"the prompt is {size} bytes, at least {fewest} tokens (a token stands for at"
