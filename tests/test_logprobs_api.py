@@ -36,7 +36,8 @@ async def served(tok: Any, tiny: Any, aiohttp_server: Any) -> AsyncIterator[Any]
         return CausalLM(tiny, tok, device, kv_cache_bytes=2**20)
 
     spec = ModelSpec(name="llm", version="1", generator=load, devices="cpu")
-    engine = Engine(Config(step_tokens=16, timeout_ms=600_000.0), models=[spec])
+    config = Config(step_tokens=16, timeout_ms=600_000.0, metrics_max_age_ms=0)
+    engine = Engine(config, models=[spec])  # /metrics: the counters as they are now
     server = await aiohttp_server(create_app(engine))
     url = str(server.make_url("/v1"))
     async with openai.AsyncOpenAI(base_url=url, api_key="unused", max_retries=0) as client:
@@ -143,6 +144,45 @@ async def test_n_choices_cost_one_prefill(served, tok):
     )  # fmt: skip
     ended = [c.index async for chunk in stream for c in chunk.choices if c.finish_reason]
     assert sorted(ended) == [0, 1, 2]
+
+
+async def prefilled(url: str) -> int:
+    async with aiohttp.ClientSession() as http, http.get(url.replace("/v1", "/metrics")) as got:
+        metrics = await got.text()
+    line = 'batchserve_prefill_tokens_total{model="llm",version="1"} '
+    return int(float(metrics.split(line)[1].split()[0]))
+
+
+async def test_echoed_choices_share_the_first_ones_prompt_logprobs_and_its_prefill(served, tok):
+    """Each choice echoes the prompt's log-probabilities, computed once: the other choices
+    fork the first's rows (a sequence computing its prompt's log-probabilities takes none),
+    and with max_tokens 0 the choices are one generation written n times."""
+    client, url, _ = served
+    prompt_tokens = len(tok.encode(PROMPT))
+    asked: Any = {"model": "llm", "prompt": PROMPT, "n": 3, "echo": True, "logprobs": 1,
+                  "temperature": 1.0, "seed": 3, "extra_body": {"ignore_eos": True}}  # fmt: skip
+    whole = await client.completions.create(max_tokens=2, **asked)
+    assert await prefilled(url) == prompt_tokens + 2  # one token for each other choice
+    echoed = [c.logprobs.token_logprobs[:prompt_tokens] for c in whole.choices]
+    assert echoed[0][0] is None
+    assert None not in echoed[0][1:]
+    assert echoed[1] == echoed[0]
+    assert echoed[2] == echoed[0]
+    assert all(c.text.startswith(PROMPT) for c in whole.choices)
+    stream = await client.completions.create(max_tokens=2, stream=True, **asked)
+    firsts: dict[int, Any] = {}
+    async for chunk in stream:
+        for c in chunk.choices:
+            firsts.setdefault(c.index, c.logprobs.token_logprobs)
+    assert sorted(firsts) == [0, 1, 2]
+    assert all(first[:prompt_tokens] == echoed[0] for first in firsts.values())
+    before = await prefilled(url)
+    alone = await client.completions.create(max_tokens=0, **asked)
+    assert await prefilled(url) == before + prompt_tokens
+    assert [c.index for c in alone.choices] == [0, 1, 2]
+    assert {c.text for c in alone.choices} == {PROMPT}
+    assert all(c.logprobs.token_logprobs == echoed[0] for c in alone.choices)
+    assert alone.usage.completion_tokens == 0
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,10 @@
   streamed chunk. They become vLLM's `logprobs` param, computed in the batched step.
 - `echo` (completions): the prompt before the completion; with `logprobs`, the prompt's
   tokens' too (vLLM's `prompt_logprobs`; the first token has none), and `max_tokens: 0`
-  makes nothing more: what evaluators score a text by.
+  makes nothing more: what evaluators score a text by. The first choice alone computes the
+  prompt's log-probabilities (the others copy its rows, which a sequence that computes them
+  cannot do) and every choice echoes them; with `max_tokens: 0` the n choices are one
+  generation written n times, since nothing is sampled.
 
 Everything here is checked before any generation starts: a bad value is a 400 naming it.
 """
@@ -82,12 +85,12 @@ def choice_params(
     params: dict[str, Any], choices: Choices, index: int, prompt_ids: list[int] | None
 ) -> dict[str, Any]:
     """The generation params of choice `index`: the log-probabilities it asks for (the
-    prompt's too where echoed: an echoed prompt of token ids always, for its text), and its
-    own seed."""
+    first choice, the prompt's too where echoed: an echoed prompt of token ids always, for
+    its text), and its own seed."""
     own = dict(params)
     if choices.logprobs is not None:
         own["logprobs"] = choices.logprobs
-    if choices.echo and (choices.logprobs is not None or prompt_ids is not None):
+    if index == 0 and choices.echo and (choices.logprobs is not None or prompt_ids is not None):
         own["prompt_logprobs"] = choices.logprobs or 0
     if index and own.get("seed") is not None:
         low, high = SEED_RANGE
@@ -124,15 +127,18 @@ async def answer_choices(
     *,
     stream: bool,
     shape: Shape,
+    first_leads: bool = False,
 ) -> web.StreamResponse:
     """Runs the choices (`all_choices`) and answers, as `answer_generation` does one: the
     stream opens with the first piece of any choice (a refusal or a failure before it is an
-    error answer), a failure after it is a chunk, then `data: [DONE]`."""
+    error answer), a failure after it is a chunk, then `data: [DONE]`; `first_leads`:
+    `merged`'s."""
     headers = {"X-Request-Id": request_id}
     try:
         async with choosing as gens:
             if stream:
-                return await _stream(request, gens, headers, shape)
+                return await _stream(request, merged(gens, first_leads=first_leads), gens,
+                                     headers, shape)  # fmt: skip
             outputs = [await gen.result() for gen in gens]  # they run together meanwhile
     except BatchserveError as error:
         return error_response(error, request_id, openai_shape=True)
@@ -140,9 +146,13 @@ async def answer_choices(
 
 
 async def _stream(
-    request: web.Request, gens: list[Generation], headers: dict[str, str], shape: Shape
+    request: web.Request,
+    pieces: AsyncGenerator[Event, None],
+    gens: list[Generation],
+    headers: dict[str, str],
+    shape: Shape,
 ) -> web.StreamResponse:
-    async with contextlib.aclosing(merged(gens)) as events:
+    async with contextlib.aclosing(pieces) as events:
         try:
             first = await anext(events)
         except BatchserveError as error:
@@ -160,6 +170,27 @@ async def _stream(
         return response
 
 
+class Copies:
+    """A shape that writes `n` choices from one generation: echo with `max_tokens: 0`, where
+    nothing is sampled and every choice is the prompt and its log-probabilities."""
+
+    def __init__(self, shape: Shape, n: int) -> None:
+        self._shape, self._n = shape, n
+
+    def whole(self, gens: list[Generation], outputs: list[str]) -> dict[str, Any]:
+        return self._shape.whole(gens * self._n, outputs * self._n)
+
+    def event(self, event: Event, gens: list[Generation]) -> bytes:
+        copies = gens * self._n
+        return b"".join(self._shape.event(event._replace(choice=i), copies) for i in range(self._n))
+
+    def closing(self, gens: list[Generation]) -> bytes:
+        return self._shape.closing(gens)
+
+    def failure(self, error: BatchserveError) -> bytes:
+        return self._shape.failure(error)
+
+
 class Event(NamedTuple):
     """One choice's piece of text (None: it ended), with its tokens made by then."""
 
@@ -168,9 +199,13 @@ class Event(NamedTuple):
     tokens: int
 
 
-async def merged(gens: Sequence[Generation]) -> AsyncGenerator[Event, None]:
+async def merged(
+    gens: Sequence[Generation], *, first_leads: bool = False
+) -> AsyncGenerator[Event, None]:
     """The pieces of every choice as they come, each choice's in order; a choice's failure
-    raises here (the others are cancelled when the caller leaves)."""
+    raises here (the others are cancelled when the caller leaves). `first_leads`: the other
+    choices' events wait for the first choice's first (an echo's other choices write the
+    prompt's log-probabilities that the first computes: all there once it has a token)."""
     if len(gens) == 1:  # no task, no queue: the common case costs what it did
         gen = gens[0]
         async for text in gen.pieces():
@@ -190,12 +225,19 @@ async def merged(gens: Sequence[Generation]) -> AsyncGenerator[Event, None]:
     tasks = [asyncio.create_task(read(index, gen)) for index, gen in enumerate(gens)]
     try:
         ended = 0
+        held: list[Event] | None = [] if first_leads else None
         while ended < len(gens):
             event = await events.get()
             if isinstance(event, BaseException):
                 raise event
             ended += event.text is None
+            if held is not None and event.choice:
+                held.append(event)
+                continue
             yield event
+            for later in held or ():
+                yield later
+            held = None
     finally:
         for task in tasks:
             task.cancel()

@@ -40,6 +40,7 @@ from .generation_answer import data_event
 from .openai_choices import (
     MAX_N,
     Choices,
+    Copies,
     Event,
     all_choices,
     answer_choices,
@@ -115,12 +116,17 @@ class OpenAICompletionsApi:
                 replace(caller, request_id=f"{call.request_id}.{index}"),
             )
 
+        n, echo = body.choices.n, body.choices.echo
+        if asked.max_tokens == 0 and n > 1:  # echo alone: n copies of one generation
+            return await answer_choices(request, all_choices(start, 1), call.request_id,
+                                        stream=body.stream, shape=Copies(shape, n))  # fmt: skip
         return await answer_choices(
             request,
-            all_choices(start, body.choices.n),
+            all_choices(start, n),
             call.request_id,
             stream=body.stream,
             shape=shape,
+            first_leads=echo and n > 1,
         )
 
 
@@ -162,7 +168,7 @@ class _Shape:
                 choice |= self._calls[index].whole(output, gen.finish_reason)
                 choice["logprobs"] = self._chat_logprobs(gen.logprobs)
             else:
-                text, logprobs = self._completion(index, gen, output, gen.logprobs)
+                text, logprobs = self._completion(index, gens, output, gen.logprobs)
                 choice |= {"text": text, "logprobs": logprobs}
             choices.append(choice)
         return self._head | {"choices": choices, "usage": _usage(gens)}
@@ -176,7 +182,7 @@ class _Shape:
         entries = self._entries(event, gen, ended)
         first = index not in self._started
         self._started.add(index)
-        text, logprobs = self._completion(index, gen, event.text or "", entries, first)
+        text, logprobs = self._completion(index, gens, event.text or "", entries, first)
         choice: dict[str, Any] = {
             "index": index,
             "finish_reason": gen.finish_reason if ended else None,
@@ -233,18 +239,19 @@ class _Shape:
     def _completion(
         self,
         index: int,
-        gen: Generation,
+        gens: list[Generation],
         text: str,
         entries: list[TokenLogprob],
         first: bool = True,
     ) -> tuple[str, dict[str, Any] | None]:
         """A completion choice's text (the prompt first, where echoed) and log-probabilities
-        (the echoed prompt's first), with each token's offset in the choice's text."""
+        (the echoed prompt's first, as the first choice computed them), with each token's
+        offset in the choice's text."""
         echo = self._choices.echo and first
         shown: list[TokenLogprob | None] = list(entries)
         if echo:
-            text = prompt_text(gen) + text
-            shown = [*(gen.prompt_logprobs or ()), *shown]
+            text = prompt_text(gens[0]) + text
+            shown = [*(gens[0].prompt_logprobs or ()), *shown]
         offset = self._offset[index]
         self._offset[index] += len(text)
         if self._choices.logprobs is None:
