@@ -6,6 +6,9 @@ every value past its bound refused with 400 before anything starts.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -15,6 +18,8 @@ import pytest
 
 from batchserve.config import Config
 from batchserve.engine.core import Engine
+from batchserve.engine.requests import Caller, Prompt
+from batchserve.models.generators import Made, Seq
 from batchserve.models.specs import ModelSpec
 from batchserve.server import create_app
 
@@ -144,6 +149,47 @@ async def test_n_choices_cost_one_prefill(served, tok):
     )  # fmt: skip
     ended = [c.index async for chunk in stream for c in chunk.choices if c.finish_reason]
     assert sorted(ended) == [0, 1, 2]
+
+
+class HeldLM(CausalLM):
+    """The tiny Llama whose step with sequence "c0" in it waits, once, until `go`."""
+
+    def __init__(self, model: Any, tok: Any, entered: threading.Event, go: threading.Event):
+        super().__init__(model, tok, "cpu", kv_cache_bytes=2**20)
+        self._entered, self._go = entered, go
+
+    def step(self, seqs: list[Seq]) -> list[Made]:
+        if any(seq.id == "c0" for seq in seqs) and not self._go.is_set():
+            self._entered.set()
+            self._go.wait()
+        return super().step(seqs)
+
+
+async def test_n_choices_run_on_their_first_ones_device_for_one_prefill(tok, tiny):
+    """The other choices arrive while the first is in a step on one device and the other
+    device is idle: the idle one leaves them for the first's device, where they copy its
+    prompt's rows, instead of computing the prompt again."""
+    entered, go = threading.Event(), threading.Event()
+    spec = ModelSpec(name="llm", version="1", devices="sim:2",
+                     generator=lambda device: HeldLM(tiny, tok, entered, go))  # fmt: skip
+    engine = Engine(Config(step_tokens=16, timeout_ms=600_000.0), models=[spec])
+    params = {"ignore_eos": True}
+    async with engine, contextlib.AsyncExitStack() as stack:
+
+        def choice(index: int) -> Any:
+            name = f"c0.{index}" if index else "c0"
+            asked = Prompt(PROMPT, max_tokens=2, params=params, fork_of="c0" if index else None)
+            return stack.enter_async_context(engine.generate(asked, Caller(request_id=name)))
+
+        first = await choice(0)
+        await asyncio.to_thread(entered.wait)  # its device is inside its first step
+        others = [await choice(index) for index in (1, 2, 3)]
+        go.set()
+        await asyncio.gather(*(gen.result() for gen in (first, *others)))
+        assert engine.metrics is not None
+        (row,) = engine.metrics.snapshot()["generation"]
+    assert [gen.device for gen in others] == [first.device] * 3
+    assert row["prefill_tokens"] == len(tok.encode(PROMPT)) + 3
 
 
 async def prefilled(url: str) -> int:

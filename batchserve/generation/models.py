@@ -46,6 +46,7 @@ from ..rules.capacity import BatchBudget, DecayedRate
 from ..rules.fair_queue import FairQueue
 from ..rules.prefill import PrefillLine, work_until_done
 from ..tasks import CrashHandler, TaskSet
+from .forks import ForkLines
 from .grammars import Grammars
 from .request import Generation, GenState
 from .step_loop import StepLoop
@@ -175,6 +176,8 @@ class GenerationModel:
         self._waiting: FairQueue[Generation] = FairQueue()
         self._resumed: deque[Generation] = deque()
         """Preempted, or taken and found too big for the device that took it: next in line."""
+        self._forks = ForkLines(self.wake)
+        """Choices of `n` taken by a device while their sibling runs on another: that one's."""
         self._line_prefill = PrefillLine()
         """The prefill of every sequence in line (waiting or resumed), by tenant."""
         self._work = asyncio.Event()
@@ -213,7 +216,7 @@ class GenerationModel:
 
     @property
     def waiting(self) -> int:
-        return len(self._waiting) + len(self._resumed)
+        return len(self._waiting) + len(self._resumed) + len(self._forks)
 
     @property
     def dead_devices(self) -> list[str]:
@@ -350,18 +353,23 @@ class GenerationModel:
             return None
         return min(s for s in forecasts if s is not None), min(s for s in alone if s is not None)
 
-    def take(self) -> Generation | None:
-        """The next sequence in line that still wants to run."""
+    def take(self, device: str) -> Generation | None:
+        """The next sequence in line that still wants to run on `device`: one of `n` choices
+        whose sibling runs on another device is left for that one (`forks.py`)."""
         while True:
             if self._resumed:
                 gen = self._resumed.popleft()
+            elif (left := self._forks.take(device)) is not None:
+                gen = left
             else:
                 taken = self._waiting.take(1)
                 if not taken:
                     return None
                 gen = taken[0]
             self._line_prefill.remove(gen)
-            if not gen.cancelled and not gen.done:
+            if not (
+                gen.cancelled or gen.done or self._forks.left_elsewhere(gen, device, self.loops)
+            ):
                 return gen
 
     def put_back(self, gen: Generation) -> None:
@@ -378,6 +386,7 @@ class GenerationModel:
         line, tokens and all, while another device can go on with them; failed (500, with
         `error`) otherwise."""
         if any(loop.in_service for loop in self.loops):
+            gens = gens + self._forks.out_of_service(self.loops)  # and the choices left there
             for gen in reversed(gens):
                 if not gen.done and not gen.cancelled:
                     gen.state = GenState.WAITING
@@ -392,24 +401,26 @@ class GenerationModel:
             self._waiting.discard(gen)
             if gen in self._resumed:
                 self._resumed.remove(gen)
+            self._forks.discard(gen)
             self._line_prefill.remove(gen)
 
     def wake(self) -> None:
         self._work.set()
 
-    async def wait_for_work(self) -> None:
-        while not self._waiting and not self._resumed:
+    async def wait_for_work(self, device: str) -> None:
+        while not self._waiting and not self._resumed and not self._forks.has(device):
             self._work.clear()
             await self._work.wait()
 
     def fail_all(self, error: BatchserveError, now: float) -> None:
         """Ends every sequence, waiting or running, with `error` (a drain that timed out)."""
-        for gen in [*self._resumed, *self._waiting]:
+        for gen in [*self._resumed, *self._forks, *self._waiting]:
             gen.fail(error, now)
         for loop in self.loops:
             for gen in loop.running:
                 gen.fail(error, now)
         self._resumed.clear()
+        self._forks.clear()
         self._waiting.clear()
         self._line_prefill.clear()
 

@@ -93,10 +93,10 @@ class LineOwner(Protocol):
     @property
     def max_batch_size(self) -> int: ...
 
-    async def wait_for_work(self) -> None: ...
+    async def wait_for_work(self, device: str) -> None: ...
 
-    def take(self) -> Generation | None:
-        """The next sequence in line that still wants to run."""
+    def take(self, device: str) -> Generation | None:
+        """The next sequence in line that still wants to run on `device`."""
 
     def put_back(self, gen: Generation) -> None:
         """To the head of the line (preempted, or too big for this device now)."""
@@ -237,7 +237,7 @@ class StepLoop:
                 released, self._to_release = self._to_release, []
                 await self._release(released)
             if not self.running:
-                await self._model.wait_for_work()
+                await self._model.wait_for_work(self.device)
                 continue
             made = await self._step(self._plan())
             now = self._clock.time()
@@ -281,7 +281,7 @@ class StepLoop:
         limit = self._model.max_batch_size if reserve else None
         passed: list[Generation] = []
         while limit is None or len(self.running) < limit:
-            gen = self._model.take()
+            gen = self._model.take(self.device)
             if gen is None:
                 break
             cached = self._cached_prefix(gen)
