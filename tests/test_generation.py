@@ -402,6 +402,27 @@ async def test_a_hung_step_hands_its_sequences_to_another_device_mid_stream(reco
         assert (row["hung_steps"], row["running"], row["kv_used_tokens"]) == (1, 0, 0)
 
 
+async def test_a_choice_left_for_a_hung_device_goes_on_elsewhere(recorders):
+    """One of `n` choices arrives while its sibling's device is in a step: the idle device
+    leaves it for that one; when that step hangs, both go on on the idle device."""
+    hang = OneHang()
+    engine, clock = watched_engine(recorders, hang, "sim:2")
+    async with engine:
+        prompt = f"abcdef{HANG_AT_3}xyz"
+        first = asyncio.ensure_future(generate(engine, prompt, request_id="c0"))
+        assert await asyncio.to_thread(hang.entered.wait, HANG_GUARD_S)
+        (other,) = [r for r in recorders if r.device != hang.device]
+        asked = Prompt(prompt, fork_of="c0")
+        async with engine.generate(asked, Caller(request_id="c0.1")) as fork:
+            for _ in range(5):  # the idle device wakes and takes it, and leaves it
+                await asyncio.sleep(0)
+            assert other.steps == []
+            clock.advance(1.5)  # past the step's budget: both are handed on
+            assert await asyncio.wait_for(fork.result(), HANG_GUARD_S) == prompt[::-1]
+        assert (await first)[0] == prompt[::-1]
+        assert fork.device == other.device
+
+
 async def test_a_hung_step_with_no_other_device_fails_its_sequences_then_recovers(recorders):
     hang = OneHang()
     engine, clock = watched_engine(recorders, hang, "sim:1")
