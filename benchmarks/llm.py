@@ -68,11 +68,17 @@ def serve(*args: str, device: str = "cpu") -> subprocess.Popen[str]:
 
 
 async def stream(
-    session: aiohttp.ClientSession, text: str, max_tokens: int, sent: float
+    session: aiohttp.ClientSession,
+    text: str,
+    max_tokens: int,
+    sent: float,
+    extra: dict[str, object] | None = None,
 ) -> tuple[float | None, list[float], int]:
-    """One streamed completion: (TTFT from `sent`, each event's arrival, tokens made)."""
+    """One streamed completion: (TTFT from `sent`, each event's arrival, tokens made);
+    `extra` fields join the body (`logprobs`, `n`, ...)."""
     body = {"model": "default", "prompt": text, "max_tokens": max_tokens, "stream": True,
             "ignore_eos": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    body |= extra or {}
     loop = asyncio.get_running_loop()
     arrivals: list[float] = []
     made = 0
@@ -90,8 +96,11 @@ def percentile(values: list[float], share: float) -> float:
     return ordered[min(len(ordered) - 1, int(len(ordered) * share))] if ordered else float("nan")
 
 
-async def closed_loop(concurrency: int, seconds: float) -> dict[str, float]:
-    """`concurrency` clients, each streaming its next request as one ends."""
+async def closed_loop(
+    concurrency: int, seconds: float, extra: dict[str, object] | None = None
+) -> dict[str, float]:
+    """`concurrency` clients, each streaming its next request (with `extra` fields) as one
+    ends."""
     loop = asyncio.get_running_loop()
     start = loop.time()
     window = (start + seconds / 4, start + seconds)
@@ -103,7 +112,7 @@ async def closed_loop(concurrency: int, seconds: float) -> dict[str, float]:
         n = index
         while loop.time() < window[1]:
             sent = loop.time()
-            ttft, times, _ = await stream(session, prompt(n), TOKENS, sent)
+            ttft, times, _ = await stream(session, prompt(n), TOKENS, sent, extra)
             n += concurrency
             arrivals.extend(times)
             if ttft is not None and window[0] <= sent < window[1]:
