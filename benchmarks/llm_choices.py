@@ -110,7 +110,7 @@ def choices(repeats: int) -> None:
           " | prefill tokens, n: 4 | prefill tokens, 4 requests |")  # fmt: skip
     print("|---|---|---|---|")
     for caching in ("on", "off"):
-        process = server("--prefix-caching", caching)
+        process = server("--prefix-caching", caching, "--metrics-max-age-ms", "0")
         try:
             for repeat in range(repeats):
                 tokens, forked, separate = asyncio.run(prefill_counts(repeat))
