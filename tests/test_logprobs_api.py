@@ -229,6 +229,11 @@ async def test_echoed_choices_share_the_first_ones_prompt_logprobs_and_its_prefi
     assert {c.text for c in alone.choices} == {PROMPT}
     assert all(c.logprobs.token_logprobs == echoed[0] for c in alone.choices)
     assert alone.usage.completion_tokens == 0
+    streamed: dict[int, str] = {}
+    async for chunk in await client.completions.create(max_tokens=0, stream=True, **asked):
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + c.text
+    assert streamed == dict.fromkeys((0, 1, 2), PROMPT)
 
 
 @pytest.mark.parametrize(
