@@ -45,10 +45,10 @@ def expected(q: Any, keys: Any, values: Any, rows: list[list[int]], scale: float
 
 
 def layouts() -> list[list[list[int]]]:
-    """Rows of decoding sequences: a prefix of 20 blocks shared by three (in order: a view),
-    the same by two with its rows out of order (a copy), sequences sharing nothing, one
-    sharing a single block with the first three, and odd suffix lengths."""
-    shared, other, own = runs(20 * BLOCK, 0, start=1000)[0], runs(18 * BLOCK, start=2000)[0], 3000
+    """Rows of decoding sequences: a prefix of 40 blocks shared by three (in order: a view),
+    and by two beside two sharing 36 blocks in rows out of order (a copy), sequences sharing
+    nothing, one sharing a single block with the first, and odd suffix lengths."""
+    shared, other, own = runs(40 * BLOCK, start=1000)[0], runs(36 * BLOCK, start=2000)[0], 3000
     scattered = other[BLOCK:] + other[:BLOCK]
     suffixes = runs(1, 7, 33, 2, 5, 40, 64, 3, start=own)
     return [
@@ -103,10 +103,12 @@ def test_groups_share_the_deepest_prefix_that_saves_rows():
         [*base, 5005],
     ]
     assert attention.shared_groups(rows) == [([0, 2, 4], long)]
-    # Two sequences sharing two blocks save too few rows to pay for the extra calls.
+    # Two sequences sharing two blocks save too few rows to pay for the extra calls; two
+    # sharing 20 as well.
+    assert attention.shared_groups([[*base, 1], [*base, 2]]) == []
     assert attention.shared_groups([[*base[:short], 1], [*base[:short], 2]]) == []
     # The whole block holding the last row is never shared (it is the step's own).
-    assert attention.shared_groups([base, base]) == [([0, 1], long - BLOCK)]
+    assert attention.shared_groups([base, base, base]) == [([0, 1, 2], long - BLOCK)]
 
 
 def decode(generator: CausalLM, prompts: list[str], steps: int) -> list[list[int]]:
@@ -125,8 +127,8 @@ def decode(generator: CausalLM, prompts: list[str], steps: int) -> list[list[int
 
 
 def test_greedy_tokens_with_a_shared_prefix_read_once_equal_caching_off(tok, tiny, monkeypatch):
-    system = " ".join(tiny_llama.CORPUS * 6)
-    assert len(tok.encode(system)) > 8 * BLOCK
+    system = " ".join(tiny_llama.CORPUS * 12)
+    assert 3 * len(tok.encode(system)) > attention.MIN_SAVED_ROWS + 3 * BLOCK
     prompts = [f"{system} {word}" for word in ("cat", "bird", "dog", "park")]
     prompts.append("the dog ran to the park")  # shares nothing: read the plain way beside
     cascades = []
