@@ -16,9 +16,10 @@ chunks beside decodes) is not `generate`'s:
   and prepacked for oneDNN on the CPU);
 - attention reads the paged cache (`kv_cache.PagedKV`), whose whole blocks are shared by
   every sequence with the same prefix (`PrefixCache`: a sequence attached to a cached prefix
-  starts its prefill after it): the decoding sequences together,
-  padded to the longest and masked, in one `scaled_dot_product_attention` a layer; a prefill
-  chunk on its own, causally masked against its sequence's cached tokens;
+  starts its prefill after it): the decoding sequences together (`attention.py`: those that
+  share a long cached prefix attend to it once as a group, the rest padded to the longest and
+  masked, in one `scaled_dot_product_attention` a layer); a prefill chunk on its own, causally
+  masked against its sequence's cached tokens;
 - logits only for the last token of each sequence that makes one (a finished prompt, or a
   decode), and sampling by each sequence's own params (`sampling.py`);
 - text out through `detokenizer.Detokenizer`, in whole characters.
