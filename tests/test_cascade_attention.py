@@ -80,6 +80,23 @@ def test_cascade_attention_equals_each_sequence_attending_alone(rows, heads, kv_
     assert torch.allclose(got, want, atol=1e-5, rtol=0)
 
 
+def test_cascade_attention_in_bfloat16_is_as_close_as_the_plain_read():
+    torch.manual_seed(2)
+    rows = layouts()[1]
+    keys, values = torch.randn(2, 4000, 2, 64).bfloat16()
+    q = torch.randn(len(rows), 6, 64).bfloat16()
+    plan = attention.decode_plan(torch, "cpu", torch.bfloat16, rows)
+    plain = attention.DecodePlan(
+        list(range(len(rows))), [], attention._padded(torch, "cpu", rows, None)
+    )
+    exact = expected(q.float(), keys.float(), values.float(), rows, 0.125)
+    got = attention.attend_decode(torch, q[plan.order], keys, values, plan, 2, 0.125)
+    read = attention.attend_decode(torch, q, keys, values, plain, 2, 0.125)
+    assert got.dtype == torch.bfloat16
+    error = (got.float() - exact[plan.order]).abs().max()
+    assert error <= 2 * (read.float() - exact).abs().max()
+
+
 def test_the_plain_log_sum_exp_attention_equals_the_fused_kernel():
     torch.manual_seed(1)
     q = torch.randn(3, 2, 4, 16)
