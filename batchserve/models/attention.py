@@ -99,17 +99,17 @@ def decode_plan(torch: Any, device: str, dtype: Any, rows: list[list[int]]) -> D
 
 
 def attend_decode(
-    torch: Any, q: Any, keys: Any, values: Any, view: DecodePlan, kv_heads: int, scale: float
+    torch: Any, q: Any, keys: Any, values: Any, plan: DecodePlan, kv_heads: int, scale: float
 ) -> Any:
     """Attention of the decoding sequences' queries (`q`: `[count, heads, head_dim]`, in the
-    view's order) over one layer's cache rows: `[count, heads * head_dim]`."""
+    plan's order) over one layer's cache rows: `[count, heads * head_dim]`."""
     outputs, start = [], 0
-    for group in view.groups:
+    for group in plan.groups:
         count = group.suffix.count
         outputs.append(_cascade(torch, q[start : start + count], keys, values, group, scale))
         start += count
-    if view.rest is not None:
-        rest = view.rest
+    if plan.rest is not None:
+        rest = plan.rest
         count, length = rest.count, rest.mask.shape[-1]
         # index_select, not keys[gather]: a plain copy of whole rows, about 10x faster.
         k_all = keys.index_select(0, rest.gather).view(count, length, kv_heads, -1)

@@ -175,17 +175,17 @@ class CausalLM:
         ]
         if any(chunk < 1 for chunk in chunks):
             raise ValueError("a sequence in the step has no token to process")
-        # Decoding sequences (one token) first, in their view's order, then the prefill
+        # Decoding sequences (one token) first, in their plan's order, then the prefill
         # chunks, packed in one row.
         decoding = [i for i in range(len(seqs)) if chunks[i] == 1]
         prefilling = [i for i in range(len(seqs)) if chunks[i] > 1]
         grown = {i: self.cache.grow(seqs[i].id, chunks[i]) for i in decoding + prefilling}
         device = self.device
-        decode_view = None
+        reading = None
         if decoding:
             all_rows = [self.cache.rows(seqs[i].id) for i in decoding]
-            decode_view = decode_plan(torch, device, self._dtype, all_rows)
-            decoding = [decoding[j] for j in decode_view.order]
+            reading = decode_plan(torch, device, self._dtype, all_rows)
+            decoding = [decoding[j] for j in reading.order]
         order = decoding + prefilling
         ids: list[int] = []
         positions: list[int] = []
@@ -204,7 +204,7 @@ class CausalLM:
             self._prefill_view(seqs[i].id, held[i].fed, chunks[i]) for i in order[len(decoding) :]
         ]
         products = self._products
-        views = (decode_view, prefill_views)
+        views = (reading, prefill_views)
         for index, (layer, weights) in enumerate(zip(self._layers, self._weights, strict=True)):
             x = x + self._attention(index, layer, weights, x, rope, rows, *views)
             x = x + mlp(layer, weights, products, layer.post_attention_layernorm(x))
@@ -251,7 +251,7 @@ class CausalLM:
         x: Any,
         rope: tuple[Any, Any],
         rows: Any,
-        decode_view: DecodePlan | None,
+        reading: DecodePlan | None,
         prefill_views: list[tuple[Any, Any]],
     ) -> Any:
         torch = self._torch
@@ -274,12 +274,10 @@ class CausalLM:
         outputs = []
         sdpa = torch.nn.functional.scaled_dot_product_attention
         start = 0
-        if decode_view is not None:
-            count = len(decode_view.order)
+        if reading is not None:
+            count = len(reading.order)
             outputs.append(
-                attend_decode(
-                    torch, q[:count], keys, values, decode_view, self._kv_heads, self._scale
-                )
+                attend_decode(torch, q[:count], keys, values, reading, self._kv_heads, self._scale)
             )
             start = count
         for gather, mask in prefill_views:
