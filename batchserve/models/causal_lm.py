@@ -16,9 +16,10 @@ chunks beside decodes) is not `generate`'s:
   and prepacked for oneDNN on the CPU);
 - attention reads the paged cache (`kv_cache.PagedKV`), whose whole blocks are shared by
   every sequence with the same prefix (`PrefixCache`: a sequence attached to a cached prefix
-  starts its prefill after it): the decoding sequences together,
-  padded to the longest and masked, in one `scaled_dot_product_attention` a layer; a prefill
-  chunk on its own, causally masked against its sequence's cached tokens;
+  starts its prefill after it): the decoding sequences together (`attention.py`: those that
+  share a long cached prefix attend to it once as a group, the rest padded to the longest and
+  masked, in one `scaled_dot_product_attention` a layer); a prefill chunk on its own, causally
+  masked against its sequence's cached tokens;
 - logits only for the last token of each sequence that makes one (a finished prompt, or a
   decode), and sampling by each sequence's own params (`sampling.py`);
 - text out through `detokenizer.Detokenizer`, in whole characters.
@@ -35,6 +36,7 @@ from dataclasses import replace
 from typing import Any
 
 from ..errors import StartupError
+from .attention import DecodePlan, attend_decode, decode_plan
 from .chat_tools import templated_chat
 from .cpu import bound_kernel_caches, cpu_flags, has_bf16, pin_compute
 from .generators import CachedPrefix, GeneratorSettings, Made, Seq
@@ -83,7 +85,7 @@ class CausalLM:
         self._kv_heads = getattr(config, "num_key_value_heads", None) or self._heads
         self._head_dim = getattr(config, "head_dim", None) or config.hidden_size // self._heads
         self._scale = getattr(attention, "scaling", self._head_dim**-0.5)
-        dtype = next(model.parameters()).dtype
+        dtype = self._dtype = next(model.parameters()).dtype
         self.cache = PagedKV(
             torch,
             layers=len(self._layers),
@@ -211,9 +213,18 @@ class CausalLM:
         ]
         if any(chunk < 1 for chunk in chunks):
             raise ValueError("a sequence in the step has no token to process")
-        # Decoding sequences (one token) first, then the prefill chunks, packed in one row.
-        order = sorted(range(len(seqs)), key=lambda i: chunks[i] > 1)
-        decoding = [i for i in order if chunks[i] == 1]
+        # Decoding sequences (one token) first, in their plan's order, then the prefill
+        # chunks, packed in one row.
+        decoding = [i for i in range(len(seqs)) if chunks[i] == 1]
+        prefilling = [i for i in range(len(seqs)) if chunks[i] > 1]
+        grown = {i: self.cache.grow(seqs[i].id, chunks[i]) for i in decoding + prefilling}
+        device = self.device
+        reading = None
+        if decoding:
+            all_rows = [self.cache.rows(seqs[i].id) for i in decoding]
+            reading = decode_plan(torch, device, self._dtype, all_rows)
+            decoding = [decoding[j] for j in reading.order]
+        order = decoding + prefilling
         ids: list[int] = []
         positions: list[int] = []
         new_rows: list[int] = []
@@ -221,19 +232,17 @@ class CausalLM:
             h, chunk = held[i], chunks[i]
             ids += h.ids[h.fed : h.fed + chunk]
             positions += range(h.fed, h.fed + chunk)
-            new_rows += self.cache.grow(seqs[i].id, chunk)
-        device = self.device
+            new_rows += grown[i]
         x = self.model.model.embed_tokens(torch.tensor(ids, device=device))
         position_ids = torch.tensor(positions, device=device)
         cos, sin = self.model.model.rotary_emb(x[None], position_ids[None])
         rope = (cos[0].unsqueeze(1), sin[0].unsqueeze(1))
         rows = torch.tensor(new_rows, device=device)
-        decode_view = self._decode_view(seqs, decoding)
         prefill_views = [
             self._prefill_view(seqs[i].id, held[i].fed, chunks[i]) for i in order[len(decoding) :]
         ]
         products = self._products
-        views = (decode_view, prefill_views)
+        views = (reading, prefill_views)
         for index, (layer, weights) in enumerate(zip(self._layers, self._weights, strict=True)):
             x = x + self._attention(index, layer, weights, x, rope, rows, *views)
             x = x + mlp(layer, weights, products, layer.post_attention_layernorm(x))
@@ -315,7 +324,7 @@ class CausalLM:
         x: Any,
         rope: tuple[Any, Any],
         rows: Any,
-        decode_view: tuple[Any, Any] | None,
+        reading: DecodePlan | None,
         prefill_views: list[tuple[Any, Any]],
     ) -> Any:
         torch = self._torch
@@ -338,22 +347,11 @@ class CausalLM:
         outputs = []
         sdpa = torch.nn.functional.scaled_dot_product_attention
         start = 0
-        if decode_view is not None:
-            gather, mask = decode_view
-            count, length = mask.shape[0], mask.shape[-1]
-            # index_select, not keys[gather]: a plain copy of whole rows, about 10x faster.
-            k_all = keys.index_select(0, gather).view(count, length, self._kv_heads, -1)
-            v_all = values.index_select(0, gather).view(count, length, self._kv_heads, -1)
-            # Each KV head's group of query heads as that head's rows of queries: no copy
-            # of K and V for every query head (GQA), 3x faster at a long context.
-            out = sdpa(
-                q[:count].view(count, self._kv_heads, -1, self._head_dim),
-                k_all.transpose(1, 2),
-                v_all.transpose(1, 2),
-                attn_mask=mask,
-                scale=self._scale,
+        if reading is not None:
+            count = len(reading.order)
+            outputs.append(
+                attend_decode(torch, q[:count], keys, values, reading, self._kv_heads, self._scale)
             )
-            outputs.append(out.reshape(count, -1))
             start = count
         for gather, mask in prefill_views:
             chunk = mask.shape[0]
@@ -369,19 +367,6 @@ class CausalLM:
             start += chunk
         joined = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
         return self._products(joined, weights.o, attention.o_proj.bias)
-
-    def _decode_view(self, seqs: list[Seq], decoding: list[int]) -> tuple[Any, Any] | None:
-        """The rows of every decoding sequence, padded to the longest, and the mask that
-        hides the padding: one gather and one attention call a layer for all of them."""
-        if not decoding:
-            return None
-        torch = self._torch
-        all_rows = [self.cache.rows(seqs[i].id) for i in decoding]
-        length = max(map(len, all_rows))
-        gather = [row for rows in all_rows for row in rows + [0] * (length - len(rows))]
-        lengths = torch.tensor([len(rows) for rows in all_rows], device=self.device)
-        mask = torch.arange(length, device=self.device)[None] < lengths[:, None]
-        return torch.tensor(gather, device=self.device), mask[:, None, None, :]
 
     def _prefill_view(self, seq_id: str, fed: int, chunk: int) -> tuple[Any, Any]:
         """A chunk's sequence's rows (those cached before it and its own), and the causal

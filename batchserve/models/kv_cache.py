@@ -6,7 +6,8 @@ head_dim]`, sized from a byte budget. A sequence holds a list of rows, one per t
 the cache, taken from the free rows as it grows: a sequence joins or leaves without copying
 any other's cache. One row per token (a page of one) wastes nothing to rounding; the price is
 a gather of each sequence's rows per layer, which costs less than the step's matrix products
-(benchmarks/README.md).
+at a short context (benchmarks/README.md); a prefix shared by many decoding sequences is read
+once for all of them, in place where its rows run in order (`attention.py`).
 
 Prefix caching works on whole blocks of `BLOCK` tokens. A block is named by a key chained over
 its parent block's key and its own token ids (`block_keys`); the first block's parent is a

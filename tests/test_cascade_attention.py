@@ -1,0 +1,165 @@
+"""Cascade attention (`models/attention.py`): decoding sequences that share cached prefix rows
+attend to them once, merged with their own rows by log-sum-exp. It must equal each sequence
+attending to all its rows alone (random tensors, shared and unshared mixes, GQA groups), choose
+the groups that save rows, and leave the tiny Llama's greedy tokens as they are without
+sharing (caching off).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from batchserve.models import attention
+from batchserve.models.generators import Seq
+from batchserve.models.kv_cache import BLOCK
+
+from . import tiny_llama
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+from batchserve.models.causal_lm import CausalLM  # noqa: E402
+
+
+def runs(*lengths: int, start: int = 0) -> list[list[int]]:
+    """Rows for blocks held one after another from `start`, one list per length."""
+    out = []
+    for length in lengths:
+        out.append(list(range(start, start + length)))
+        start += length
+    return out
+
+
+def expected(q: Any, keys: Any, values: Any, rows: list[list[int]], scale: float) -> Any:
+    """Each sequence's attention over all its rows alone (`[count, heads * head_dim]`)."""
+    outs = []
+    for index, own in enumerate(rows):
+        k = keys[own].transpose(0, 1)  # [kv_heads, rows, head_dim]
+        v = values[own].transpose(0, 1)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q[index][:, None], k, v, scale=scale, enable_gqa=True
+        )
+        outs.append(out.reshape(-1))
+    return torch.stack(outs)
+
+
+def layouts() -> list[list[list[int]]]:
+    """Rows of decoding sequences: a prefix of 40 blocks shared by three (in order: a view),
+    and by two beside two sharing 36 blocks in rows out of order (a copy), sequences sharing
+    nothing, one sharing a single block with the first, and odd suffix lengths."""
+    shared, other, own = runs(40 * BLOCK, start=1000)[0], runs(36 * BLOCK, start=2000)[0], 3000
+    scattered = other[BLOCK:] + other[:BLOCK]
+    suffixes = runs(1, 7, 33, 2, 5, 40, 64, 3, start=own)
+    return [
+        [shared + suffixes[0], shared + suffixes[1], shared + suffixes[2]],
+        [
+            suffixes[3],
+            scattered + suffixes[4],
+            shared + suffixes[0],
+            scattered + suffixes[5],
+            suffixes[6],
+            shared[:BLOCK] + suffixes[7],
+            shared + suffixes[1],
+        ],
+    ]
+
+
+@pytest.mark.parametrize("rows", layouts())
+@pytest.mark.parametrize(("heads", "kv_heads"), [(6, 2), (4, 4), (3, 1)])
+def test_cascade_attention_equals_each_sequence_attending_alone(rows, heads, kv_heads):
+    torch.manual_seed(0)
+    head_dim, scale = 16, 0.25
+    keys = torch.randn(4000, kv_heads, head_dim)
+    values = torch.randn(4000, kv_heads, head_dim)
+    q = torch.randn(len(rows), heads, head_dim)
+    plan = attention.decode_plan(torch, "cpu", torch.float32, rows)
+    assert plan.groups, "the layout is meant to share a prefix that pays"
+    got = attention.attend_decode(torch, q[plan.order], keys, values, plan, kv_heads, scale)
+    want = expected(q, keys, values, rows, scale)[plan.order]
+    assert torch.allclose(got, want, atol=1e-5, rtol=0)
+
+
+def test_cascade_attention_in_bfloat16_is_as_close_as_the_plain_read():
+    torch.manual_seed(2)
+    rows = layouts()[1]
+    keys, values = torch.randn(2, 4000, 2, 64).bfloat16()
+    q = torch.randn(len(rows), 6, 64).bfloat16()
+    plan = attention.decode_plan(torch, "cpu", torch.bfloat16, rows)
+    plain = attention.DecodePlan(
+        list(range(len(rows))), [], attention._padded(torch, "cpu", rows, None)
+    )
+    exact = expected(q.float(), keys.float(), values.float(), rows, 0.125)
+    got = attention.attend_decode(torch, q[plan.order], keys, values, plan, 2, 0.125)
+    read = attention.attend_decode(torch, q, keys, values, plain, 2, 0.125)
+    assert got.dtype == torch.bfloat16
+    error = (got.float() - exact[plan.order]).abs().max()
+    assert error <= 2 * (read.float() - exact).abs().max()
+
+
+def test_the_plain_log_sum_exp_attention_equals_the_fused_kernel():
+    torch.manual_seed(1)
+    q = torch.randn(3, 2, 4, 16)
+    k, v = torch.randn(3, 2, 9, 16), torch.randn(3, 2, 9, 16)
+    mask = torch.zeros(3, 1, 1, 9)
+    mask[1, ..., 5:] = float("-inf")
+    fused = attention.attend_with_lse(torch, q, k, v, mask, 0.3)
+    plain = attention.plain_attend_with_lse(torch, q, k, v, mask, 0.3)
+    for a, b in zip(fused, plain, strict=True):
+        assert torch.allclose(a, b, atol=1e-5, rtol=0)
+
+
+def test_groups_share_the_deepest_prefix_that_saves_rows():
+    long, short = 20 * BLOCK, 2 * BLOCK
+    base = list(range(long))
+    rows = [
+        [*base, 5000],
+        [*list(range(100, 100 + long)), 5001],  # shares nothing
+        [*base, 5002, 5003],
+        [*base[:short], 5004],  # only the first two blocks: not worth the three's 20
+        [*base, 5005],
+    ]
+    assert attention.shared_groups(rows) == [([0, 2, 4], long)]
+    # Two sequences sharing two blocks save too few rows to pay for the extra calls; two
+    # sharing 20 as well.
+    assert attention.shared_groups([[*base, 1], [*base, 2]]) == []
+    assert attention.shared_groups([[*base[:short], 1], [*base[:short], 2]]) == []
+    # The whole block holding the last row is never shared (it is the step's own).
+    assert attention.shared_groups([base, base, base]) == [([0, 1, 2], long - BLOCK)]
+
+
+def decode(generator: CausalLM, prompts: list[str], steps: int) -> list[list[int]]:
+    """Each prompt prefilled alone (so later ones adopt cached blocks), then all decoded
+    together, greedy."""
+    seqs = [
+        Seq(f"s{i}", p, params={"ignore_eos": True}, max_tokens=99) for i, p in enumerate(prompts)
+    ]
+    for seq in seqs:
+        generator.attach(seq)
+        seq.token_ids.append(generator.step([seq])[0].token_id)  # type: ignore[arg-type]
+    for _ in range(steps):
+        for seq, made in zip(seqs, generator.step(seqs), strict=True):
+            seq.token_ids.append(made.token_id)  # type: ignore[arg-type]
+    return [seq.token_ids for seq in seqs]
+
+
+def test_greedy_tokens_with_a_shared_prefix_read_once_equal_caching_off(tok, tiny, monkeypatch):
+    system = " ".join(tiny_llama.CORPUS * 12)
+    assert 3 * len(tok.encode(system)) > attention.MIN_SAVED_ROWS + 3 * BLOCK
+    prompts = [f"{system} {word}" for word in ("cat", "bird", "dog", "park")]
+    prompts.append("the dog ran to the park")  # shares nothing: read the plain way beside
+    cascades = []
+    real = attention._cascade
+
+    def counted(*args: Any) -> Any:
+        cascades.append(args[-2].suffix.count)
+        return real(*args)
+
+    answers = {}
+    for caching in (True, False):
+        generator = CausalLM(tiny, tok, "cpu", kv_cache_bytes=2**22, prefix_caching=caching)
+        monkeypatch.setattr(attention, "_cascade", counted)
+        answers[caching] = decode(generator, prompts, 6)
+        assert bool(cascades) == caching
+        cascades.clear()
+    assert answers[True] == answers[False]
