@@ -38,7 +38,8 @@ from ..config import Config
 from ..devices.device import Device
 from ..devices.fleet import Devices
 from ..errors import BatchserveError, ClientClosed
-from ..generation.models import Generators, build_generation_model
+from ..generation.building import build_generation_model
+from ..generation.models import Generators
 from ..live_config import LiveChanges, live_changes
 from ..models.registry import Key, Registry
 from ..models.specs import BatchFn, DeviceFactory, ModelSpec

@@ -22,10 +22,8 @@ chunks beside decodes) is not `generate`'s:
   masked against its sequence's cached tokens;
 - logits only for the last token of each sequence that makes one (a finished prompt, or a
   decode), and sampling by each sequence's own params (`sampling.py`);
-- text out through `detokenizer.Detokenizer`, in whole characters.
-
-transformers' own cache classes keep one tensor per batch (a sequence that joins or leaves
-copies every other's), and its paged attention serves its own `generate` loop.
+- text out through `detokenizer.Detokenizer`, in whole characters. (transformers' own
+  caches keep one tensor per batch; its paged attention serves its own `generate` loop.)
 """
 
 from __future__ import annotations
