@@ -157,6 +157,7 @@ class Batcher:
             bisect_failures=config.bisect_failures,
             retry_budget=budget,
             poison_memory=config.poison_memory,
+            to_idle=self.idle.again,
         )
         self.recoveries: Counter[str] = self._rescue.recoveries
         """Requests sent round again by kind of failure, and those answered 500."""
@@ -429,7 +430,11 @@ class Batcher:
         versions sharing it has a request queued or to be retried."""
         waiting = itertools.chain(self._lanes, (key for key, _ in self._rescue.groups()))
         busy = {shared for key in waiting for shared in self.pool.sharing(key.version)}
-        return self.idle.take(busy, self.pool.free_for, lambda key: Lane(key, 0.0).max_batch)
+        taken = self.idle.take(busy, self.pool.free_for, lambda key: Lane(key, 0.0).max_batch)
+        if taken is None:
+            return None
+        key, lines = taken
+        return key, still_waiting(lines, self._clock.time())
 
     def _taker(self, now: float) -> Callable[[LaneView, int], list[QueuedRequest]]:
         """`_take` at `now`, for a rescue group that takes its lane's requests along."""

@@ -8,8 +8,14 @@ import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+import pytest
+
 from batchserve import Caller, Config, Engine
 from batchserve.clock import FakeClock
+from batchserve.config import POISON_MARKER
+from batchserve.errors import BackendError
+from batchserve.models.backends import simulate
+from batchserve.rules.tenants import Tenant
 
 from .conftest import GatedBackend, reach
 from .test_batch_api import IDLE
@@ -66,3 +72,30 @@ async def test_waiting_lines_take_none_of_the_online_queue_bound(gated):
         assert engine.metrics is not None
         counts = engine.metrics.snapshot()["batch_api"]
     assert (counts["waiting"], counts["running"], counts["done"]) == (0, 0, 5)
+
+
+@pytest.mark.parametrize("warm", [0, 4], ids=["retry-first", "retry-rides"])
+async def test_a_failed_line_call_runs_again_in_idle_time_never_ahead_of_or_beside_online(
+    gated, warm
+):
+    # Planned as online work's, the lines' rescue would be paid and go before the online
+    # request; or, once a few online calls have succeeded (rides pay), split to ride in its
+    # batch, the same tenant's. Either way it must wait for idle time.
+    owner = Caller(tenant=Tenant(IDLE.name, "free"))
+    async with running(gated) as engine:
+        gated.gate.set()
+        for n in range(warm):
+            await engine.infer(f"warm-{n}", owner)
+        gated.gate.clear()
+        texts = ["line-0", f"line-1{POISON_MARKER}", "line-2"]
+        lines = [asyncio.ensure_future(engine.infer(text, LINE)) for text in texts]
+        await reach(engine, lambda s: s.in_flight == 3)
+        online = asyncio.ensure_future(engine.infer("online", owner))
+        await reach(engine, lambda s: s.queued == 1)
+        gated.gate.set()
+        assert (await online).output == simulate("online")
+        outcomes = await asyncio.gather(*lines, return_exceptions=True)
+    assert calls(gated)[warm : warm + 2] == [texts, ["online"]]
+    assert not any("online" in inputs and len(inputs) > 1 for inputs in calls(gated))
+    assert isinstance(outcomes[1], BackendError)
+    assert [outcomes[0].output, outcomes[2].output] == [simulate(t) for t in texts[::2]]  # type: ignore[union-attr]
