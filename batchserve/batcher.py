@@ -37,7 +37,7 @@ from .batching.faults import BatchFailure, RetryBudget
 from .batching.idle import IdleCounts, IdleLines
 from .batching.request import QueuedRequest
 from .batching.rescue import LaneView, Rescue, still_waiting
-from .batching.shedding import Shedding
+from .batching.shedding import Shedding, refuse_too_short
 from .clock import Clock
 from .config import Config
 from .devices.fleet import Devices
@@ -242,6 +242,7 @@ class Batcher:
 
     def submit(self, request: QueuedRequest) -> None:
         if request.tier_rank == IDLE_RANK:
+            refuse_too_short(request)
             self.idle.push(request)
             if not self._wakeup.is_set() and self.pool.free_count:
                 self._wakeup.set()
