@@ -37,7 +37,7 @@ from .batching.faults import BatchFailure, RetryBudget
 from .batching.idle import IdleCounts, IdleLines
 from .batching.request import QueuedRequest
 from .batching.rescue import LaneView, Rescue, still_waiting
-from .batching.shedding import Shedding
+from .batching.shedding import Shedding, refuse_too_short
 from .clock import Clock
 from .config import Config
 from .devices.fleet import Devices
@@ -157,6 +157,7 @@ class Batcher:
             bisect_failures=config.bisect_failures,
             retry_budget=budget,
             poison_memory=config.poison_memory,
+            to_idle=self.idle.again,
         )
         self.recoveries: Counter[str] = self._rescue.recoveries
         """Requests sent round again by kind of failure, and those answered 500."""
@@ -241,6 +242,7 @@ class Batcher:
 
     def submit(self, request: QueuedRequest) -> None:
         if request.tier_rank == IDLE_RANK:
+            refuse_too_short(request)
             self.idle.push(request)
             if not self._wakeup.is_set() and self.pool.free_count:
                 self._wakeup.set()
@@ -429,7 +431,11 @@ class Batcher:
         versions sharing it has a request queued or to be retried."""
         waiting = itertools.chain(self._lanes, (key for key, _ in self._rescue.groups()))
         busy = {shared for key in waiting for shared in self.pool.sharing(key.version)}
-        return self.idle.take(busy, self.pool.free_for, lambda key: Lane(key, 0.0).max_batch)
+        taken = self.idle.take(busy, self.pool.free_for, lambda key: Lane(key, 0.0).max_batch)
+        if taken is None:
+            return None
+        key, lines = taken
+        return key, still_waiting(lines, self._clock.time())
 
     def _taker(self, now: float) -> Callable[[LaneView, int], list[QueuedRequest]]:
         """`_take` at `now`, for a rescue group that takes its lane's requests along."""

@@ -20,7 +20,8 @@ BatchserveError            one request's failure; its class declares the HTTP st
 ├── NotReady               starting, draining, failed or no healthy device (503)
 │   └── StoreUnavailable   the --result-store cannot be reached            (503)
 └── DeadlineExceeded       the request's deadline passed                   (504)
-    └── DeadlineTooShort   shorter than one batch call: it can never be met
+    ├── DeadlineTooShort   shorter than one batch call: it can never be met
+    └── PrefillTooLong     a prompt whose prefill alone outlasts its deadline
 
 StartupError               bad configuration or a backend that cannot load; the CLI
                            prints its one-line message and exits 1
@@ -145,6 +146,12 @@ class DeadlineTooShort(DeadlineExceeded):
     client's doing, never counted as shedding, and never retried."""
 
     code = "DEADLINE_TOO_SHORT"
+
+
+class PrefillTooLong(DeadlineExceeded):
+    """A generation whose prompt alone is predicted to prefill past its first-token
+    deadline: it can never be met either, but is answered DEADLINE_EXCEEDED, as documented
+    for generation; a Batch API line that gets it goes to the error file at once."""
 
 
 class StartupError(Exception):

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
+import pwd
 import re
 import shutil
 import signal
@@ -50,6 +52,13 @@ def _main_conf(folder: Path, site: Path) -> str:
     temp = {name: folder / name for name in ("body", "proxy", "fastcgi", "uwsgi", "scgi")}
     for path in temp.values():
         path.mkdir(exist_ok=True)
+    if os.geteuid() == 0:
+        # Started as root, nginx runs its workers as nobody: they must reach and write the
+        # temp folders (a request body over its 16 KB buffer is written there), or every
+        # such request, a Batch API upload among them, is answered 500.
+        folder.chmod(0o711)
+        for path in temp.values():
+            os.chown(path, pwd.getpwnam("nobody").pw_uid, -1)
     return f"""daemon off;
 pid {folder / "nginx.pid"};
 error_log {folder / "error.log"} warn;

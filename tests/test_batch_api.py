@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import threading
 from typing import Any
 
 import openai
@@ -21,6 +22,7 @@ from batchserve.server import create_app
 
 from . import tiny_llama
 from .conftest import HANG_GUARD_S, TWO_TENANT_KEYS, BatchserveTestServer
+from .sample_models import TinyEmbedder
 
 IDLE = Tenant("batch-owner", "free", idle=True)
 ALICE = {"Authorization": "Bearer sk-alice"}
@@ -272,3 +274,65 @@ async def test_the_openai_client_runs_a_chat_batch_on_the_tiny_llama(
             assert answer["choices"][0]["message"] == online.choices[0].message.model_dump(
                 include={"role", "content"}
             )
+
+
+class HeldEmbedder(TinyEmbedder):
+    """The tiny embedder, whose calls wait while `gate` is shut (`entered` says one does)."""
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+        self.gate.set()
+        self.entered = threading.Event()
+
+    def __call__(self, inputs: list[str]) -> list[list[float]]:
+        if not self.gate.is_set():
+            self.entered.set()
+        assert self.gate.wait(HANG_GUARD_S), "the test never opened the gate"
+        return super().__call__(inputs)
+
+
+async def test_the_openai_client_runs_an_embeddings_batch_and_cancels_one(aiohttp_client, tmp_path):
+    embedder = HeldEmbedder()
+    spec = ModelSpec(name="tiny", version="1", devices="sim:1", fn_per_device=lambda _: embedder)
+    config = Config(batch_db=str(tmp_path / "b.db"), batch_lines_in_flight=2)
+    client = await aiohttp_client(BatchserveTestServer(create_app(Engine(config, models=[spec]))))
+    inputs: list[str | list[str]] = ["a banana", ["cat", "aaa a"], "one more", "the last"]
+    lines = [
+        {"custom_id": f"e{n}", "method": "POST", "url": "/v1/embeddings",
+         "body": {"model": "tiny", "input": text}}
+        for n, text in enumerate(inputs)
+    ]  # fmt: skip
+
+    async def each_as_online(ai: openai.AsyncOpenAI, outputs: list[Any]) -> None:
+        """Each output line once, answered as the same request sent online."""
+        assert len({o["custom_id"] for o in outputs}) == len(outputs)
+        for output in outputs:
+            body = lines[int(output["custom_id"][1:])]["body"]
+            online = await ai.embeddings.create(**body)
+            answer = output["response"]["body"]
+            assert answer["object"] == "list"
+            assert [d["embedding"] for d in answer["data"]] == [d.embedding for d in online.data]
+            assert answer["usage"] == online.usage.model_dump()
+
+    async with openai_for(client) as ai:
+        batch, outputs = await client_flow(ai, jsonl(*lines), "/v1/embeddings")
+        assert (batch.status, batch.request_counts.completed) == ("completed", len(lines))
+        assert [o["custom_id"] for o in outputs] == ["e0", "e1", "e2", "e3"]
+        await each_as_online(ai, outputs)
+
+        embedder.gate.clear()  # the next batch's first call waits on the device
+        file = await ai.files.create(file=("in.jsonl", io.BytesIO(jsonl(*lines))), purpose="batch")
+        batch = await ai.batches.create(
+            input_file_id=file.id, endpoint="/v1/embeddings", completion_window="24h"
+        )
+        assert await asyncio.to_thread(embedder.entered.wait, HANG_GUARD_S)
+        cancelling = await ai.batches.cancel(batch.id)
+        assert cancelling.status == "cancelling"
+        embedder.gate.set()
+        async with asyncio.timeout(HANG_GUARD_S):
+            while batch.status != "cancelled":
+                batch = await ai.batches.retrieve(batch.id)
+        assert batch.cancelled_at is not None
+        assert batch.output_file_id is not None  # what ran is kept
+        text = (await ai.files.content(batch.output_file_id)).text
+        await each_as_online(ai, [orjson.loads(raw) for raw in text.splitlines()])

@@ -1,6 +1,7 @@
 """The Batch API's tier, in the engine alone: virtual time, a gated device. A batch line
-waits below every online request, never rides in an online batch, and keeps no online
-request waiting longer than the one batch call on the device."""
+waits below every online request, never rides in an online batch (nor does its rescue),
+and keeps no online request waiting longer than the one batch call on the device; a line
+whose deadline cannot be met ends in the error file rather than waiting out its batch."""
 
 from __future__ import annotations
 
@@ -8,11 +9,22 @@ import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from batchserve import Caller, Config, Engine
-from batchserve.clock import FakeClock
+import orjson
+import pytest
 
-from .conftest import GatedBackend, reach
-from .test_batch_api import IDLE
+from batchserve import Caller, Config, Engine
+from batchserve.batching.request import Ask, Result
+from batchserve.clock import FakeClock
+from batchserve.config import POISON_MARKER
+from batchserve.doors.batch_lines import Late, LineEngine, LineRunner
+from batchserve.doors.batch_runner import LATE_TRIES, RETRY_S
+from batchserve.errors import BackendError, DeadlineExceeded, DeadlineTooShort, PrefillTooLong
+from batchserve.models.backends import simulate
+from batchserve.rules.tenants import Tenant
+from batchserve.server import create_app
+
+from .conftest import HANG_GUARD_S, BatchserveTestServer, GatedBackend, reach
+from .test_batch_api import IDLE, create, ended, jsonl, line, lines_of, upload
 
 LINE = Caller(tenant=IDLE)
 """A Batch API line's caller: the idle tier."""
@@ -66,3 +78,98 @@ async def test_waiting_lines_take_none_of_the_online_queue_bound(gated):
         assert engine.metrics is not None
         counts = engine.metrics.snapshot()["batch_api"]
     assert (counts["waiting"], counts["running"], counts["done"]) == (0, 0, 5)
+
+
+@pytest.mark.parametrize("warm", [0, 4], ids=["retry-first", "retry-rides"])
+async def test_a_failed_line_call_runs_again_in_idle_time_never_ahead_of_or_beside_online(
+    gated, warm
+):
+    # Planned as online work's, the lines' rescue would be paid and go before the online
+    # request; or, once a few online calls have succeeded (rides pay), split to ride in its
+    # batch, the same tenant's. Either way it must wait for idle time.
+    owner = Caller(tenant=Tenant(IDLE.name, "free"))
+    async with running(gated) as engine:
+        gated.gate.set()
+        for n in range(warm):
+            await engine.infer(f"warm-{n}", owner)
+        gated.gate.clear()
+        texts = ["line-0", f"line-1{POISON_MARKER}", "line-2"]
+        lines = [asyncio.ensure_future(engine.infer(text, LINE)) for text in texts]
+        await reach(engine, lambda s: s.in_flight == 3)
+        online = asyncio.ensure_future(engine.infer("online", owner))
+        await reach(engine, lambda s: s.queued == 1)
+        gated.gate.set()
+        assert (await online).output == simulate("online")
+        outcomes = await asyncio.gather(*lines, return_exceptions=True)
+    assert calls(gated)[warm : warm + 2] == [texts, ["online"]]
+    assert not any("online" in inputs and len(inputs) > 1 for inputs in calls(gated))
+    assert isinstance(outcomes[1], BackendError)
+    assert [outcomes[0].output, outcomes[2].output] == [simulate(t) for t in texts[::2]]  # type: ignore[union-attr]
+
+
+async def test_a_line_whose_deadline_is_shorter_than_one_call_is_refused_at_once(gated):
+    # Waiting in the idle tier, it would only expire, be tried again and expire again.
+    clock = FakeClock()
+    async with Engine(Config(), fn_per_device=gated, devices="sim:1", clock=clock) as engine:
+        first = asyncio.ensure_future(engine.infer("online"))
+        await gated.entered("sim:0")
+        clock.advance(0.1)  # a call takes 100 ms here
+        gated.gate.set()
+        await first
+        with pytest.raises(DeadlineTooShort, match="shorter than one batch call"):
+            await engine.infer(Ask("line", timeout_ms=10), LINE)
+        assert (await engine.infer(Ask("line", timeout_ms=200), LINE)).output == simulate("line")
+
+
+async def test_a_line_late_try_after_try_goes_to_the_error_file_with_its_504(
+    aiohttp_client, gated, tmp_path, monkeypatch
+):
+    # Its deadline passes each time while online work holds the devices: after LATE_TRIES
+    # it is recorded as online would answer it, instead of holding its batch for 24 hours.
+    clock = FakeClock()
+    engine = Engine(
+        Config(batch_db=str(tmp_path / "b.db")), fn_per_device=gated, devices="sim:1", clock=clock
+    )
+    tried = asyncio.Event()
+
+    async def late(ask: Ask, caller: Caller) -> Result:
+        tried.set()
+        raise DeadlineExceeded("the request's deadline passed")
+
+    monkeypatch.setattr(engine, "infer", late)
+    client = await aiohttp_client(BatchserveTestServer(create_app(engine)))
+    _, file = await upload(client, jsonl(line(0, input="x", timeout_ms=50)))
+    _, batch = await create(client, file["id"])
+    for _ in range(LATE_TRIES):
+        async with asyncio.timeout(HANG_GUARD_S):
+            await tried.wait()
+        tried.clear()
+        clock.advance(RETRY_S)  # the runner's wait before it offers the line again
+    batch = await ended(client, batch["id"])
+    assert (batch["status"], batch["request_counts"]["failed"]) == ("completed", 1)
+    (error,) = await lines_of(client, batch["error_file_id"])
+    assert error["custom_id"] == "r0"
+    assert error["response"]["status_code"] == 504
+    assert error["response"]["body"]["error"]["code"] == "DEADLINE_EXCEEDED"
+
+
+@pytest.mark.parametrize(
+    ("error", "late"),
+    [
+        (DeadlineExceeded("the request's deadline passed"), True),
+        (DeadlineTooShort("shorter than one batch call"), False),
+        (PrefillTooLong("the prompt alone prefills past its deadline"), False),
+    ],
+)
+async def test_only_a_deadline_that_passed_as_the_line_waited_is_tried_again(error, late):
+    async def refused(*args: object, **asks: object) -> Result:
+        raise error
+
+    engine = LineEngine(refused, refused, refused, refused, refused, refused, refused)  # type: ignore[arg-type]
+    raw = orjson.dumps(line(0, input="x", timeout_ms=50))
+    outcome = await LineRunner(engine).run(raw, "/api/inference", IDLE)
+    assert isinstance(outcome, Late) is late
+    recorded = outcome.outcome if isinstance(outcome, Late) else outcome
+    assert recorded is not None
+    assert recorded.failed
+    assert orjson.loads(recorded.line)["response"]["body"]["error"]["code"] == error.code

@@ -9,9 +9,11 @@ from pathlib import Path
 
 import pytest
 
+from batchserve import Caller
 from batchserve.config import Config
 from batchserve.engine.core import Engine
 from batchserve.models.backends import simulated_factory
+from batchserve.rules.tenants import Tenant
 from batchserve.server import create_app
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -34,8 +36,10 @@ async def chromium(profile: Path, *args: str) -> str:
 
 
 async def test_the_page_loads_and_its_charts_follow_the_load(start_server, tmp_path):
-    client, _ = await start_server(simulated_factory(0.005, 100), devices=2)
+    client, engine = await start_server(simulated_factory(0.005, 100), devices=2)
     url = str(client.make_url("/"))
+    line = Caller(tenant=Tenant("batch-owner", "free", idle=True))
+    await asyncio.gather(*(engine.infer(f"line-{n}", line) for n in range(3)))
     loading = asyncio.Event()
     stop = asyncio.Event()
 
@@ -71,6 +75,10 @@ async def test_the_page_loads_and_its_charts_follow_the_load(start_server, tmp_p
     assert 'data-model="default@1"' in dom  # the per-model table has its row
     assert "<td>sim:0</td>" in dom
     assert "<td>sim:1</td>" in dom
+    assert '<b id="batch_done">3</b>' in dom  # the Batch API's lines, and their share
+    share = re.search(r'<b id="batch_share">([^<]*)</b>', dom)
+    assert share is not None
+    assert float(share.group(1)) >= 0
     assert screenshot.read_bytes().startswith(b"\x89PNG")
 
 

@@ -34,9 +34,11 @@ from batchserve.generation import step_loop
 from batchserve.models.generators import Seq, SimulatedGenerator
 from batchserve.models.specs import ModelSpec
 from batchserve.observability.window import WINDOW_S
+from batchserve.rules.tenants import Tenant
 from batchserve.server import create_app
 
 from .conftest import HANG_GUARD_S, real_server, recovering
+from .test_prefill import in_line
 
 FAIL_AT_3 = "!fail@3!"
 """A prompt carrying this makes the step that would make its fourth token raise."""
@@ -728,3 +730,35 @@ async def test_the_first_token_window_forgets_old_generations_without_being_read
         clock.advance(WINDOW_S + 1)
         await generate(engine, "four")
         assert len(engine.metrics._first_tokens) == 1
+
+
+@pytest.mark.parametrize(
+    "online",
+    ["0123456789abcdefghi", "01234567"],
+    ids=["no-room-for-it", "room-runs-out-as-they-grow"],
+)
+async def test_a_batch_lines_sequence_yields_its_room_to_an_online_prompt(recorders, online):
+    # Room for 30 tokens: a Batch API line (10 + 10) runs, and an online prompt arrives that
+    # either does not fit beside it, or fits and then runs out of room as both grow. The
+    # line's sequence is the one preempted; it waits behind the online prompt, then ends
+    # with every token its own.
+    line_owner = Tenant("batch-owner", "free", idle=True)
+    finished: list[str] = []
+
+    async def run(prompt: str, tenant: Tenant | None) -> str:
+        async with engine.generate(Prompt(prompt, max_tokens=10), Caller(tenant=tenant)) as gen:
+            output = await gen.result()
+        finished.append(prompt)
+        return output
+
+    engine = engine_with(recording(recorders, budget=30))
+    async with engine:
+        (recorder,) = recorders
+        recorder.gate.clear()
+        line = asyncio.ensure_future(run("abcdefghij", line_owner))
+        assert await asyncio.to_thread(recorder.entered.wait, HANG_GUARD_S)
+        answer = asyncio.ensure_future(run(online, None))
+        await in_line(engine, 1)
+        recorder.gate.set()
+        assert await asyncio.gather(answer, line) == [online[::-1][:10], "jihgfedcba"]
+    assert finished == [online, "abcdefghij"]

@@ -7,11 +7,16 @@ gives one only for a version none of whose devices an online request waits for: 
 never rides in an online batch, and online work arriving finds at most the one batch call
 in hand on a device ahead of it (a device runs one call at a time). What ran is counted for
 the metrics: lines waiting, running, done, and the device seconds they used.
+
+The lines of a failed idle call come back here too (`again`), in the groups their rescue
+planned (`batching/rescue.py`): they run only as fresh lines do, in idle time, never in the
+online retry lane that goes before new work, nor riding in an online batch.
 """
 
 from __future__ import annotations
 
 import itertools
+from collections import deque
 from collections.abc import Callable, Collection
 from typing import NamedTuple
 
@@ -33,12 +38,15 @@ class IdleCounts(NamedTuple):
 class IdleLines:
     def __init__(self) -> None:
         self._waiting: dict[Key, dict[QueuedRequest, None]] = {}
+        self._again: deque[tuple[Key, list[QueuedRequest]]] = deque()
+        """Groups of failed idle calls to run again, oldest first: before fresh lines."""
         self.running = 0
         self.done = 0
         self.device_s = 0.0
 
     def __len__(self) -> int:
-        return sum(len(waiting) for waiting in self._waiting.values())
+        fresh = sum(len(waiting) for waiting in self._waiting.values())
+        return fresh + sum(len(group) for _, group in self._again)
 
     def __repr__(self) -> str:
         return f"<IdleLines waiting={len(self)} running={self.running} done={self.done}>"
@@ -47,10 +55,14 @@ class IdleLines:
         return IdleCounts(len(self), self.running, self.done, self.device_s)
 
     def versions(self) -> set[ModelVersion]:
-        return {key.version for key in self._waiting}
+        return {key.version for key in itertools.chain(self._waiting, (k for k, _ in self._again))}
 
     def push(self, request: QueuedRequest) -> None:
         self._waiting.setdefault(request.key, {})[request] = None
+
+    def again(self, key: Key, group: list[QueuedRequest]) -> None:
+        """A group of a failed idle call, to run again as it is in idle time."""
+        self._again.append((key, group))
 
     def discard(self, request: QueuedRequest) -> None:
         waiting = self._waiting.get(request.key)
@@ -65,8 +77,14 @@ class IdleLines:
         free_for: Callable[[ModelVersion], int],
         max_batch: Callable[[Key], int],
     ) -> tuple[Key, list[QueuedRequest]] | None:
-        """The oldest lines of a key whose version has a free device and shares none with
-        an online request waiting (`busy_online`); None if no key may run now."""
+        """A group to run again, else the oldest lines of a key, whose version has a free
+        device and shares none with an online request waiting (`busy_online`); None if no
+        key may run now. What a group holds may have been answered since (the caller
+        leaves those out)."""
+        for index, (key, group) in enumerate(self._again):
+            if key.version not in busy_online and free_for(key.version):
+                del self._again[index]
+                return key, group
         for key, waiting in self._waiting.items():
             if key.version in busy_online or not free_for(key.version):
                 continue
@@ -80,10 +98,15 @@ class IdleLines:
 
     def fail(self, error: BatchserveError, version: ModelVersion | None = None) -> None:
         """Answers every waiting line (of `version`, if given) with `error`."""
-        for key in [k for k in self._waiting if version in (None, k.version)]:
-            for request in self._waiting.pop(key):
-                if not request.future.done():
-                    request.future.set_exception(error)
+        mine = [k for k in self._waiting if version in (None, k.version)]
+        failed = [request for key in mine for request in self._waiting.pop(key)]
+        for key, group in list(self._again):
+            if version in (None, key.version):
+                self._again.remove((key, group))
+                failed += group
+        for request in failed:
+            if not request.future.done():
+                request.future.set_exception(error)
 
     def sent(self, count: int) -> None:
         self.running += count

@@ -8,6 +8,10 @@ rides sink theirs. A request that fails alone is poison: it is answered 500 and 
 and a repeat of it runs apart. The batcher owns one `Rescue` and calls it; this module owns
 the groups, the budget, the poison memory and the counts (`recoveries`), and asks the
 devices only through the narrow `Devices` view.
+
+A failed call of Batch API lines (IDLE_RANK) is planned by the same rules, but its groups go
+back to the idle lines (`to_idle`), paid by nobody's budget: idle time is theirs to spend,
+and a line must never run ahead of online work nor ride in its batch.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from ..errors import BatchserveError
 from ..models.registry import Key, ModelVersion
 from ..rules.capacity import DecayedRate
 from ..rules.fair_queue import FairQueue
+from ..rules.tenants import IDLE_RANK
 from .faults import BatchFailure, FailureKind, RetryBudget, plan_recovery
 from .poison import PoisonMemory
 from .request import QueuedRequest
@@ -43,6 +48,9 @@ RIDE_PROBE_RATE = 0.25
 """Sunk rides a second (decayed) under which rides are tried again after they stopped."""
 
 Group = tuple[Key, list[QueuedRequest]]
+IDLE_BUDGET = RetryBudget(ratio=0.0, reserve=math.inf, tokens=math.inf)
+"""What pays for a failed idle call's groups: unbounded, since they run only in idle time;
+its rounds are bounded by the rules themselves (halving, once for a hang)."""
 
 
 class Devices(Protocol):
@@ -83,8 +91,10 @@ class Rescue:
         bisect_failures: bool,
         retry_budget: RetryBudget,
         poison_memory: int,
+        to_idle: Callable[[Key, list[QueuedRequest]], None],
     ) -> None:
         self._devices = devices
+        self._to_idle = to_idle
         self._lanes = lanes
         """The batcher's lanes, read only: whether fresh requests of a key wait."""
         self._clock = clock
@@ -159,8 +169,9 @@ class Rescue:
         retry budget, or left for spare device time."""
         # The pool has added this device to each request's failed_on already.
         error = failure.answer_for(batch)  # before `batch` may become the call's riders
+        idle = batch[0].tier_rank == IDLE_RANK  # a call never mixes idle and online
         first_try = not any(request.rider or len(request.failed_on) > 1 for request in batch)
-        if first_try and len(batch) > 1:
+        if first_try and len(batch) > 1 and not idle:
             self.recoveries["first_try_batches_failed"] += 1
             self._first_tries_failed.add(self._clock.time(), 1)
         fresh: list[QueuedRequest] = []
@@ -180,7 +191,7 @@ class Rescue:
             batch,
             failure.kind,
             bisect=self._bisect,
-            budget=self._retry_budget,
+            budget=IDLE_BUDGET if idle else self._retry_budget,
             parts=devices.free_for(key.version),
             # A lone rider has not failed alone: fresh requests beside it may hold poison.
             unproven=bool(fresh)
@@ -189,10 +200,17 @@ class Rescue:
                 and devices.healthy_for(key.version, batch[0].failed_on) > 0
             ),
             known_poison=bool(key.poison),
-            ride=self._rides_coming(key),
+            ride=not idle and self._rides_coming(key),
         )
         for request in batch:
             request.rescue_round += 1
+        if idle:
+            again = recovery.retry + recovery.spare
+            for group in again:
+                self._to_idle(key, group)
+            self.recoveries[f"retried_{failure.kind.value}"] += sum(map(len, again))
+            self._fail_found(batch, key, failure, recovery.fail, error)
+            return
         self._retries.extendleft((key, group) for group in reversed(recovery.retry))
         if fresh:
             self._retries.appendleft((key, fresh))
@@ -209,10 +227,21 @@ class Rescue:
             ranked = sorted(self._rescues, key=lambda waiting: -len(waiting[1]))
             self._rescues = deque(ranked)
         self.recoveries[f"retried_{failure.kind.value}"] += sum(map(len, recovery.retry)) + waiting
-        if failure.kind is FailureKind.RAISED and recovery.fail and (len(batch) == 1 or key.poison):
-            for request in recovery.fail:
+        self._fail_found(batch, key, failure, recovery.fail, error)
+
+    def _fail_found(
+        self,
+        batch: list[QueuedRequest],
+        key: Key,
+        failure: BatchFailure,
+        fail: list[QueuedRequest],
+        error: BatchserveError,
+    ) -> None:
+        """Answers those of `batch` its rescue gave up on; a lone one that raised is poison."""
+        if failure.kind is FailureKind.RAISED and fail and (len(batch) == 1 or key.poison):
+            for request in fail:
                 self._found_poison(request)
-        self._fail(recovery.fail, error)
+        self._fail(fail, error)
 
     def take_retry(self, now: float) -> Group | None:
         """The first paid retry that a free device can run, and what of it still waits."""

@@ -43,16 +43,11 @@ class Shedding:
         ahead of theirs, and the higher tiers' new arrivals will take their share of the
         capacity meanwhile. Raises Overloaded; else counts the arrival.
 
-        A deadline shorter than one call could not be met on an idle server: that is the
-        client's (504 DeadlineTooShort, never retried), so that one tenant's impossible
-        deadlines do not read as the server shedding load."""
+        A deadline shorter than one call (`refuse_too_short`) is the client's, so that one
+        tenant's impossible deadlines do not read as the server shedding load."""
+        refuse_too_short(request)
         call_s = request.key.version.estimate.seconds
         budget_s = request.deadline - request.arrival
-        if call_s and call_s > budget_s:
-            raise DeadlineTooShort(
-                f"the deadline of {budget_s * 1e3:.3g} ms is shorter than one batch call here"
-                f" (about {call_s * 1e3:.3g} ms): it can never be met"
-            )
         if capacity_rps and call_s:  # else nothing measured yet: no grounds to refuse
             claimed = sum(
                 rate.at(request.arrival) for rate in self._tier_rates[: request.tier_rank]
@@ -65,3 +60,16 @@ class Shedding:
                     retry_after_s=ahead / left if left > 0 else drain_time_s(),
                 )
         self._tier_rates[request.tier_rank].add(request.arrival, 1)
+
+
+def refuse_too_short(request: QueuedRequest) -> None:
+    """A deadline shorter than one call could not be met on an idle server: 504
+    DeadlineTooShort, never retried. Asked of online requests with shedding on, and of
+    every Batch API line, which would otherwise wait and expire again and again."""
+    call_s = request.key.version.estimate.seconds
+    budget_s = request.deadline - request.arrival
+    if call_s and call_s > budget_s:
+        raise DeadlineTooShort(
+            f"the deadline of {budget_s * 1e3:.3g} ms is shorter than one batch call here"
+            f" (about {call_s * 1e3:.3g} ms): it can never be met"
+        )

@@ -7,8 +7,11 @@ A file whose lines do not make a batch (a line that is not JSON, lacks `custom_i
 line, message, param), as OpenAI does. A line whose request fails, its body refused as its
 door would refuse it, or its run failed on the device, goes to the error file with its
 `custom_id` and its status and error; the batch goes on. A line the server cannot take now
-(draining, its device unhealthy, its deadline passed while online work held the devices)
-is tried again later: `run` answers None.
+(draining, its device unhealthy) is tried again later: `run` answers None. One whose own
+deadline passed (online work held the devices) answers `Late`, the 504 it would be
+recorded with: its runner tries it again a few times, then records that; one whose deadline
+can never be met by itself (shorter than a call, a prompt that prefills past it) is
+recorded at once.
 
 Each line runs as its owner, in the idle tier (`Tenant.idle`): below every online tier,
 spending none of its rate.
@@ -34,6 +37,7 @@ from ..errors import (
     InvalidInput,
     NotReady,
     Overloaded,
+    PrefillTooLong,
     RateLimited,
 )
 from ..generation.request import Generation
@@ -49,6 +53,13 @@ ROUTE = "batch"
 """The route the lines are recorded under, in the metrics and the access log."""
 TRY_LATER = (NotReady, Overloaded, RateLimited, ClientClosed)
 """What a line is refused or failed for that says nothing of the line: it runs again later."""
+
+
+class Late(NamedTuple):
+    """A line whose deadline passed while it waited: not its fault, unless it keeps coming."""
+
+    outcome: Outcome
+    """What it is recorded with once its tries are spent: the 504 online would answer."""
 
 
 class Checked(NamedTuple):
@@ -147,27 +158,22 @@ class LineRunner:
     def __init__(self, engine: LineEngine) -> None:
         self._engine = engine
 
-    async def run(self, raw: bytes, endpoint: str, tenant: Tenant) -> Outcome | None:
-        """The line's outcome, or None: the server cannot take it now (TRY_LATER)."""
+    async def run(self, raw: bytes, endpoint: str, tenant: Tenant) -> Outcome | Late | None:
+        """The line's outcome; Late: its deadline passed as it waited; None: the server
+        cannot take it now (TRY_LATER)."""
         line = orjson.loads(raw)
         request_id = f"batch_req_{new_request_id()}"
         try:
             status, body = 200, await self._answer(endpoint, line["body"], request_id, tenant)
-        except DeadlineTooShort as error:
+        except (DeadlineTooShort, PrefillTooLong) as error:  # never met, however often tried
             status, body = error.status, _error_body(error)
-        except DeadlineExceeded:
-            return None  # online work held the devices past its deadline: not the line's fault
+        except DeadlineExceeded as error:  # online work held the devices past its deadline
+            return Late(_outcome(line["custom_id"], request_id, error.status, _error_body(error)))
         except TRY_LATER:
             return None
         except BatchserveError as error:
             status, body = error.status, _error_body(error)
-        output = {
-            "id": request_id,
-            "custom_id": line["custom_id"],
-            "response": {"status_code": status, "request_id": request_id, "body": body},
-            "error": None,
-        }
-        return Outcome(status != 200, orjson.dumps(output, option=orjson.OPT_SERIALIZE_NUMPY))
+        return _outcome(line["custom_id"], request_id, status, body)
 
     async def _answer(
         self, endpoint: str, body: dict[str, Any], request_id: str, tenant: Tenant
@@ -200,6 +206,16 @@ class LineRunner:
             output = await gen.result()
         answer_id = f"{'chatcmpl' if chat else 'cmpl'}-{request_id}"
         return whole_answer(gen, output, answer_id=answer_id, asked=asked)
+
+
+def _outcome(custom_id: str, request_id: str, status: int, body: dict[str, Any]) -> Outcome:
+    output = {
+        "id": request_id,
+        "custom_id": custom_id,
+        "response": {"status_code": status, "request_id": request_id, "body": body},
+        "error": None,
+    }
+    return Outcome(status != 200, orjson.dumps(output, option=orjson.OPT_SERIALIZE_NUMPY))
 
 
 def _error_body(error: BatchserveError) -> dict[str, Any]:

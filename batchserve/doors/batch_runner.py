@@ -9,7 +9,10 @@ of its own (`_run`), cancelled if its lease is lost. A batch's task keeps at mos
 fill the online queue; the others wait in the store. A line is recorded in one write with
 its done mark (`batch_store.py`), so a replica killed mid-batch loses nothing: the next
 holder runs the lines not yet done, and a line that ran but was not recorded runs again,
-appearing once in the output. Cancelling, expiry (24 hours after creation) and finishing
+appearing once in the output. A line whose own deadline passed while online work held the
+devices is tried again, up to LATE_TRIES times in all, then recorded with the 504 it got:
+a `timeout_ms` that idle time never meets must not hold its batch until the batch expires.
+Cancelling, expiry (24 hours after creation) and finishing
 each end the batch with its files; what ran is kept.
 """
 
@@ -29,7 +32,7 @@ from ..clock import Clock, sleep_until
 from ..errors import StoreUnavailable
 from ..rules.tenants import TIERS, Tenant
 from ..tasks import TaskSet
-from .batch_lines import LineRunner, expired_line
+from .batch_lines import Late, LineRunner, expired_line
 from .batch_store import ACTIVE, BatchStore, Held, Line, Outcome, now_s
 
 log = logging.getLogger(__name__)
@@ -37,6 +40,8 @@ log = logging.getLogger(__name__)
 RETRY_S = 1.0
 """How long a line the server could not take waits before it is offered again."""
 EXPIRED = "This request could not be executed before the completion window expired."
+LATE_TRIES = 3
+"""How often a line whose deadline passed as it waited is tried before its 504 is recorded."""
 CHECK_S = 1.0
 """How often a running batch reads its status (a cancel may come through any replica)."""
 
@@ -131,11 +136,14 @@ class BatchRunner:
         retry: deque[Line] = deque()
         """Lines read from the store, to hand to the engine: fresh ones, and those the
         server could not take (back after RETRY_S)."""
+        late: dict[int, int] = {}
+        """Tries that ended past their deadline, by line: of lines running or in `retry`."""
         cursor = -1
         checked = self._clock.time()
         wake = asyncio.Event()
         try:
             while batch["status"] == "in_progress" and now_s() < batch["expires_at"]:
+                wake.clear()  # before the store is read: a line ending meanwhile wakes it
                 while len(running) < self._in_flight:
                     if not retry:
                         fresh = await store.pending(batch_id, cursor, self._in_flight)
@@ -144,12 +152,11 @@ class BatchRunner:
                         cursor = fresh[-1].position
                         retry.extend(fresh)
                     line = retry.popleft()
-                    task = asyncio.create_task(self._line(batch, line, tenant, retry, wake))
+                    task = asyncio.create_task(self._line(batch, line, tenant, (retry, late), wake))
                     running.add(task)
                     task.add_done_callback(running.discard)
                 if not running and not retry:
                     break
-                wake.clear()
                 alarm = self._clock.call_at(self._clock.time() + CHECK_S, wake.set)
                 await wake.wait()
                 alarm.cancel()
@@ -169,15 +176,20 @@ class BatchRunner:
         batch: dict[str, Any],
         line: Line,
         tenant: Tenant,
-        retry: deque[Line],
+        again: tuple[deque[Line], dict[int, int]],
         wake: asyncio.Event,
     ) -> None:
+        retry, late = again
         try:
             outcome = await self._lines.run(line.request, batch["endpoint"], tenant)
+            if isinstance(outcome, Late):
+                tries = late[line.position] = late.get(line.position, 0) + 1
+                outcome = outcome.outcome if tries >= LATE_TRIES else None
             if outcome is None:
                 await sleep_until(self._clock, self._clock.time() + RETRY_S)
                 retry.append(line)
             else:
+                late.pop(line.position, None)
                 await self._record(batch["id"], line.position, outcome)
         finally:
             wake.set()

@@ -2,10 +2,10 @@
 devices' schedulers, and which version a request goes to.
 
 A `GenerationModel` owns the queue its devices take from (fair between tenants, by tier, as
-for batch requests; preempted sequences go back ahead of it) and its `StepLoop`s; it starts
-their tasks and, closing, cancels and awaits them. The devices themselves (threads, watchdog,
-health) are the engine's `Devices`, shared with the batch models placed on them.
-`Generators` holds the models by name.
+for batch requests; preempted sequences go back ahead of it, a Batch API line's behind every
+online prompt) and its `StepLoop`s; it starts their tasks and, closing, cancels and awaits
+them. The devices themselves (threads, watchdog, health) are the engine's `Devices`, shared
+with the batch models placed on them. `Generators` holds the models by name.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from ..models.specs import ModelSpec
 from ..rules.capacity import BatchBudget, DecayedRate
 from ..rules.fair_queue import FairQueue
 from ..rules.prefill import PrefillLine, work_until_done
+from ..rules.tenants import IDLE_RANK
 from ..tasks import CrashHandler, TaskSet
 from .forks import ForkLines
 from .grammars import Grammars
@@ -110,6 +111,8 @@ class GenerationModel:
         self._waiting: FairQueue[Generation] = FairQueue()
         self._resumed: deque[Generation] = deque()
         """Preempted, or taken and found too big for the device that took it: next in line."""
+        self._resumed_lines: deque[Generation] = deque()
+        """The same, of Batch API lines: next once no online prompt waits."""
         self._forks = ForkLines(self.wake)
         """Choices of `n` taken by a device while their sibling runs on another: that one's."""
         self._line_prefill = PrefillLine()
@@ -150,7 +153,8 @@ class GenerationModel:
 
     @property
     def waiting(self) -> int:
-        return len(self._waiting) + len(self._resumed) + len(self._forks)
+        resumed = len(self._resumed) + len(self._resumed_lines)
+        return len(self._waiting) + resumed + len(self._forks)
 
     @property
     def dead_devices(self) -> list[str]:
@@ -295,6 +299,8 @@ class GenerationModel:
                 gen = self._resumed.popleft()
             elif (left := self._forks.take(device)) is not None:
                 gen = left
+            elif self._resumed_lines and len(self._waiting) == self._waiting.idle:
+                gen = self._resumed_lines.popleft()  # no online prompt waits
             else:
                 taken = self._waiting.take(1)
                 if not taken:
@@ -307,7 +313,8 @@ class GenerationModel:
                 return gen
 
     def put_back(self, gen: Generation) -> None:
-        self._resumed.appendleft(gen)
+        line = self._resumed_lines if gen.tier_rank == IDLE_RANK else self._resumed
+        line.appendleft(gen)
         self._enter_line(gen)
         self.wake()
 
@@ -333,8 +340,9 @@ class GenerationModel:
         """Its waiter is done with it: still waiting, it leaves the line now."""
         if gen.state is GenState.WAITING:
             self._waiting.discard(gen)
-            if gen in self._resumed:
-                self._resumed.remove(gen)
+            for line in (self._resumed, self._resumed_lines):
+                if gen in line:
+                    line.remove(gen)
             self._forks.discard(gen)
             self._line_prefill.remove(gen)
 
@@ -342,18 +350,20 @@ class GenerationModel:
         self._work.set()
 
     async def wait_for_work(self, device: str) -> None:
-        while not self._waiting and not self._resumed and not self._forks.has(device):
+        lines = (self._waiting, self._resumed, self._resumed_lines)
+        while not any(lines) and not self._forks.has(device):
             self._work.clear()
             await self._work.wait()
 
     def fail_all(self, error: BatchserveError, now: float) -> None:
         """Ends every sequence, waiting or running, with `error` (a drain that timed out)."""
-        for gen in [*self._resumed, *self._forks, *self._waiting]:
+        for gen in [*self._resumed, *self._resumed_lines, *self._forks, *self._waiting]:
             gen.fail(error, now)
         for loop in self.loops:
             for gen in loop.running:
                 gen.fail(error, now)
         self._resumed.clear()
+        self._resumed_lines.clear()
         self._forks.clear()
         self._waiting.clear()
         self._line_prefill.clear()

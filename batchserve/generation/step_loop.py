@@ -10,7 +10,8 @@ another running sequence is computing waits for it, so a prefix is computed once
 
 Admission is optimistic: sequences grow a token a step, and when the running ones no longer
 fit, the newest is preempted (released, and put back at the head of the line with its tokens,
-to be recomputed when it runs again: from its cached blocks, where they are still cached). A
+to be recomputed when it runs again: from its cached blocks, where they are still cached); a
+Batch API line's sequence goes first, and makes room for online prompts (`kv_room.py`). A
 sequence alone always fits, since a prompt whose tokens plus `max_tokens` exceed the budget
 (or the context length) is refused at once (413). Steps then run back to back while any
 sequence runs.
@@ -33,6 +34,10 @@ between the prompts still prefilling (`rules/prefill.py`: by tenant, then by pro
 running streams keep making a token a step while a long prompt comes in, and short prompts
 finish their prefill beside it instead of after it. The steps that carry prefill measure the
 device's prefill cost, from which the model predicts a new request's first token.
+
+Over 450 lines: admission, preemption, the step's bisection and the hand-back all act on the
+one list of running sequences and its budget; what is pure of them is already apart
+(`kv_room.py`'s choice of whom to preempt, `rules/prefill.py`'s shares).
 
 Steps and releases are calls on the device's one runner (`devices/fleet.py`), in turn with
 any batch model's calls there, under its watchdog and health machine. A call past its budget
@@ -66,6 +71,7 @@ from ..models.generators import (
 )
 from ..rules.capacity import BatchBudget, DecayedRate, PrefillCost, StepCost
 from ..rules.prefill import fair_split
+from . import kv_room
 from .request import Generation, GenState
 
 log = logging.getLogger(__name__)
@@ -232,6 +238,9 @@ class StepLoop:
                 await self._release(released)
             if mode == "continuous" or not self.running:
                 self._admit(reserve=mode == "static")
+            if self._to_release:  # batch lines preempted for an online prompt
+                released, self._to_release = self._to_release, []
+                await self._release(released)
             self._preempt_over_budget()
             if self._to_release:
                 released, self._to_release = self._to_release, []
@@ -286,6 +295,10 @@ class StepLoop:
                 break
             cached = self._cached_prefix(gen)
             need = self._need(gen, reserve) - cached.tokens + cached.idle
+            if not reserve and not cached.expected:  # an online prompt: batch lines yield
+                short = used + need - budget
+                victims = kv_room.for_online(gen, self.running, short, self._cache)
+                used -= sum(map(self._preempt, victims))
             if (cached.expected and not reserve) or used + need > budget:
                 passed.append(gen)
                 if reserve or gen.times_passed >= PASS_LIMIT or len(passed) == PASS_DEPTH:
@@ -331,18 +344,23 @@ class StepLoop:
         self._model.prefix_hits += gen.computed
 
     def _preempt_over_budget(self) -> None:
-        """Grown past the budget: the newest sequences go back to the head of the line."""
+        """Grown past the budget: sequences go back to the line (`kv_room.over_budget`)."""
         used = self.kv_used  # summed once, not once for each sequence put back
         while len(self.running) > 1 and used > self.kv_budget:
-            gen = self.running.pop()
-            own = gen.computed if self._cache is None else self._cache.own_rows(gen.seq.id)
-            used -= gen.held_tokens - gen.computed + own
-            gen.state = GenState.WAITING
-            gen.computed = 0
-            gen.preemptions += 1
-            self._model.preemptions += 1
-            self._to_release.append(gen.seq.id)
-            self._model.put_back(gen)
+            used -= self._preempt(kv_room.over_budget(self.running))
+
+    def _preempt(self, gen: Generation) -> int:
+        """Takes `gen` off the device, to be released, and puts it back in line with its
+        tokens; what it frees (`kv_room.frees`)."""
+        freed = kv_room.frees(gen, self._cache)
+        self.running.remove(gen)
+        gen.state = GenState.WAITING
+        gen.computed = 0
+        gen.preemptions += 1
+        self._model.preemptions += 1
+        self._to_release.append(gen.seq.id)
+        self._model.put_back(gen)
+        return freed
 
     async def _step(
         self, gens: list[Generation], first_try: bool = True

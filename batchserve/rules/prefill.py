@@ -20,7 +20,7 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from ..errors import DeadlineExceeded, Overloaded
+from ..errors import Overloaded, PrefillTooLong
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,7 +190,7 @@ def refuse_if_late(forecast_s: float, alone_s: float, deadline_s: float, tokens:
     if forecast_s <= deadline_s:
         return
     if alone_s > deadline_s:
-        raise DeadlineExceeded(
+        raise PrefillTooLong(
             f"the prompt's {tokens} tokens are predicted to take {alone_s:.1f} s to prefill"
             f" on this model's devices, past its first-token deadline of {deadline_s:.1f} s:"
             " shorten the prompt or give a longer timeout_ms (up to --first-token-timeout-ms)"
