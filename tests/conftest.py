@@ -20,6 +20,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from batchserve.clock import Clock
 from batchserve.config import Config
+from batchserve.devices.health import DeviceState
 from batchserve.engine.core import Engine, EngineStats
 from batchserve.models.backends import POISON_MARKER, simulate
 from batchserve.models.registry import Key, ModelVersion, build_version
@@ -199,6 +200,19 @@ async def recovering(engine: Engine, device: str) -> None:
                 await asyncio.sleep(0)
     except TimeoutError:
         pytest.fail(f"{device} never began recovering: {engine.device_states()}")
+
+
+async def idle(engine: Engine, device: str) -> None:
+    """Waits until `device` has no call inside (a release or a step may still be on its
+    thread after the loop has moved on): a test that moves the fake clock past a call's
+    budget first waits for this, or the watchdog judges that call hung. Polled, as
+    `recovering` is; bounded by the hang guard."""
+    try:
+        async with asyncio.timeout(HANG_GUARD_S):
+            while engine._devices.get(device).state is not DeviceState.IDLE:  # noqa: ASYNC110
+                await asyncio.sleep(0)
+    except TimeoutError:
+        pytest.fail(f"{device} never became idle: {engine.device_states()}")
 
 
 async def hold_one_and_queue_one(

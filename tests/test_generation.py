@@ -20,7 +20,6 @@ import pytest
 from batchserve.batching.request import Ask
 from batchserve.clock import FakeClock
 from batchserve.config import Config
-from batchserve.devices.health import DeviceState
 from batchserve.engine.core import Engine
 from batchserve.engine.requests import Caller, Prompt
 from batchserve.errors import (
@@ -38,7 +37,7 @@ from batchserve.observability.window import WINDOW_S
 from batchserve.rules.tenants import Tenant
 from batchserve.server import create_app
 
-from .conftest import HANG_GUARD_S, real_server, recovering
+from .conftest import HANG_GUARD_S, idle, real_server, recovering
 from .test_prefill import in_line
 
 FAIL_AT_3 = "!fail@3!"
@@ -387,6 +386,8 @@ async def test_a_hung_step_hands_its_sequences_to_another_device_mid_stream(reco
         prompt = f"abcdef{HANG_AT_3}xyz"
         streamed = asyncio.ensure_future(generate(engine, prompt, request_id="moved"))
         assert await asyncio.to_thread(hang.entered.wait, HANG_GUARD_S)
+        (free,) = [r.device for r in recorders if r.device != hang.device]
+        await idle(engine, free)  # else a call still inside it would be judged hung too
         clock.advance(1.5)  # past the step's budget: the watchdog hands the sequence on
         output, _ = await streamed
         assert output == prompt[::-1]  # no token lost or repeated across the move
@@ -420,6 +421,7 @@ async def test_a_choice_left_for_a_hung_device_goes_on_elsewhere(recorders):
             for _ in range(5):  # the idle device wakes and takes it, and leaves it
                 await asyncio.sleep(0)
             assert other.steps == []
+            await idle(engine, other.device)
             clock.advance(1.5)  # past the step's budget: both are handed on
             assert await asyncio.wait_for(fork.result(), HANG_GUARD_S) == prompt[::-1]
         assert (await first)[0] == prompt[::-1]
@@ -728,13 +730,7 @@ async def test_the_first_token_window_forgets_old_generations_without_being_read
         for prompt in ("one", "two", "three"):
             await generate(engine, prompt)
         assert len(engine.metrics._first_tokens) == 3
-        # The last release may still be on the device's thread: moving the clock past its
-        # budget then would judge the device hung. Polled, as `recovering` is: a thread's
-        # return announces nothing on the loop.
-        device = engine._devices.get("sim:0")
-        async with asyncio.timeout(HANG_GUARD_S):
-            while device.state is not DeviceState.IDLE:  # noqa: ASYNC110
-                await asyncio.sleep(0)
+        await idle(engine, "sim:0")  # the last release may still be on the device's thread
         clock.advance(WINDOW_S + 1)
         await generate(engine, "four")
         assert len(engine.metrics._first_tokens) == 1
