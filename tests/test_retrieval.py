@@ -163,6 +163,9 @@ async def test_predict_tokenize_decode_and_info(served):
         ("/rerank", {"query": "", "texts": ["a"]}, 400, "query"),
         ("/rerank", {"query": "q", "texts": []}, 400, "texts"),
         ("/rerank", {"query": "q", "texts": ["word " * 100]}, 413, "texts"),
+        # Long enough to be checked off the loop (engine/counting.py): the same answer.
+        ("/rerank", {"query": "q", "texts": ["word " * 30] * 7 + ["word " * 100]}, 413,
+         '"texts"[7]'),
         ("/rerank", {"query": "q", "texts": ["a"], "truncation_direction": "up"}, 422,
          "truncation_direction"),
         ("/embed", {"inputs": "a", "dimensions": 100}, 400, "dimensions"),

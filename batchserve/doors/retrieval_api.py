@@ -124,7 +124,7 @@ class RetrievalApi:
         try:
             results = await self._infer_all(
                 plan.texts, model=plan.model, request_id=request_id, tenant=tenant,
-                arrival=arrival, route=route, params=plan.params,
+                arrival=arrival, route=route, params=plan.params, check=plan.check,
             )  # fmt: skip
         except BatchserveError as error:
             return error_response(error, request_id, shape=shape)
@@ -145,9 +145,9 @@ class RetrievalApi:
         wanted = bodies.direction(payload)
         bodies.no_prompt(payload)
         size = bodies.dimensions_of(payload, lambda: self._dimensions(model))
-        bodies.check_lengths(texts, "inputs", facts, truncate)
+        check = bodies.lengths(lambda: texts, "inputs", facts, truncate)
         params = bodies.params_of(wanted, normalize=None if normalize else False)
-        return bodies.Plan(model, texts, params, {"size": size, "normalize": normalize})
+        return bodies.Plan(model, texts, params, {"size": size, "normalize": normalize}, check)
 
     # /rerank and /v1/rerank
 
@@ -180,9 +180,11 @@ class RetrievalApi:
         options: dict[str, Any],
     ) -> bodies.Plan:
         bodies.check_count(len(texts), field, self._max_inputs())
-        bodies.check_lengths([(query, text) for text in texts], field, facts, truncate)
+        check = bodies.lengths(lambda: [(query, text) for text in texts], field, facts, truncate)
         params = bodies.params_of(wanted)
-        return bodies.Plan(model, bodies.pairs(query, texts), params, {**options, "texts": texts})
+        return bodies.Plan(
+            model, bodies.pairs(query, texts), params, {**options, "texts": texts}, check
+        )
 
     async def cohere_rerank(self, request: web.Request) -> web.Response:
         return await self._run(request, "/v1/rerank", self._parse_cohere, _cohere_answer, tei=False)
@@ -224,11 +226,13 @@ class RetrievalApi:
         model, facts = self._text_model(bodies.model_field(payload), "predict")
         items, listed = bodies.predict_items(payload.get("inputs"))
         bodies.check_count(len(items), "inputs", self._max_inputs())
-        bodies.check_lengths(items, "inputs", facts, bodies.flag(payload, "truncate", False))
+        truncate = bodies.flag(payload, "truncate", False)
+        check = bodies.lengths(lambda: items, "inputs", facts, truncate)
         options = {"raw": bodies.flag(payload, "raw_scores", False), "listed": listed,
                    "labels": facts.labels}  # fmt: skip
         texts = [bodies.item_text(item) for item in items]
-        return bodies.Plan(model, texts, bodies.params_of(bodies.direction(payload)), options)
+        params = bodies.params_of(bodies.direction(payload))
+        return bodies.Plan(model, texts, params, options, check)
 
     # /tokenize, /decode, /info: the tokenizer's, on the loop; no device
 
