@@ -27,6 +27,7 @@ from urllib.parse import urlsplit
 
 import orjson
 import uvloop
+from shapes import SHAPES
 
 
 @dataclass
@@ -133,6 +134,8 @@ class Workload:
     key_headers: dict[str, bytes]
     model_field: bool = False
     """Whether the class is a model, sent as the body's "model"."""
+    shape: str = "inference"
+    """The route and body (shapes.py)."""
 
 
 class Run:
@@ -154,10 +157,10 @@ class Run:
         self.good = 0
         """Timed 200 answers within good_s of their scheduled time."""
         self.workload = workload
-        host = self.host.encode()
+        host, path = self.host.encode(), SHAPES[workload.shape].path.encode()
         self.heads = {
-            name: b"POST /api/inference HTTP/1.1\r\nHost: %b\r\nContent-Type: application/json\r\n"
-            b"%b" % (host, header)
+            name: b"POST %b HTTP/1.1\r\nHost: %b\r\nContent-Type: application/json\r\n"
+            b"%b" % (path, host, header)
             for name, header in {"": b"", **workload.key_headers}.items()
         }
         """Each request's bytes up to its Content-Length, by key name ("" for none)."""
@@ -224,7 +227,7 @@ class Run:
     def write(self, conn: Connection, pending: Pending) -> None:
         assert conn.transport is not None
         pending.timeout = self.loop.call_later(self.timeout_s, conn.transport.close)
-        body = {"input": pending.text}
+        body = SHAPES[self.workload.shape].body(pending.text)
         if self.workload.model_field:
             body["model"] = pending.name
         payload = orjson.dumps(body)
@@ -282,7 +285,7 @@ class Run:
         if status != 200:
             return
         answer = orjson.loads(body)
-        if answer["output"] != pending.text[::-1]:
+        if not SHAPES[self.workload.shape].check(answer, pending.text):
             self.wrong += 1
         if pending.scheduled - self.start >= self.warmup_s:
             latency = now - pending.scheduled
@@ -291,8 +294,9 @@ class Run:
             self.good += latency <= self.good_s
             if name:
                 self.per_key[name][1].append(latency)
-            self.batch_sizes.append(answer["batch_size"])
-            self.computes.append(answer.get("compute_ms", 0.0))
+            if isinstance(answer, dict) and "batch_size" in answer:  # /api/inference's
+                self.batch_sizes.append(answer["batch_size"])
+                self.computes.append(answer.get("compute_ms", 0.0))
 
 
 LENGTHS = [("short", (8, 32), 0.80), ("medium", (100, 300), 0.15), ("long", (800, 1500), 0.05)]
@@ -316,7 +320,7 @@ async def run(url: str, rate: float, seconds: float, warmup_s: float, good_s: fl
               keys: list[tuple[str, str, float]] | None = None,
               models: list[tuple[str, float]] | None = None,
               length_mix: bool = False, repeat_poison: int = 0,
-              poison_key: str = "") -> Summary:  # fmt: skip
+              poison_key: str = "", shape: str = "inference") -> Summary:  # fmt: skip
     loop = asyncio.get_running_loop()
     rng = random.Random(seed)
     schedule: list[float] = []
@@ -357,7 +361,7 @@ async def run(url: str, rate: float, seconds: float, warmup_s: float, good_s: fl
         texts = [_sized(text, rng.randint(*sizes[name]))
                  for text, name in zip(texts, key_names, strict=True)]  # fmt: skip
         key_headers = {name: b"" for name, _, _ in LENGTHS}
-    workload = Workload(texts, poisoned, key_names, key_headers, model_field=bool(models))
+    workload = Workload(texts, poisoned, key_names, key_headers, bool(models), shape)
     load = Run(loop, url, connections, timeout_s, warmup_s, good_s, workload)
     await load.warm(min(connections, max(8, int(rate * 0.3))))
     load.start = start = loop.time() + 0.05
@@ -469,6 +473,10 @@ def main() -> None:
         default="",
         help="API keys to mix, name=key:weight,...; each request draws one by weight",
     )
+    parser.add_argument(
+        "--shape", default="inference", choices=sorted(SHAPES),
+        help="the route and body sent (shapes.py): the batch route, or a retrieval route",
+    )  # fmt: skip
     args = parser.parse_args()
     if args.seconds <= args.warmup_s:
         parser.error(
@@ -485,7 +493,7 @@ def main() -> None:
         run(args.url, args.rate, args.seconds, args.warmup_s, args.good_ms / 1e3, args.seed,
             args.connections,
             args.timeout_s, args.poison_rate, args.hang_at_s, keys or None, models or None,
-            args.length_mix, args.repeat_poison, args.poison_key)
+            args.length_mix, args.repeat_poison, args.poison_key, args.shape)
     )  # fmt: skip
     sys.stdout.write(orjson.dumps(asdict(summary)).decode() + "\n")
 

@@ -1,6 +1,9 @@
 """The retrieval door: Text Embeddings Inference's routes and /v1/rerank over a real MiniLM
 embedder beside a tiny BERT reranker and classifier (built from seeds), served from one
-models file; bad bodies refused with TEI's shape and status before any device sees them."""
+models file; bad bodies refused with TEI's shape and status before any device sees them.
+
+One server (`served`) serves the module's tests of the routes, on the module's event loop
+(`shared`): loading MiniLM and the two tiny models for each test would be most of their time."""
 
 from __future__ import annotations
 
@@ -10,6 +13,8 @@ import threading
 from pathlib import Path
 
 import pytest
+import pytest_asyncio
+from aiohttp.test_utils import TestClient
 
 from batchserve.clock import FakeClock
 from batchserve.config import Config
@@ -64,17 +69,24 @@ devices = "cpu"
     return path
 
 
-@pytest.fixture
-async def served(aiohttp_client, tmp_path, folders):
-    engine = Engine(Config(models=str(models_file(tmp_path, *folders)), retrieval_max_inputs=8))
-    client = await aiohttp_client(BatchserveTestServer(create_app(engine)))
-    return client, engine
+shared = pytest.mark.asyncio(loop_scope="module")
+"""On the module's event loop, where `served` runs."""
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def served(tmp_path_factory, folders):
+    """The models file's server, shared: a test may not change what it serves."""
+    config = models_file(tmp_path_factory.mktemp("served"), *folders)
+    engine = Engine(Config(models=str(config), retrieval_max_inputs=8))
+    async with TestClient(BatchserveTestServer(create_app(engine))) as client:
+        yield client, engine
 
 
 def norm(vector: list[float]) -> float:
     return math.sqrt(sum(x * x for x in vector))
 
 
+@shared
 async def test_embed_answers_vectors_in_order_cut_to_a_declared_size(served):
     client, _ = served
     one = await (await client.post("/embed", json={"inputs": "a cat"})).json()
@@ -101,6 +113,7 @@ async def test_embed_answers_vectors_in_order_cut_to_a_declared_size(served):
     assert "dimensions" in (await refused.json())["error"]["message"]
 
 
+@shared
 async def test_rerank_scores_each_text_against_the_query_best_first(served, folders):
     client, _ = served
     answer = await client.post("/rerank", json={"query": QUERY, "texts": TEXTS})
@@ -131,6 +144,7 @@ async def test_rerank_scores_each_text_against_the_query_best_first(served, fold
     assert body["results"][0]["document"] == {"text": TEXTS[ranks[0]["index"]]}
 
 
+@shared
 async def test_predict_tokenize_decode_and_info(served):
     client, _ = served
     predicted = await client.post("/predict", json={"inputs": "great", "model": "classes"})
@@ -157,12 +171,16 @@ async def test_predict_tokenize_decode_and_info(served):
     }
 
 
+@shared
 @pytest.mark.parametrize(
     ("path", "body", "status", "named"),
     [
         ("/rerank", {"query": "", "texts": ["a"]}, 400, "query"),
         ("/rerank", {"query": "q", "texts": []}, 400, "texts"),
         ("/rerank", {"query": "q", "texts": ["word " * 100]}, 413, "texts"),
+        # Long enough to be checked off the loop (engine/counting.py): the same answer.
+        ("/rerank", {"query": "q", "texts": ["word " * 30] * 7 + ["word " * 100]}, 413,
+         '"texts"[7]'),
         ("/rerank", {"query": "q", "texts": ["a"], "truncation_direction": "up"}, 422,
          "truncation_direction"),
         ("/embed", {"inputs": "a", "dimensions": 100}, 400, "dimensions"),
@@ -190,6 +208,7 @@ async def test_bad_input_is_refused_naming_the_field_and_reaches_no_device(
     assert engine.stats().batches == batches
 
 
+@shared
 async def test_a_long_pair_is_cut_when_truncate_is_asked_for(served):
     client, _ = served
     for direction in ("right", "Left"):

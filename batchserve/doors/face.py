@@ -9,7 +9,7 @@ part itself (`engine.generation`, `engine.versions`). No door module imports
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import Any, Protocol
 
@@ -87,7 +87,10 @@ class BatchFace(Reception, Views, Protocol):
     async def infer(self, ask: Ask | str, caller: Caller | None = None) -> Result: ...
 
     async def infer_all(
-        self, asks: Sequence[Ask], caller: Caller | None = None
+        self,
+        asks: Sequence[Ask],
+        caller: Caller | None = None,
+        check: Callable[[], None] | None = None,
     ) -> list[Result]: ...
 
     def submit(self, ask: Ask | str, caller: Caller | None = None) -> Ticket: ...

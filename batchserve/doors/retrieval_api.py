@@ -40,7 +40,9 @@ _COHERE = frozenset({"model", "query", "documents", "top_n", "return_documents",
                      "max_chunks_per_doc", "rank_fields", "truncate"})  # fmt: skip
 
 
-InferAll = Callable[[Sequence[Ask], Caller | None], Awaitable[list[Result]]]
+InferAll = Callable[
+    [Sequence[Ask], Caller | None, Callable[[], None] | None], Awaitable[list[Result]]
+]
 """`Engine.infer_all`."""
 
 
@@ -105,7 +107,7 @@ class RetrievalApi:
         request_id, plan = call.request_id, call.body
         try:
             asks = [Ask(text, model=plan.model, params=plan.params) for text in plan.texts]
-            results = await self._infer_all(asks, call.caller)
+            results = await self._infer_all(asks, call.caller, plan.check)
         except BatchserveError as error:
             return error_response(error, request_id, shape=shape)
         return _json(answer(plan, results, request_id), request_id)
@@ -125,9 +127,9 @@ class RetrievalApi:
         wanted = bodies.direction(payload)
         bodies.no_prompt(payload)
         size = bodies.dimensions_of(payload, lambda: self._dimensions(model))
-        bodies.check_lengths(texts, "inputs", facts, truncate)
+        check = bodies.lengths(lambda: texts, "inputs", facts, truncate)
         params = bodies.params_of(wanted, normalize=None if normalize else False)
-        return bodies.Plan(model, texts, params, {"size": size, "normalize": normalize})
+        return bodies.Plan(model, texts, params, {"size": size, "normalize": normalize}, check)
 
     # /rerank and /v1/rerank
 
@@ -160,9 +162,11 @@ class RetrievalApi:
         options: dict[str, Any],
     ) -> bodies.Plan:
         bodies.check_count(len(texts), field, self._max_inputs())
-        bodies.check_lengths([(query, text) for text in texts], field, facts, truncate)
+        check = bodies.lengths(lambda: [(query, text) for text in texts], field, facts, truncate)
         params = bodies.params_of(wanted)
-        return bodies.Plan(model, bodies.pairs(query, texts), params, {**options, "texts": texts})
+        return bodies.Plan(
+            model, bodies.pairs(query, texts), params, {**options, "texts": texts}, check
+        )
 
     async def cohere_rerank(self, request: web.Request) -> web.Response:
         return await self._run(request, "/v1/rerank", self._parse_cohere, _cohere_answer, tei=False)
@@ -204,11 +208,13 @@ class RetrievalApi:
         model, facts = self._text_model(bodies.model_field(payload), "predict")
         items, listed = bodies.predict_items(payload.get("inputs"))
         bodies.check_count(len(items), "inputs", self._max_inputs())
-        bodies.check_lengths(items, "inputs", facts, bodies.flag(payload, "truncate", False))
+        truncate = bodies.flag(payload, "truncate", False)
+        check = bodies.lengths(lambda: items, "inputs", facts, truncate)
         options = {"raw": bodies.flag(payload, "raw_scores", False), "listed": listed,
                    "labels": facts.labels}  # fmt: skip
         texts = [bodies.item_text(item) for item in items]
-        return bodies.Plan(model, texts, bodies.params_of(bodies.direction(payload)), options)
+        params = bodies.params_of(bodies.direction(payload))
+        return bodies.Plan(model, texts, params, options, check)
 
     # /tokenize, /decode, /info: the tokenizer's, on the loop; no device
 

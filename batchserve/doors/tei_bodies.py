@@ -4,7 +4,9 @@ what `retrieval_api.py` sends the engine, and how its answers are made. Nothing 
 TEI's rules, kept where its clients can tell: a field of the wrong type or value is 422, an
 empty query or list is 400 (TEI's "empty"), an input over the model's length without
 `truncate` and a list over the cap are 413; each names the field. Every input is checked
-before any is sent, so a refused request puts nothing on a device.
+before any is sent, so a refused request puts nothing on a device; the check of lengths,
+which tokenizes, is the plan's `check`, which the engine runs off the event loop for a long
+list (engine/counting.py).
 """
 
 from __future__ import annotations
@@ -20,13 +22,14 @@ DIRECTIONS = {"right": "right", "left": "left", "Right": "right", "Left": "left"
 
 
 class Plan(NamedTuple):
-    """A request read: the model, one engine input per item, their params, and the rest of
-    the body that shapes the answer."""
+    """A request read: the model, one engine input per item, their params, the rest of the
+    body that shapes the answer, and the check of its items' lengths (`lengths`)."""
 
     model: str
     texts: list[str]
     params: dict[str, Any] | None
     options: dict[str, Any]
+    check: Callable[[], None] | None = None
 
 
 def check_fields(payload: dict[str, Any], known: frozenset[str]) -> None:
@@ -85,10 +88,17 @@ def check_count(count: int, field: str, cap: int) -> None:
         )
 
 
-def check_lengths(items: Sequence[Item], field: str, text_model: TextModel, truncate: bool) -> None:
-    """Refuses (413) an item over the model's length unless truncation was asked for."""
+def lengths(
+    items: Callable[[], Sequence[Item]], field: str, text_model: TextModel, truncate: bool
+) -> Callable[[], None] | None:
+    """The check that refuses (413) an item over the model's length, unless truncation was
+    asked for (then none)."""
     if truncate:
-        return
+        return None
+    return lambda: check_lengths(items(), field, text_model)
+
+
+def check_lengths(items: Sequence[Item], field: str, text_model: TextModel) -> None:
     longest = text_model.max_input_tokens
     for index, item in enumerate(items):
         if fits_by_bytes(item, longest):

@@ -27,7 +27,7 @@ import asyncio
 import contextlib
 import functools
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from ..batcher import Batcher, length_bucket
@@ -48,6 +48,7 @@ from ..observability.tracing import Tracer, global_provider
 from ..rules.admission import Admission
 from ..rules.policy import Policy
 from ..rules.tenants import Tenant
+from .counting import Counted, Counting, worth_a_thread
 from .drain import Drain
 from .generating import GenerationPath
 from .intake import Intake, Phase, in_flight
@@ -140,6 +141,8 @@ class Engine:
             self._intake, self._registry, self._generators, self._pool, self._batcher
         )
         """The read-only views, for doors, operators and tests (views.py)."""
+        self._counting = Counting(self._registry)
+        """Long lists' tokens, counted off the loop (counting.py)."""
         self._drain = Drain(
             self.clock,
             self._intake,
@@ -147,6 +150,7 @@ class Engine:
             self._pool,
             self._generators,
             self.generation.idle,
+            self._counting.idle,
         )
         self.failed = self._drain.failed
         """Set when one of the engine's tasks crashed; `failure` says which and why."""
@@ -186,6 +190,7 @@ class Engine:
             await self.drain()
         finally:
             self._deadlines.close()
+            self._counting.close()
         await self.versions.aclose()
         await self._stack.aclose()
 
@@ -222,27 +227,52 @@ class Engine:
         finally:
             self.settle(route, request, expiry, tenant, outcome)
 
-    async def infer_all(self, asks: Sequence[Ask], caller: Caller | None = None) -> list[Result]:
+    async def infer_all(
+        self,
+        asks: Sequence[Ask],
+        caller: Caller | None = None,
+        check: Callable[[], None] | None = None,
+    ) -> list[Result]:
         """Runs each of `asks` as one request of `infer`, batched with everyone else's
         (perhaps in different batches); returns their results in the order given, or raises
         the error of the first input (by position) that failed, once all are done. Several
         inputs are parts of one request, with ids `<request_id>.<index>`, kept apart from
-        every id a client sends.
+        every id a client sends. `check`: the caller's check of the inputs (against the
+        model's length), run before any is admitted; what it raises is the list's refusal.
 
         All or nothing: the list spends its tenant's tokens at once, and every input is
-        admitted before any batch can form (nothing here awaits until then), so a refusal
-        of any input withdraws the others before they reach a device."""
+        admitted in one pass before any batch can form, so a refusal of any input withdraws
+        the others before they reach a device. A long list's check and tokens are counted
+        off the loop before that pass (counting.py), once its tenant's rate is spent."""
         caller = caller or _ANONYMOUS
         route, tenant = caller.route or "inference", caller.tenant
         arrival = self.clock.time() if caller.arrival is None else caller.arrival
         request_id = caller.request_id or new_request_id()
         several = len(asks) > 1
+        ids = [f"{request_id}.{index}" for index in range(len(asks))] if several else [request_id]
+        texts = [ask.text for ask in asks]
+        counted: list[Counted] | None = None
+        spends = len(asks)
+        try:
+            if worth_a_thread(texts):
+                self._intake.spend(tenant, arrival, spends)
+                spends = 0
+                self._intake.check_phase()  # nothing is counted that would be refused
+                model, version = (asks[0].model, asks[0].version) if asks else (None, None)
+                counted = await self._counting.count(texts, ids, model, version, check)
+            elif check is not None:
+                check()
+        except BatchserveError as refusal:
+            self.record(route, request_id, arrival, refusal, tenant)
+            raise
         admitted: list[tuple[QueuedRequest, Timer | None]] = []
         try:
             for index, ask in enumerate(asks):
-                part_id = f"{request_id}.{index}" if several else request_id
-                spends = len(asks) if index == 0 else 0
-                admitted.append(self.admit(route, ask, part_id, tenant, arrival, several, spends))
+                counts = None if counted is None else counted[index]
+                admitted.append(self.admit(
+                    route, ask, ids[index], tenant, arrival, several, spends if index == 0 else 0,
+                    counts,
+                ))  # fmt: skip
         except BatchserveError as refusal:
             for request, expiry in admitted:  # answered with the list's refusal
                 self.settle(route, request, expiry, tenant, refusal)
@@ -308,10 +338,11 @@ class Engine:
         arrival: float | None,
         part: bool = False,
         spends: int = 1,
+        counted: Counted | None = None,
     ) -> tuple[QueuedRequest, Timer | None]:
         """Queues the request and arms its deadline (the timer to cancel, if it has one of
         its own); a refusal is recorded under `route` and raised. `spends`: what it spends
-        of its tenant's rate (intake.py).
+        of its tenant's rate (intake.py); `counted`: its tokens, counted off the loop.
 
         `infer` in parts, for a door that awaits the request's future itself and then hands
         its outcome to `settle`: `infer`'s coroutine would be one more object each waiting
@@ -319,7 +350,7 @@ class Engine:
         arrival = self.clock.time() if arrival is None else arrival
         request_id = request_id or new_request_id()
         try:
-            return self._queue(ask, request_id, tenant, arrival, part, spends)
+            return self._queue(ask, request_id, tenant, arrival, part, spends, counted)
         except BatchserveError as error:
             self.record(route, request_id, arrival, error, tenant)
             raise
@@ -332,6 +363,7 @@ class Engine:
         arrival: float,
         part: bool,
         spends: int,
+        counted: Counted | None = None,
     ) -> tuple[QueuedRequest, Timer | None]:
         """Admits the request (intake.py), then queues it and arms its deadline."""
         text = ask.text
@@ -341,7 +373,9 @@ class Engine:
         )  # fmt: skip
         params_key = version.params_key(ask.params) if ask.params is not None else b""
         if version.spec.cost == "length":
-            tokens = max(1, version.tokens(text))
+            # Counted off the loop by the version it was routed to then, unless rerouted.
+            known = counted is not None and counted[0] is version
+            tokens = max(1, counted[1] if known else version.tokens(text))  # type: ignore[index]
             key = Key(version, params_key, length_bucket(version, tokens), ask.params or None)
         else:
             tokens = 1

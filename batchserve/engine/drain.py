@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from ..batcher import Batcher
+from ..batcher import Batcher, BatcherStats
 from ..clock import Clock, wait_until
 from ..errors import BatchserveError, NotReady
 from ..generation.models import Generators
@@ -30,6 +30,7 @@ class Drain:
         pool: GpuPool,
         generators: Generators,
         no_generations: asyncio.Event,
+        no_counting: asyncio.Event,
     ) -> None:
         self._clock = clock
         self._intake = intake
@@ -37,6 +38,8 @@ class Drain:
         self._pool = pool
         self._generators = generators
         self._no_generations = no_generations
+        self._no_counting = no_counting
+        """No list is being counted: one that is will be admitted, and must be answered."""
         self.failed = asyncio.Event()
         """Set when one of the engine's tasks crashed; `failure` says which and why."""
         self.failure: str | None = None
@@ -55,15 +58,25 @@ class Drain:
         await asyncio.shield(self._drained)
 
     async def _drain(self, deadline: float) -> None:
-        idle = asyncio.gather(
-            self._batcher.wait_until(lambda s: s.queued == 0 and s.in_flight == 0),
-            self._no_generations.wait(),
-        )
+        idle = asyncio.gather(self._no_batches(), self._no_generations.wait())
         if not await wait_until(self._clock, idle, deadline):
             idle.cancel()
             log.warning("drain timed out: answering %d requests 503", len(self._intake.pending))
             self._fail_everything(NotReady("the server shut down before this request could run"))
         await asyncio.gather(idle, return_exceptions=True)
+
+    async def _no_batches(self) -> None:
+        """Until the batcher is idle with no list being counted, at one moment: a list is
+        admitted the moment its count is back, so an idle batcher alone is not enough."""
+
+        def idle(stats: BatcherStats) -> bool:
+            return stats.queued == 0 and stats.in_flight == 0
+
+        while True:
+            await self._no_counting.wait()
+            await self._batcher.wait_until(idle)
+            if self._no_counting.is_set() and idle(self._batcher.stats()):
+                return
 
     def crashed(self, task_name: str, error: BaseException) -> None:
         """A supervised task died: nothing can be served any more, so say so everywhere."""

@@ -112,12 +112,8 @@ class Intake:
         answer, or for a generation's `first_token`) and its key among those in flight; a
         refusal raises `errors.py`'s. `spends`: what the request spends of its tenant's rate
         (a list's first part spends the whole list's, the others none)."""
-        if tenant is not None and spends:
-            self.rules.take_tokens(tenant, arrival, self._capacity_rps, spends)
-        if self.phase is not Phase.READY and not (
-            self.phase is Phase.DRAINING and self.takes_stragglers
-        ):
-            raise NotReady(f"the server is {self.phase.value}")
+        self.spend(tenant, arrival, spends)
+        self.check_phase()
         target = route(model, version, request_id)
         self.rules.check_input(text)
         deadline = arrival + self.rules.timeout_s(timeout_ms, tenant, first_token=first_token)
@@ -125,6 +121,19 @@ class Intake:
         if key in self.pending or key in self.generating:
             raise DuplicateRequestId(f"request id {request_id} is already in flight")
         return target, deadline, key
+
+    def check_phase(self) -> None:
+        """Refuses a request unless the engine takes it now: ready, or draining for a server
+        whose doors are closed."""
+        if self.phase is not Phase.READY and not (
+            self.phase is Phase.DRAINING and self.takes_stragglers
+        ):
+            raise NotReady(f"the server is {self.phase.value}")
+
+    def spend(self, tenant: Tenant | None, arrival: float, spends: int) -> None:
+        """Spends `spends` of the tenant's rate, or refuses (rules/admission.py)."""
+        if tenant is not None and spends:
+            self.rules.take_tokens(tenant, arrival, self._capacity_rps, spends)
 
     def batch_version(
         self, model: str | None, version: str | None, request_id: str
