@@ -11,7 +11,7 @@ or more; on two, on both, the loop sharing: it mostly waits while a step runs, a
 repository's 2-core machine two threads made 1.3-1.65x one's tokens/s when the machine was
 quiet. Busy with other processes, two lost 2-8x (an OpenMP step waits at each barrier for a
 thread something else preempted): a shared machine wants `--cpu-threads 1`
-(benchmarks/README.md, section 10c).
+(benchmarks/LLM.md, section 10c).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ tokenizer, and each constrained sequence's matcher, which masks the tokens its g
 not allow before the step samples (xgrammar, imported only when a grammar is asked for).
 
 xgrammar rather than llguidance, by a measurement on SmolLM2's tokenizer (49,152 tokens;
-benchmarks/README.md): xgrammar compiles a schema ahead in 1-20 ms and then fills a row's
+benchmarks/LLM.md): xgrammar compiles a schema ahead in 1-20 ms and then fills a row's
 mask in 2-16 µs at the median, at most 27 µs at the p99; llguidance starts at once but fills
 a mask in 5 µs at the median and 90-270 µs at the p99, since it computes masks lazily. A
 step waits for its slowest row, so the p99 is what counts, and a compile off the step loop
