@@ -178,8 +178,15 @@ async def validity(session: aiohttp.ClientSession, count: int) -> list[Answer]:
     return answers
 
 
+def cpu_seconds(pid: int) -> float:
+    """The CPU time process `pid` has used (all its threads, user and system)."""
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 async def speed(
-    session: aiohttp.ClientSession, made: list[Answer], count: int, repeats: int
+    session: aiohttp.ClientSession, made: list[Answer], count: int, repeats: int, pid: int
 ) -> None:
     constrained = [chat(i, SCHEMAS[i % len(SCHEMAS)], shown=SCHEMAS[i % len(SCHEMAS)])
                    for i in range(count)]  # fmt: skip
@@ -190,19 +197,26 @@ async def speed(
         free.append({**unconstrained, "max_tokens": steps, "ignore_eos": True})
     tokens = sum(made[i].tokens for i in range(count))
     rows: dict[str, list[float]] = {"constrained": [], "unconstrained": []}
+    cpu: dict[str, list[float]] = {"constrained": [], "unconstrained": []}
     for repeat in range(repeats):
         order = ["constrained", "unconstrained"][:: 1 if repeat % 2 == 0 else -1]
         for arm in order:
+            used = cpu_seconds(pid)
             _, seconds = await closed_loop(session, constrained if arm == "constrained" else free)
             rows[arm].append(seconds)
-            print(f"  speed repeat {repeat} {arm}: {tokens / seconds:.1f} tokens/s",
-                  file=sys.stderr)  # fmt: skip
-    ratios = [u / c for c, u in zip(*rows.values(), strict=True)]
+            cpu[arm].append(cpu_seconds(pid) - used)
+            print(f"  speed repeat {repeat} {arm}: {tokens / seconds:.1f} tokens/s,"
+                  f" {tokens / cpu[arm][-1]:.1f} a server CPU second", file=sys.stderr)  # fmt: skip
+    # Ratios within a pair: its unconstrained window's time over its constrained one's.
+    wall = [u / c for c, u in zip(*rows.values(), strict=True)]
+    per_cpu = [u / c for c, u in zip(*cpu.values(), strict=True)]
     c, u = (statistics.median(tokens / s for s in rows[arm]) for arm in rows)
-    pairs = ", ".join(f"{r:.3f}" for r in ratios)
-    print(f"speed: {count} chats a window, {tokens} tokens, {repeats} pairs: constrained"
-          f" {c:.1f} tokens/s, unconstrained {u:.1f}; constrained / unconstrained"
-          f" {statistics.median(ratios):.3f}x (pairs {pairs})")  # fmt: skip
+    cc, cu = (statistics.median(tokens / s for s in cpu[arm]) for arm in cpu)
+    print(f"speed: {count} chats a window, {tokens} tokens, {repeats} pairs: tokens/s"
+          f" constrained {c:.1f}, unconstrained {u:.1f}: {statistics.median(wall):.3f}x"
+          f" ({', '.join(f'{r:.3f}' for r in wall)}); a server CPU second {cc:.1f} and"
+          f" {cu:.1f}: {statistics.median(per_cpu):.3f}x"
+          f" ({', '.join(f'{r:.3f}' for r in per_cpu)})")  # fmt: skip
 
 
 async def ttft(session: aiohttp.ClientSession, pairs: int) -> None:
@@ -283,13 +297,13 @@ async def compiles(session: aiohttp.ClientSession, repeats: int) -> None:
     )
 
 
-async def run(args: argparse.Namespace) -> None:
+async def run(args: argparse.Namespace, pid: int) -> None:
     connector = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         await closed_loop(session, [chat(i, s, shown=s) for i, s in enumerate(SCHEMAS)])  # warm
         made = await validity(session, args.requests)
-        await speed(session, made, min(args.window_requests, args.requests), args.repeats)
+        await speed(session, made, min(args.window_requests, args.requests), args.repeats, pid)
         await ttft(session, args.ttft_pairs)
         await compiles(session, args.compile_repeats)
 
@@ -308,7 +322,7 @@ def main() -> None:
     started = time.monotonic()
     server = serve("--dtype", args.dtype, "--first-token-timeout-ms", "600000")
     try:
-        asyncio.run(run(args))
+        asyncio.run(run(args, server.pid))
     finally:
         stop_server(server)
     print(f"({time.monotonic() - started:.0f} s)", file=sys.stderr)
