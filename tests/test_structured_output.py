@@ -362,3 +362,27 @@ async def test_a_pydantic_ai_agent_calls_its_tool_and_answers_in_its_schema(serv
     ]
     assert looked_up in (["paris"], ["rome"])
     assert [part.tool_name for part in returns] == ["look_up", "final_result"]
+
+
+@pytest.mark.parametrize("vocab", [49_152, 1_000])
+def test_the_cpu_mask_blocks_what_xgrammars_kernel_blocks(vocab):
+    """`mask_on_cpu` (a byte at a time) against xgrammar's own kernel: the same -inf, the
+    same kept values, rows without a grammar untouched, a vocabulary not a multiple of 32."""
+    import torch
+    import xgrammar as xgr
+
+    from batchserve.models.grammar import mask_on_cpu
+
+    draw = torch.Generator().manual_seed(7)
+    bitmask = xgr.allocate_token_bitmask(6, vocab)
+    bitmask.copy_(torch.randint(-(2**31), 2**31 - 1, bitmask.shape, generator=draw))
+    bitmask[1, 3:] = 0  # a row that allows almost nothing
+    logits = torch.randn(6, vocab, generator=draw)
+    for rows in ([0, 1, 2, 3, 4, 5], [1, 4]):
+        ours, theirs = logits.clone(), logits.clone()
+        mask_on_cpu(torch, ours, bitmask, rows)
+        xgr.apply_token_bitmask_inplace(theirs, bitmask, vocab_size=vocab, indices=rows)
+        assert torch.equal(ours, theirs)
+        assert torch.isinf(ours[1]).sum() >= vocab - 3 * 32
+        untouched = [row for row in range(6) if row not in rows]
+        assert torch.equal(ours[untouched], logits[untouched])
