@@ -155,7 +155,7 @@ def mask_on_cpu(torch: Any, logits: Any, bitmask: Any, rows: list[int]) -> None:
     """What xgrammar's `apply_token_bitmask_inplace` does (-inf at each token whose bit is
     0, bit j of word i being token 32 i + j), on a little-endian CPU: each byte of the mask
     looked up as its 8 tokens at once, where xgrammar's CPU kernel tests bit by bit; about
-    half its time on SmolLM2's 49,152 tokens (benchmarks/README.md, section 12)."""
+    half its time on SmolLM2's 49,152 tokens (benchmarks/LLM.md, section 12)."""
     index = torch.tensor(rows)
     as_bytes = bitmask.index_select(0, index).view(torch.uint8).long()
     blocked = _blocked_bits(torch)[as_bytes].view(len(rows), -1)[:, : logits.shape[-1]]
