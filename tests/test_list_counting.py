@@ -10,8 +10,10 @@ from typing import ClassVar
 
 import pytest
 
+from batchserve.batching.request import Ask
 from batchserve.config import Config
 from batchserve.engine.core import Engine
+from batchserve.engine.requests import Caller
 from batchserve.errors import InputTooLarge
 from batchserve.models.specs import ModelSpec
 
@@ -20,6 +22,8 @@ from .sample_models import TinyEmbedder
 
 LIST = ["hold " + "word " * 300] + [f"passage {i} " * 20 for i in range(50)]
 """Far over what is counted on the loop; its first text holds the count until let go."""
+ASKS = [Ask(text) for text in LIST]
+LISTED = Caller(request_id="list")
 
 
 class HeldCounter(TinyEmbedder):
@@ -54,10 +58,10 @@ def held_engine() -> tuple[Engine, type[HeldCounter]]:
 async def test_a_long_list_is_counted_off_the_loop_while_another_request_is_served():
     engine, counter = held_engine()
     async with engine:
-        listed = asyncio.ensure_future(engine.infer_all(LIST, request_id="list"))
+        listed = asyncio.ensure_future(engine.infer_all(ASKS, LISTED))
         assert await asyncio.to_thread(counter.counting.wait, HANG_GUARD_S)
         # The loop is free while the list is counted: a one-input request is answered...
-        one = await engine.infer("one more", request_id="one")
+        one = await engine.infer("one more", Caller(request_id="one"))
         assert one.output == TinyEmbedder()(["one more"])[0]
         # ...and nothing of the list is admitted yet: it will be, whole, once counted.
         assert engine.stats().pending == 0
@@ -79,7 +83,7 @@ async def test_a_check_that_refuses_a_long_list_admits_none_of_it():
 
     async with engine:
         with pytest.raises(InputTooLarge, match=r"\[7\]"):
-            await engine.infer_all(LIST, request_id="list", check=check)
+            await engine.infer_all(ASKS, LISTED, check)
         assert engine.stats().batches == 0
         assert engine.stats().pending == 0
 
@@ -87,7 +91,7 @@ async def test_a_check_that_refuses_a_long_list_admits_none_of_it():
 async def test_a_drain_waits_for_a_list_being_counted_then_answers_it():
     engine, counter = held_engine()
     async with engine:
-        listed = asyncio.ensure_future(engine.infer_all(LIST, request_id="list"))
+        listed = asyncio.ensure_future(engine.infer_all(ASKS, LISTED))
         assert await asyncio.to_thread(counter.counting.wait, HANG_GUARD_S)
         drained = asyncio.ensure_future(engine.drain(refuse_new=False))
         for _ in range(100):  # loop passes enough for a drain with nothing in flight
