@@ -24,8 +24,9 @@ from typing import Any, NamedTuple, Protocol, TypeVar
 
 import orjson
 
-from ..errors import StartupError, StoreUnavailable
-from .shared_records import RETRY_AFTER_S, _private
+from ..errors import StartupError
+from .shared_records import _private
+from .store_health import StoreHealth
 
 Result = TypeVar("Result")
 Change = Callable[[dict[str, Any]], dict[str, Any] | None]
@@ -113,12 +114,6 @@ def now_s() -> int:
     return int(time.time())
 
 
-def unavailable(exc: Exception) -> StoreUnavailable:
-    return StoreUnavailable(
-        f"the batch store is unavailable ({type(exc).__name__}); retry later", RETRY_AFTER_S
-    )
-
-
 class SqliteBatches:
     """One file; every statement runs on the store's own thread (sqlite3 blocks), each
     call one transaction. Opened at start only if the file exists, else at the first write,
@@ -129,6 +124,7 @@ class SqliteBatches:
         self._wall = wall
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="batchserve-batches")
         self._db: sqlite3.Connection | None = None
+        self._health = StoreHealth("batch store", f"--batch-db {path}")
 
     def _connect(self) -> sqlite3.Connection:
         if self._db is None:
@@ -161,10 +157,8 @@ class SqliteBatches:
             db.execute("COMMIT")
             return result
 
-        try:
-            return await asyncio.get_running_loop().run_in_executor(self._thread, call)
-        except sqlite3.Error as exc:
-            raise unavailable(exc) from None
+        done = asyncio.get_running_loop().run_in_executor(self._thread, call)
+        return await self._health.run(done, (sqlite3.Error,))
 
     async def start(self) -> None:
         def open_existing() -> None:
