@@ -183,12 +183,7 @@ class SqliteBatches:
             return empty
 
     async def add_file(self, owner: str, file: dict[str, Any], content: bytes) -> None:
-        await self._run(
-            lambda db: db.execute(
-                "INSERT INTO files (id, owner, object, content) VALUES (?, ?, ?, ?)",
-                (file["id"], owner, orjson.dumps(file), content),
-            )
-        )
+        await self._run(lambda db: _put_file(db, owner, file, content))
 
     async def file(self, owner: str, file_id: str) -> dict[str, Any] | None:
         row = await self._read(lambda db: db.execute(
@@ -295,10 +290,7 @@ class SqliteBatches:
     ) -> dict[str, Any] | None:
         def write(db: sqlite3.Connection) -> dict[str, Any] | None:
             for file, content in files:
-                db.execute(
-                    "INSERT INTO files (id, owner, object, content) VALUES (?, ?, ?, ?)",
-                    (file["id"], owner, orjson.dumps(file), content),
-                )
+                _put_file(db, owner, file, content)
             return _update(db, batch_id, change)
 
         return await self._run(write)
@@ -321,6 +313,13 @@ _SCHEMA = (
     "CREATE INDEX IF NOT EXISTS batches_owner ON batches (owner, seq)",
     "CREATE INDEX IF NOT EXISTS batches_active ON batches (active)",
 )
+
+
+def _put_file(db: sqlite3.Connection, owner: str, file: dict[str, Any], content: bytes) -> None:
+    db.execute(
+        "INSERT INTO files (id, owner, object, content) VALUES (?, ?, ?, ?)",
+        (file["id"], owner, orjson.dumps(file), content),
+    )
 
 
 def _object(data: bytes | str) -> dict[str, Any]:
