@@ -140,6 +140,17 @@ async def test_bad_uploads_and_bodies_get_openais_error_shape(served, tmp_path):
     assert (await served.get("/v1/files?limit=0")).status == 400
 
 
+async def test_each_listings_documented_limit_is_the_one_it_enforces(served):
+    """The files and batches listings read `limit` from the definition that /openapi.json
+    describes: its maximum is taken, one more is refused."""
+    spec = await (await served.get("/openapi.json")).json()
+    for path in ("/v1/files", "/v1/batches"):
+        (limit,) = (p for p in spec["paths"][path]["get"]["parameters"] if p["name"] == "limit")
+        most = limit["schema"]["maximum"]
+        assert (await served.get(f"{path}?limit={most}")).status == 200
+        assert (await served.get(f"{path}?limit={most + 1}")).status == 400
+
+
 async def test_a_file_over_either_cap_is_413(start_server, gated, tmp_path):
     client, _ = await start_server(
         gated, batch_db=str(tmp_path / "b.db"), batch_file_bytes=200, batch_file_lines=2

@@ -5,6 +5,7 @@ way every line is answered exactly once in the output."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import shutil
 import signal
@@ -15,6 +16,8 @@ import aiohttp
 import orjson
 import pytest
 
+from batchserve.doors.batch_store_redis import RedisBatches
+from batchserve.errors import StoreUnavailable
 from batchserve.models.backends import simulate
 
 from .conftest import HANG_GUARD_S, real_server
@@ -97,3 +100,29 @@ async def test_a_replica_takes_over_the_batch_of_one_that_died(tmp_path: Path) -
             os.kill(pid, signal.SIGKILL)
             await dying.process.wait()
             await each_line_once(session, living.url, batch_id)
+
+
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed")
+async def test_a_redis_batch_store_that_goes_down_is_unavailable_logged_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The batch store shares the records' Redis client: a failure is StoreUnavailable (a
+    503), and going down and coming back are each logged once, not once a request."""
+    (redis_port,) = free_ports(1)
+    store = RedisBatches(f"redis://127.0.0.1:{redis_port}/0")
+    try:
+        with redis_server(redis_port, tmp_path):
+            await store.start()
+            assert await store.file("", "file-x") is None
+        with caplog.at_level(logging.WARNING, logger="batchserve"):
+            for _ in range(2):
+                with pytest.raises(StoreUnavailable, match="the batch store is unavailable"):
+                    await store.file("", "file-x")
+            down = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+            assert len(down) == 1
+            assert "(batches) is unavailable" in down[0]
+            with redis_server(redis_port, tmp_path):
+                assert await store.file("", "file-x") is None
+            assert caplog.records[-1].getMessage().endswith("(batches) answers again")
+    finally:
+        await store.close()

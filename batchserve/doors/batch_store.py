@@ -24,8 +24,9 @@ from typing import Any, NamedTuple, Protocol, TypeVar
 
 import orjson
 
-from ..errors import StartupError, StoreUnavailable
-from .shared_records import RETRY_AFTER_S, _private
+from ..errors import StartupError
+from .shared_records import _private
+from .store_health import StoreHealth
 
 Result = TypeVar("Result")
 Change = Callable[[dict[str, Any]], dict[str, Any] | None]
@@ -113,12 +114,6 @@ def now_s() -> int:
     return int(time.time())
 
 
-def unavailable(exc: Exception) -> StoreUnavailable:
-    return StoreUnavailable(
-        f"the batch store is unavailable ({type(exc).__name__}); retry later", RETRY_AFTER_S
-    )
-
-
 class SqliteBatches:
     """One file; every statement runs on the store's own thread (sqlite3 blocks), each
     call one transaction. Opened at start only if the file exists, else at the first write,
@@ -129,6 +124,7 @@ class SqliteBatches:
         self._wall = wall
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="batchserve-batches")
         self._db: sqlite3.Connection | None = None
+        self._health = StoreHealth("batch store", f"--batch-db {path}")
 
     def _connect(self) -> sqlite3.Connection:
         if self._db is None:
@@ -161,10 +157,8 @@ class SqliteBatches:
             db.execute("COMMIT")
             return result
 
-        try:
-            return await asyncio.get_running_loop().run_in_executor(self._thread, call)
-        except sqlite3.Error as exc:
-            raise unavailable(exc) from None
+        done = asyncio.get_running_loop().run_in_executor(self._thread, call)
+        return await self._health.run(done, (sqlite3.Error,))
 
     async def start(self) -> None:
         def open_existing() -> None:
@@ -189,12 +183,7 @@ class SqliteBatches:
             return empty
 
     async def add_file(self, owner: str, file: dict[str, Any], content: bytes) -> None:
-        await self._run(
-            lambda db: db.execute(
-                "INSERT INTO files (id, owner, object, content) VALUES (?, ?, ?, ?)",
-                (file["id"], owner, orjson.dumps(file), content),
-            )
-        )
+        await self._run(lambda db: _put_file(db, owner, file, content))
 
     async def file(self, owner: str, file_id: str) -> dict[str, Any] | None:
         row = await self._read(lambda db: db.execute(
@@ -301,10 +290,7 @@ class SqliteBatches:
     ) -> dict[str, Any] | None:
         def write(db: sqlite3.Connection) -> dict[str, Any] | None:
             for file, content in files:
-                db.execute(
-                    "INSERT INTO files (id, owner, object, content) VALUES (?, ?, ?, ?)",
-                    (file["id"], owner, orjson.dumps(file), content),
-                )
+                _put_file(db, owner, file, content)
             return _update(db, batch_id, change)
 
         return await self._run(write)
@@ -327,6 +313,13 @@ _SCHEMA = (
     "CREATE INDEX IF NOT EXISTS batches_owner ON batches (owner, seq)",
     "CREATE INDEX IF NOT EXISTS batches_active ON batches (active)",
 )
+
+
+def _put_file(db: sqlite3.Connection, owner: str, file: dict[str, Any], content: bytes) -> None:
+    db.execute(
+        "INSERT INTO files (id, owner, object, content) VALUES (?, ?, ?, ?)",
+        (file["id"], owner, orjson.dumps(file), content),
+    )
 
 
 def _object(data: bytes | str) -> dict[str, Any]:

@@ -11,17 +11,14 @@ line's outcome by its place: HSETNX, so a line is recorded once, with its done m
 
 from __future__ import annotations
 
-from collections.abc import Awaitable
-from typing import Any, TypeVar
+from typing import Any
 
 import orjson
-import redis.asyncio
 
-from ..errors import StartupError
-from .batch_store import ACTIVE, Change, Held, Line, Outcome, unavailable
-from .shared_records import REDIS_TIMEOUT_S
+from .batch_store import ACTIVE, Change, Held, Line, Outcome
+from .redis_client import RedisClient
+from .store_health import StoreHealth
 
-Result = TypeVar("Result")
 P = "batchserve:batches:"
 _CLAIM = """
 local holder = redis.call('GET', KEYS[1])
@@ -54,41 +51,32 @@ def _scope(owner: str) -> str:
 
 class RedisBatches:
     def __init__(self, url: str) -> None:
-        self._url = url
-        self._redis = redis.asyncio.Redis.from_url(
-            url, socket_connect_timeout=REDIS_TIMEOUT_S, socket_timeout=REDIS_TIMEOUT_S
+        self._client = RedisClient(
+            url, StoreHealth("batch store", f"--result-store {url} (batches)")
         )
+        self._redis = self._client.redis
         self._claim = self._redis.register_script(_CLAIM)
         self._release = self._redis.register_script(_RELEASE)
         self._record = self._redis.register_script(_RECORD)
 
-    async def _run(self, work: Awaitable[Result]) -> Result:
-        try:
-            return await work
-        except (redis.RedisError, OSError) as exc:
-            raise unavailable(exc) from None
-
     async def start(self) -> None:
-        try:
-            await self._redis.ping()
-        except redis.RedisError as exc:
-            raise StartupError(f"--result-store {self._url}: {exc}") from None
+        await self._client.start()
 
     async def close(self) -> None:
-        await self._redis.aclose()
+        await self._client.close()
 
     async def _owned(self, key: str, owner: str) -> dict[str, Any] | None:
-        data = await self._run(self._redis.get(key))
+        data = await self._client.run(self._redis.get(key))
         if data is None:
             return None
         stored: dict[str, Any] = orjson.loads(data)
         return stored if stored["owner"] == owner else None
 
     async def add_file(self, owner: str, file: dict[str, Any], content: bytes) -> None:
-        seq = await self._run(self._redis.incr(P + "seq"))
+        seq = await self._client.run(self._redis.incr(P + "seq"))
         async with self._redis.pipeline(transaction=True) as pipe:
             self._put_file(pipe, owner, file, content, seq)
-            await self._run(pipe.execute())
+            await self._client.run(pipe.execute())
 
     @staticmethod
     def _put_file(pipe: Any, owner: str, file: dict[str, Any], content: bytes, seq: int) -> None:
@@ -103,20 +91,22 @@ class RedisBatches:
     async def content(self, owner: str, file_id: str) -> bytes | None:
         if await self._owned(P + f"file:{file_id}", owner) is None:
             return None
-        data = await self._run(self._redis.get(P + f"content:{file_id}"))
+        data = await self._client.run(self._redis.get(P + f"content:{file_id}"))
         return None if data is None else _bytes(data)
 
     async def _page(self, kind: str, index: str, after: str | None, limit: int) -> list[Any]:
         top: str | float = "+inf"
         if after is not None:
-            score = await self._run(self._redis.zscore(index, after))
+            score = await self._client.run(self._redis.zscore(index, after))
             if score is None:
                 return []
             top = f"({score}"
-        ids = await self._run(self._redis.zrevrangebyscore(index, top, "-inf", 0, limit))
+        ids = await self._client.run(self._redis.zrevrangebyscore(index, top, "-inf", 0, limit))
         if not ids:
             return []
-        found = await self._run(self._redis.mget([P + f"{kind}:{_bytes(i).decode()}" for i in ids]))
+        found = await self._client.run(
+            self._redis.mget([P + f"{kind}:{_bytes(i).decode()}" for i in ids])
+        )
         return [orjson.loads(data)["object"] for data in found if data is not None]
 
     async def files(self, owner: str, after: str | None, limit: int) -> list[dict[str, Any]]:
@@ -128,13 +118,13 @@ class RedisBatches:
         async with self._redis.pipeline(transaction=True) as pipe:
             pipe.delete(P + f"file:{file_id}", P + f"content:{file_id}")
             pipe.zrem(P + f"files:{_scope(owner)}", file_id)
-            await self._run(pipe.execute())
+            await self._client.run(pipe.execute())
         return True
 
     async def add_batch(
         self, owner: str, tier: str | None, batch: dict[str, Any], lines: list[bytes]
     ) -> None:
-        seq = await self._run(self._redis.incr(P + "seq"))
+        seq = await self._client.run(self._redis.incr(P + "seq"))
         batch_id = batch["id"]
         async with self._redis.pipeline(transaction=True) as pipe:
             for start in range(0, len(lines), 1000):
@@ -144,13 +134,13 @@ class RedisBatches:
             pipe.zadd(P + f"list:{_scope(owner)}", {batch_id: seq})
             if batch["status"] in ACTIVE:
                 pipe.sadd(P + "active", batch_id)
-            await self._run(pipe.execute())
+            await self._client.run(pipe.execute())
 
     async def _counted(self, batch: dict[str, Any]) -> dict[str, Any]:
         batch_id = batch["id"]
-        total = await self._run(self._redis.llen(P + f"lines:{batch_id}"))
+        total = await self._client.run(self._redis.llen(P + f"lines:{batch_id}"))
         if total:
-            completed, failed = await self._run(
+            completed, failed = await self._client.run(
                 self._redis.hmget(P + f"counts:{batch_id}", ["completed", "failed"])
             )
             batch["request_counts"] = {
@@ -181,7 +171,7 @@ class RedisBatches:
         owner_known: bool = True,
     ) -> dict[str, Any] | None:
         key = P + f"batch:{batch_id}"
-        seqs = [await self._run(self._redis.incr(P + "seq")) for _ in files]
+        seqs = [await self._client.run(self._redis.incr(P + "seq")) for _ in files]
 
         async def write(pipe: Any) -> dict[str, Any] | None:
             data = await pipe.get(key)
@@ -201,37 +191,39 @@ class RedisBatches:
                 pipe.delete(P + f"lease:{batch_id}")
             return changed
 
-        found = await self._run(self._redis.transaction(write, key, value_from_callable=True))
+        found = await self._client.run(
+            self._redis.transaction(write, key, value_from_callable=True)
+        )
         return None if found is None else await self._counted(found)
 
     async def claim(self, holder: str, lease_s: float) -> list[Held]:
         lease_ms = max(1, round(lease_s * 1e3))
         held: list[Held] = []
-        for raw in await self._run(self._redis.smembers(P + "active")):
+        for raw in await self._client.run(self._redis.smembers(P + "active")):
             batch_id = _bytes(raw).decode()
-            if await self._run(
+            if await self._client.run(
                 self._claim(keys=[P + f"lease:{batch_id}"], args=[holder, lease_ms])
             ):
-                data = await self._run(self._redis.get(P + f"batch:{batch_id}"))
+                data = await self._client.run(self._redis.get(P + f"batch:{batch_id}"))
                 if data is not None:
                     stored = orjson.loads(data)
                     held.append(Held(batch_id, stored["owner"], stored["tier"]))
         return held
 
     async def release(self, batch_id: str, holder: str) -> None:
-        await self._run(self._release(keys=[P + f"lease:{batch_id}"], args=[holder]))
+        await self._client.run(self._release(keys=[P + f"lease:{batch_id}"], args=[holder]))
 
     async def pending(self, batch_id: str, after: int, limit: int) -> list[Line]:
         found: list[Line] = []
         start = after + 1
         while len(found) < limit:
-            page = await self._run(
+            page = await self._client.run(
                 self._redis.lrange(P + f"lines:{batch_id}", start, start + PAGE - 1)
             )
             if not page:
                 break
             positions = list(range(start, start + len(page)))
-            done = await self._run(self._redis.hmget(P + f"done:{batch_id}", positions))
+            done = await self._client.run(self._redis.hmget(P + f"done:{batch_id}", positions))
             found += [
                 Line(position, _bytes(request))
                 for position, request, outcome in zip(positions, page, done, strict=True)
@@ -244,10 +236,10 @@ class RedisBatches:
         value = (b"1" if outcome.failed else b"0") + outcome.line
         field = "failed" if outcome.failed else "completed"
         keys = [P + f"done:{batch_id}", P + f"counts:{batch_id}"]
-        return bool(await self._run(self._record(keys=keys, args=[index, value, field])))
+        return bool(await self._client.run(self._record(keys=keys, args=[index, value, field])))
 
     async def outcomes(self, batch_id: str) -> list[Outcome]:
-        done = await self._run(self._redis.hgetall(P + f"done:{batch_id}"))
+        done = await self._client.run(self._redis.hgetall(P + f"done:{batch_id}"))
         return [
             Outcome(_bytes(value)[:1] == b"1", _bytes(value)[1:])
             for _, value in sorted(done.items(), key=lambda item: int(item[0]))

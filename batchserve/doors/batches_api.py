@@ -21,14 +21,15 @@ from ..errors import BatchserveError, Conflict, InvalidInput, NotFound
 from .batch_lines import ENDPOINTS, check_lines
 from .batch_runner import BatchRunner
 from .batch_store import BatchStore, now_s
-from .files_api import TenantOf, list_page, owner_of, page_args
+from .files_api import Paging, TenantOf, list_page, owner_of
 from .openapi import Operation, errors, json_answer
 from .wire import error_response, json_response, read_json, request_id_of
 
 WINDOW_S = 24 * 3600
 """The one completion window, "24h": a batch not done by then expires."""
 MAX_METADATA = 16
-MAX_LIST = 100
+PAGE = Paging(most=100, default=20)
+"""A listing of batches: OpenAI's bounds."""
 BODY_LIKE = (
     '{"input_file_id": "file-...", "endpoint": "/v1/chat/completions", "completion_window": "24h"}'
 )
@@ -90,7 +91,7 @@ class BatchesApi:
         request_id = request_id_of(request)[0]
         try:
             owner = owner_of(self._tenant_of(request))
-            after, limit = page_args(request, MAX_LIST, 20)
+            after, limit = PAGE.read(request)
             batches = await self._store.batches(owner, after, limit + 1)
         except BatchserveError as error:
             return error_response(error, request_id, openai_shape=True)
@@ -214,14 +215,7 @@ CREATE = Operation(
 LIST = Operation(
     summary="The caller's batches, newest first",
     tag="batches",
-    parameters=(
-        {"name": "after", "in": "query", "schema": {"type": "string"}},
-        {
-            "name": "limit",
-            "in": "query",
-            "schema": {"type": "integer", "minimum": 1, "maximum": MAX_LIST},
-        },
-    ),
+    parameters=PAGE.parameters,
     answers={
         200: json_answer("a page of batches", {"type": "object", "required": ["data"]}),
         **errors(400, 401, 503, openai=True),

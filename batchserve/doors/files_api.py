@@ -12,6 +12,7 @@ copied its lines when it was created. Errors carry OpenAI's body shape.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -23,13 +24,11 @@ from ..errors import BatchserveError, InputTooLarge, InvalidInput, NotFound
 from ..rules.tenants import Tenant
 from .batch_runner import file_object
 from .batch_store import BatchStore
-from .openapi import Operation, errors, json_answer
+from .openapi import Operation, Schema, errors, json_answer
 from .wire import error_response, json_response, request_id_of
 
 TenantOf = Callable[[web.BaseRequest], Tenant | None]
 """Who is asking (`wire.caller_tenant`): raises Unauthenticated for a bad key."""
-MAX_LIST = 10_000
-"""The most files one listing gives (OpenAI's `limit` for files)."""
 MAX_FILENAME = 256
 
 
@@ -50,16 +49,39 @@ def list_page(items: list[dict[str, Any]], limit: int) -> dict[str, Any]:
     }
 
 
-def page_args(request: web.BaseRequest, most: int, default: int) -> tuple[str | None, int]:
-    """`after` and `limit` of a listing's query."""
-    after = request.query.get("after")
-    try:
-        limit = int(request.query.get("limit", default))
-    except ValueError:
-        limit = 0
-    if not 1 <= limit <= most:
-        raise InvalidInput(f"limit must be a whole number from 1 to {most}")
-    return after, limit
+@dataclass(frozen=True)
+class Paging:
+    """A listing's `after` (an id) and `limit` query parameters: how they are read and how
+    OpenAPI describes them, from one definition for the files and the batches."""
+
+    most: int
+    default: int
+
+    def read(self, request: web.BaseRequest) -> tuple[str | None, int]:
+        """`after` and `limit` of the request's query; 400 for a limit out of range."""
+        after = request.query.get("after")
+        try:
+            limit = int(request.query.get("limit", self.default))
+        except ValueError:
+            limit = 0
+        if not 1 <= limit <= self.most:
+            raise InvalidInput(f"limit must be a whole number from 1 to {self.most}")
+        return after, limit
+
+    @property
+    def parameters(self) -> tuple[Schema, Schema]:
+        return (
+            {"name": "after", "in": "query", "schema": {"type": "string"}},
+            {
+                "name": "limit",
+                "in": "query",
+                "schema": {"type": "integer", "minimum": 1, "maximum": self.most},
+            },
+        )
+
+
+PAGE = Paging(most=10_000, default=10_000)
+"""A listing of files: at most 10,000 (OpenAI's `limit` for files), all by default."""
 
 
 class FilesApi:
@@ -91,7 +113,7 @@ class FilesApi:
         request_id = request_id_of(request)[0]
         try:
             owner = owner_of(self._tenant_of(request))
-            after, limit = page_args(request, MAX_LIST, MAX_LIST)
+            after, limit = PAGE.read(request)
             files = await self._store.files(owner, after, limit + 1)
         except BatchserveError as error:
             return error_response(error, request_id, openai_shape=True)
@@ -214,9 +236,6 @@ FILE = {
     },
 }
 _FILE_ID = {"file_id": {"type": "string"}}
-_PAGE = ({"name": "after", "in": "query", "schema": {"type": "string"}},
-         {"name": "limit", "in": "query",
-          "schema": {"type": "integer", "minimum": 1, "maximum": MAX_LIST}})  # fmt: skip
 UPLOAD = Operation(
     summary="Upload a JSON Lines file for a batch (multipart: purpose, file)",
     tag="batches",
@@ -226,7 +245,7 @@ UPLOAD = Operation(
 LIST = Operation(
     summary="The caller's files, newest first",
     tag="batches",
-    parameters=(*_PAGE, {"name": "purpose", "in": "query", "schema": {"type": "string"}}),
+    parameters=(*PAGE.parameters, {"name": "purpose", "in": "query", "schema": {"type": "string"}}),
     answers={
         200: json_answer("a page of files", {"type": "object", "required": ["data"]}),
         **errors(400, 401, 503, openai=True),

@@ -10,7 +10,7 @@ again by the next replica to start on the same SQLite file (inference has no sid
 
 A store that fails a read or write (Redis down, a disk error) raises `StoreUnavailable`, which
 the door answers 503 with Retry-After; `check` says whether it answers now, for /readyz. The
-detail (addresses, the driver's message) goes to the log, not to clients.
+detail (addresses, the driver's message) goes to the log, not to clients (`store_health.py`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import logging
 import os
 import sqlite3
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple, Protocol, TypeVar
 from urllib.parse import urlsplit
@@ -29,16 +29,14 @@ from urllib.parse import urlsplit
 import orjson
 
 from ..clock import Clock, sleep_until
-from ..errors import StartupError, StoreUnavailable
+from ..errors import StartupError
+from .redis_client import RedisClient
+from .store_health import StoreHealth
 
 log = logging.getLogger(__name__)
 
 Result = TypeVar("Result")
 
-RETRY_AFTER_S = 1.0
-"""What a client refused for a store that failed is told to wait before it tries again."""
-REDIS_TIMEOUT_S = 5.0
-"""Longest a Redis connect or command may take before the store counts as unavailable."""
 PURGE_EVERY_S = 60.0
 """How often the SQLite store deletes the records whose time to live has passed, so that a
 tenant's inputs and answers leave the disk within a minute of expiring, not at the next
@@ -72,32 +70,6 @@ class SharedRecords(Protocol):
 
     async def check(self) -> None:
         """Returns if the store answers now; else raises StoreUnavailable."""
-
-
-class _Health:
-    """Turns a store's failures into StoreUnavailable, and logs each change of state once
-    (not once a request) with the driver's detail."""
-
-    def __init__(self, where: str) -> None:
-        self._where = where
-        self._down = False
-
-    async def run(self, work: Awaitable[Result], failures: tuple[type[Exception], ...]) -> Result:
-        try:
-            result = await work
-        except failures as exc:
-            if not self._down:
-                self._down = True
-                log.error("--result-store %s is unavailable: %s: %s", self._where,
-                          type(exc).__name__, exc)  # fmt: skip
-            raise StoreUnavailable(
-                f"the result store is unavailable ({type(exc).__name__}); retry later",
-                RETRY_AFTER_S,
-            ) from None
-        if self._down:
-            self._down = False
-            log.warning("--result-store %s answers again", self._where)
-        return result
 
 
 def open_records(url: str, unfinished_ttl_s: float, clock: Clock) -> SharedRecords | None:
@@ -151,7 +123,7 @@ class SqliteRecords:
         self._purge_every_s = purge_every_s
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="batchserve-sqlite")
         self._db: sqlite3.Connection | None = None
-        self._health = _Health(f"sqlite://{path}")
+        self._health = StoreHealth("result store", f"--result-store sqlite://{path}")
         self._purger: asyncio.Task[None] | None = None
         self.purged = 0
         """Expired records deleted by the purge so far."""
@@ -276,52 +248,34 @@ class RedisRecords:
     PREFIX = "batchserve:request:"
 
     def __init__(self, url: str, unfinished_ttl_s: float) -> None:
-        try:
-            import redis.asyncio
-        except ImportError:
-            raise StartupError(
-                f"--result-store {url}: needs the redis package: pip install 'batchserve[redis]'"
-            ) from None
-        self._url = url
-        self._redis = redis.asyncio.Redis.from_url(
-            url, socket_connect_timeout=REDIS_TIMEOUT_S, socket_timeout=REDIS_TIMEOUT_S
-        )
+        self._client = RedisClient(url, StoreHealth("result store", f"--result-store {url}"))
+        self._redis = self._client.redis
         self._unfinished_ttl_ms = max(1, round(unfinished_ttl_s * 1e3))
-        self._health = _Health(url)
-        self._failures: tuple[type[Exception], ...] = (redis.asyncio.RedisError, OSError)
 
     async def start(self) -> None:
-        import redis
-
-        try:
-            await self._redis.ping()
-        except redis.RedisError as exc:
-            raise StartupError(f"--result-store {self._url}: {exc}") from None
+        await self._client.start()
 
     async def close(self) -> None:
-        await self._redis.aclose()
-
-    async def _run(self, work: Awaitable[Result]) -> Result:
-        return await self._health.run(work, self._failures)
+        await self._client.close()
 
     async def add(self, request_id: str, record: Record) -> bool:
         key = self.PREFIX + request_id
         added = self._redis.set(key, _dump(record), nx=True, px=self._unfinished_ttl_ms)
-        return bool(await self._run(added))
+        return bool(await self._client.run(added))
 
     async def finish(self, request_id: str, record: Record, ttl_s: float) -> None:
         key = self.PREFIX + request_id
-        await self._run(self._redis.set(key, _dump(record), px=max(1, round(ttl_s * 1e3))))
+        await self._client.run(self._redis.set(key, _dump(record), px=max(1, round(ttl_s * 1e3))))
 
     async def remove(self, request_id: str) -> None:
-        await self._run(self._redis.delete(self.PREFIX + request_id))
+        await self._client.run(self._redis.delete(self.PREFIX + request_id))
 
     async def get(self, request_id: str) -> Record | None:
-        data = await self._run(self._redis.get(self.PREFIX + request_id))
+        data = await self._client.run(self._redis.get(self.PREFIX + request_id))
         return None if data is None else _load(data)
 
     async def check(self) -> None:
-        await self._run(self._redis.ping())
+        await self._client.run(self._redis.ping())
 
     async def unfinished(self) -> list[tuple[str, Record]]:
         """Replicas share Redis, so a record queued elsewhere is that replica's to run: none
