@@ -20,7 +20,9 @@ import pytest
 import redis.asyncio
 
 from batchserve.clock import FakeClock
-from batchserve.doors.shared_records import Record, SqliteRecords
+from batchserve.doors.batch_store_redis import RedisBatches
+from batchserve.doors.shared_records import Record, SqliteRecords, open_records
+from batchserve.errors import StartupError, StoreUnavailable
 from deploy.replicas import Replicas
 
 from .conftest import HANG_GUARD_S, TWO_TENANT_KEYS, real_server
@@ -231,3 +233,32 @@ async def test_sqlite_a_poll_deletes_the_expired_record_it_finds(tmp_path: Path)
         assert rows(path) == 0
     finally:
         await store.close()
+
+
+
+async def test_a_redis_password_never_reaches_an_error_or_the_log(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Startup errors and store-down lines reach logs that others read: a password in
+    --result-store shows as *** there (nothing listens on port 9: every call fails)."""
+    url = "redis://reader:s3cret-pw@127.0.0.1:9/0"
+    records = open_records(url, 60.0, FakeClock())
+    assert records is not None
+    batches = RedisBatches(url)
+    for store in (records, batches):
+        with pytest.raises(StartupError) as refused:
+            await store.start()
+        assert "s3cret-pw" not in str(refused.value)
+        assert "redis://reader:***@127.0.0.1:9/0" in str(refused.value)
+    with pytest.raises(StoreUnavailable):  # logged once, as the store goes down
+        await records.get("a-request")
+    with pytest.raises(StoreUnavailable):
+        await batches.file("a-tenant", "file-1")
+    await records.close()
+    await batches.close()
+    logged = [record.getMessage() for record in caplog.records]
+    assert sum("***" in line for line in logged) == 2
+    assert all("s3cret-pw" not in line for line in logged)
+    with pytest.raises(StartupError) as bad_scheme:
+        open_records("rediss://reader:s3cret-pw@127.0.0.1:9/0", 60.0, FakeClock())
+    assert "s3cret-pw" not in str(bad_scheme.value)

@@ -16,7 +16,7 @@ from typing import Any
 import orjson
 
 from .batch_store import ACTIVE, Change, Held, Line, Outcome
-from .redis_client import RedisClient
+from .redis_client import RedisClient, shown
 from .store_health import StoreHealth
 
 P = "batchserve:batches:"
@@ -52,7 +52,7 @@ def _scope(owner: str) -> str:
 class RedisBatches:
     def __init__(self, url: str) -> None:
         self._client = RedisClient(
-            url, StoreHealth("batch store", f"--result-store {url} (batches)")
+            url, StoreHealth("batch store", f"--result-store {shown(url)} (batches)")
         )
         self._redis = self._client.redis
         self._claim = self._redis.register_script(_CLAIM)

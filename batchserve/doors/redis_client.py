@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable
 from typing import TYPE_CHECKING, TypeVar
+from urllib.parse import urlsplit, urlunsplit
 
 from ..errors import StartupError
 from .store_health import StoreHealth
@@ -20,6 +21,20 @@ REDIS_TIMEOUT_S = 5.0
 """Longest a Redis connect or command may take before the store counts as unavailable."""
 
 
+def shown(url: str) -> str:
+    """`url` as errors and logs may print it: a password in it (`redis://:secret@host`)
+    becomes `***`, since startup errors and store-down lines reach logs others read."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    if ":" in host:  # an IPv6 address keeps its brackets
+        host = f"[{host}]"
+    port = f":{parts.port}" if parts.port is not None else ""
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}{port}"))
+
+
 class RedisClient:
     """One store's connection pool; `redis` is the client to build commands with, `run`
     awaits one."""
@@ -29,9 +44,10 @@ class RedisClient:
             import redis.asyncio
         except ImportError:  # an optional dependency: say which extra brings it
             raise StartupError(
-                f"--result-store {url}: needs the redis package: pip install 'batchserve[redis]'"
+                f"--result-store {shown(url)}: needs the redis package: "
+                "pip install 'batchserve[redis]'"
             ) from None
-        self._url = url
+        self._url = shown(url)
         self.redis: redis.asyncio.Redis = redis.asyncio.Redis.from_url(
             url, socket_connect_timeout=REDIS_TIMEOUT_S, socket_timeout=REDIS_TIMEOUT_S
         )

@@ -30,7 +30,7 @@ import orjson
 
 from ..clock import Clock, sleep_until
 from ..errors import StartupError
-from .redis_client import RedisClient
+from .redis_client import RedisClient, shown
 from .store_health import StoreHealth
 
 log = logging.getLogger(__name__)
@@ -84,7 +84,8 @@ def open_records(url: str, unfinished_ttl_s: float, clock: Clock) -> SharedRecor
     if parts.scheme == "redis":
         return RedisRecords(url, unfinished_ttl_s)
     raise StartupError(
-        f"--result-store {url}: expected memory, sqlite:///path/file.db or redis://host:port/db"
+        f"--result-store {shown(url)}: expected memory, sqlite:///path/file.db or "
+        "redis://host:port/db"
     )
 
 
@@ -248,7 +249,8 @@ class RedisRecords:
     PREFIX = "batchserve:request:"
 
     def __init__(self, url: str, unfinished_ttl_s: float) -> None:
-        self._client = RedisClient(url, StoreHealth("result store", f"--result-store {url}"))
+        where = f"--result-store {shown(url)}"
+        self._client = RedisClient(url, StoreHealth("result store", where))
         self._redis = self._client.redis
         self._unfinished_ttl_ms = max(1, round(unfinished_ttl_s * 1e3))
 
