@@ -132,12 +132,12 @@ def rerank(args: argparse.Namespace) -> list[str]:
           flush=True)  # fmt: skip
     infinity_env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
                     "INFINITY_ANONYMOUS_USAGE_STATS": "0"}  # fmt: skip
+    # batchserve with each --batch-tokens (0: none, batches of up to 100 pairs), then Infinity.
     sides = {
-        # Batches of at most one request's pairs, and (before) of up to 100: README 16.
-        "batchserve": (batchserve(models_file(folder, ONE_REQUEST_TOKENS)), "/readyz",
-                       "rerank", {}),
-        "batchserve, batches up to 100 pairs": (batchserve(models_file(folder)), "/readyz",
-                                               "rerank", {}),
+        f"batchserve, max_batch_tokens {cap}" if cap else "batchserve, batches up to 100 pairs": (
+            batchserve(models_file(folder, cap or None)), "/readyz", "rerank", {})
+        for cap in args.batch_tokens
+    } | {
         "Infinity": (
             [args.infinity, "v2", "--model-id", str(folder), "--served-model-name", "rerank",
              "--device", "cpu", "--engine", "torch", "--port", str(PORT), "--log-level",
@@ -194,7 +194,7 @@ def rerank_table(
     lines.append(f"\nceiling: {1 / service_s:.2f} rps; the ideal server's p99 over a long run"
                  f" meets the goal up to {goal_rate:g} rps")  # fmt: skip
     if best["Infinity"]:
-        lines.append(f"ratio: {best['batchserve'] / best['Infinity']:.2f}x")
+        lines.append(f"ratio: {best[next(iter(best))] / best['Infinity']:.2f}x")
     return lines
 
 
@@ -271,6 +271,12 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--rates", type=lambda s: [float(r) for r in s.split(",")],
                         default=[4.0, 8.0, 12.0, 16.0, 20.0])  # fmt: skip
+    parser.add_argument(
+        "--batch-tokens",
+        type=lambda s: [int(c) for c in s.split(",")],
+        default=[ONE_REQUEST_TOKENS, 0],
+        help="rerank: batchserve's max_batch_tokens, one server each (0: none)",
+    )
     parser.add_argument("--inputs", type=int, default=10_000, help="split: the big request's")
     args = parser.parse_args()
     RESULTS.mkdir(parents=True, exist_ok=True)
