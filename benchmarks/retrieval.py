@@ -31,11 +31,16 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import rerank_ceiling
 from servers import PORT, ROOT, run_loadgen, stop_server
+from shapes import PASSAGES
 
 RESULTS = ROOT / "benchmarks/results/retrieval"
 URL = f"http://127.0.0.1:{PORT}"
 GOAL_SUCCESS, GOAL_P99_MS = 0.99, 500.0
+ONE_REQUEST_TOKENS = PASSAGES * 127
+"""max_batch_tokens for batches of at most one request's pairs (10 of up to 127 tokens: a
+lane holds inputs of 64 to 127, and a lane's cap counts its longest)."""
 KEYS = """
 [keys."sk-bulk"]
 tenant = "bulk"
@@ -95,14 +100,16 @@ def start(command: list[str], ready: str, env: dict[str, str] | None = None) -> 
     raise RuntimeError(f"{command} never became ready")
 
 
-def models_file(reranker_folder: Path | None) -> Path:
-    path = RESULTS / ("rerank.toml" if reranker_folder else "minilm.toml")
+def models_file(reranker_folder: Path | None, batch_tokens: int | None = None) -> Path:
+    name = f"rerank-{batch_tokens}.toml" if batch_tokens else "rerank.toml"
+    path = RESULTS / (name if reranker_folder else "minilm.toml")
     if reranker_folder:
         entry = (f'name = "rerank"\nfn_per_device = "batchserve.models.cross_encoder:load"\n'
                  f'model_path = "{reranker_folder}"\n')  # fmt: skip
     else:
         entry = 'name = "minilm"\nfn_per_device = "batchserve.models.minilm:load"\n'
-    path.write_text(f'[[model]]\n{entry}version = "1"\ndevices = "cpu"\ncost = "length"\n')
+    cap = f"max_batch_tokens = {batch_tokens}\n" if batch_tokens else ""
+    path.write_text(f'[[model]]\n{entry}version = "1"\ndevices = "cpu"\ncost = "length"\n{cap}')
     return path
 
 
@@ -111,17 +118,31 @@ def batchserve(models: Path, *extra: str) -> list[str]:
             "--log-level", "WARNING", *extra]  # fmt: skip
 
 
+def cpu_s(pid: int) -> float:
+    """The process's CPU time so far (all its threads), from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def rerank(args: argparse.Namespace) -> list[str]:
     folder = reranker(RESULTS / "reranker")
+    per_pair = rerank_ceiling.ms_per_pair(folder)
+    service_s = PASSAGES * min(per_pair.values()) / 1e3
+    print(f"the model called directly, CPU ms a pair: {rerank_ceiling.describe(per_pair)}",
+          flush=True)  # fmt: skip
+    infinity_env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+                    "INFINITY_ANONYMOUS_USAGE_STATS": "0"}  # fmt: skip
+    # batchserve with each --batch-tokens (0: none, batches of up to 100 pairs), then Infinity.
     sides = {
-        "batchserve": (batchserve(models_file(folder)), "/readyz", "rerank", {}),
+        f"batchserve, max_batch_tokens {cap}" if cap else "batchserve, batches up to 100 pairs": (
+            batchserve(models_file(folder, cap or None)), "/readyz", "rerank", {})
+        for cap in args.batch_tokens
+    } | {
         "Infinity": (
             [args.infinity, "v2", "--model-id", str(folder), "--served-model-name", "rerank",
              "--device", "cpu", "--engine", "torch", "--port", str(PORT), "--log-level",
              "warning", "--no-bettertransformer"],
-            "/health", "infinity-rerank",
-            {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-             "INFINITY_ANONYMOUS_USAGE_STATS": "0"},
+            "/health", "infinity-rerank", infinity_env,
         ),
     }  # fmt: skip
     runs: dict[str, dict[float, list[dict[str, Any]]]] = {name: {} for name in sides}
@@ -130,29 +151,50 @@ def rerank(args: argparse.Namespace) -> list[str]:
             server = start(command, ready, env)
             try:
                 for rate in args.rates:
+                    began = cpu_s(server.pid)
                     run = run_loadgen(rate, args.seconds, seed, ("--shape", shape))
+                    run["cpu_ms"] = (cpu_s(server.pid) - began) * 1e3 / max(1, run["sent"])
                     runs[name].setdefault(rate, []).append(run)
                     print(f"seed {seed} {name} {rate:g} rps: {run['success']:.1%} ok,"
                           f" p50 {run['p50_ms']:.0f} p99 {run['p99_ms']:.0f} ms,"
+                          f" CPU {run['cpu_ms']:.0f} ms a request,"
                           f" wrong {run['wrong_output']}", flush=True)  # fmt: skip
             finally:
                 stop_server(server)
-    lines = ["| server | rate meeting the goal (rps) | " + " | ".join(
+    return rerank_table(args, runs, service_s)
+
+
+def rerank_table(
+    args: argparse.Namespace, runs: dict[str, dict[float, list[dict[str, Any]]]], service_s: float
+) -> list[str]:
+    """Per server and rate: median success and p99 over the repeats, the highest rate
+    below which every rate met the goal, and the CPU a request took; then the ideal server."""
+    lines = ["| server | rate meeting the goal (rps) | CPU ms a request | " + " | ".join(
         f"{rate:g} rps: ok, p99 ms" for rate in args.rates) + " |",
-        "|---" * (2 + len(args.rates)) + "|"]  # fmt: skip
+        "|---" * (3 + len(args.rates)) + "|"]  # fmt: skip
     best: dict[str, float] = {}
     for name, by_rate in runs.items():
         cells, met, failed = [], 0.0, False
-        for rate in sorted(args.rates):  # the highest rate below which every rate met it
+        for rate in sorted(args.rates):
             ok = statistics.median(r["success"] for r in by_rate[rate])
             p99 = statistics.median(r["p99_ms"] for r in by_rate[rate])
             failed = failed or ok < GOAL_SUCCESS or p99 > GOAL_P99_MS
             met = met if failed else rate
             cells.append(f"{ok:.1%}, {p99:.0f}")
         best[name] = met
-        lines.append(f"| {name} | {met:g} | {' | '.join(cells)} |")
+        cpu = statistics.median(r["cpu_ms"] for rs in by_rate.values() for r in rs)
+        lines.append(f"| {name} | {met:g} | {cpu:.0f} | {' | '.join(cells)} |")
+    ideal = [rerank_ceiling.ideal_p99(rate, service_s, args.seconds, args.repeats)
+             for rate in sorted(args.rates)]  # fmt: skip
+    met = max((r for r, p in zip(sorted(args.rates), ideal, strict=True) if p <= GOAL_P99_MS),
+              default=0.0)  # fmt: skip
+    lines.append(f"| ideal: no overhead, FIFO | {met:g} | {service_s * 1e3:.0f} | "
+                 + " | ".join(f"100%, {p:.0f}" for p in ideal) + " |")  # fmt: skip
+    goal_rate = rerank_ceiling.ideal_goal_rate(service_s, GOAL_P99_MS)
+    lines.append(f"\nceiling: {1 / service_s:.2f} rps; the ideal server's p99 over a long run"
+                 f" meets the goal up to {goal_rate:g} rps")  # fmt: skip
     if best["Infinity"]:
-        lines.append(f"\nratio: {best['batchserve'] / best['Infinity']:.2f}x")
+        lines.append(f"ratio: {best[next(iter(best))] / best['Infinity']:.2f}x")
     return lines
 
 
@@ -229,6 +271,12 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--rates", type=lambda s: [float(r) for r in s.split(",")],
                         default=[4.0, 8.0, 12.0, 16.0, 20.0])  # fmt: skip
+    parser.add_argument(
+        "--batch-tokens",
+        type=lambda s: [int(c) for c in s.split(",")],
+        default=[ONE_REQUEST_TOKENS, 0],
+        help="rerank: batchserve's max_batch_tokens, one server each (0: none)",
+    )
     parser.add_argument("--inputs", type=int, default=10_000, help="split: the big request's")
     args = parser.parse_args()
     RESULTS.mkdir(parents=True, exist_ok=True)

@@ -7,6 +7,7 @@ import asyncio
 
 import pytest
 
+from batchserve.batching.request import Ask
 from batchserve.cli import config_from_args
 from batchserve.clock import FakeClock
 from batchserve.config import Config
@@ -75,6 +76,29 @@ async def test_length_cost_batches_group_similar_lengths_and_cap_tokens(gated: G
         [f"long-input-{n:02d}" for n in range(4, 6)],
         [f"s{n}" for n in range(6)],
     ]
+
+
+async def test_a_backlog_of_lists_under_a_one_list_token_cap_runs_in_arrival_order(
+    gated: GatedBackend,
+):
+    """A reranker's backlog (three 4-pair requests behind a busy device), with
+    max_batch_tokens of one request's pairs: one request a call, oldest first, so the first
+    is answered after one call, not after one call holding all three (docs/models.md)."""
+    model = ModelSpec(
+        name="m", version="1", fn_per_device=gated, devices="sim:1", cost="length",
+        max_batch_tokens=60,  # 4 inputs of bucket 4 (8 to 15 characters)
+    )  # fmt: skip
+    async with Engine(Config(), models=[model], clock=FakeClock()) as engine:
+        first = engine.submit("first")
+        await gated.entered("sim:0")
+        lists = [[f"list{k}-pair{n}" for n in range(4)] for k in range(3)]
+        answers = []
+        for texts in lists:
+            answers.append(asyncio.ensure_future(engine.infer_all([Ask(t) for t in texts])))
+            await asyncio.sleep(0)  # each admitted before the next arrives
+        gated.gate.set()
+        await asyncio.gather(first, *answers)
+    assert [inputs for _, inputs in gated.calls[1:]] == lists
 
 
 async def test_a_tenant_alone_in_a_length_bucket_gets_a_tenants_share_not_the_buckets(
