@@ -72,7 +72,8 @@ checks.positive_data_acceptance.expected-statuses = {_POSITIVE_WITH_400}
 [[operations]]
 # Retrieval: a route serves only a model that exposes a tokenizer, of the route's kind (no
 # model here does: 400), and an input over the model's length is 413 unless truncated.
-include-path = ["/embed", "/rerank", "/predict", "/tokenize", "/decode", "/info", "/v1/rerank"]
+include-path = ["/embed", "/rerank", "/predict", "/tokenize", "/decode", "/info", "/v1/rerank",
+                "/v2/rerank"]
 checks.positive_data_acceptance.expected-statuses = ["2xx", "400", "401", "404", "413", "429"]
 
 [[operations]]

@@ -71,6 +71,13 @@ async def test_real_clients_embed_classify_and_rerank(url: str):
             model="rerank", query="what is a cat", documents=documents, top_n=2,
             return_documents=True,
         )  # fmt: skip
+        # Cohere's v2 client posts to /v2/rerank: the same ranking, without the documents.
+        v2 = cohere.AsyncClientV2(api_key="unused", base_url=url, httpx_client=http)
+        ranked_v2 = await v2.rerank(model="rerank", query="what is a cat", documents=documents)
+    assert [(r.index, r.relevance_score) for r in ranked_v2.results[:2]] == [
+        (r.index, r.relevance_score) for r in ranked.results
+    ]
+    assert len(ranked_v2.results) == len(documents)
     assert len(ranked.results) == 2
     assert ranked.results[0].relevance_score >= ranked.results[1].relevance_score
     best = ranked.results[0]

@@ -1,6 +1,7 @@
 """The retrieval door: Text Embeddings Inference's routes (`POST /embed`, `/rerank`,
-`/predict`, `/tokenize`, `/decode`, `GET /info`) and a Cohere/Jina-shaped `POST /v1/rerank`,
-so TEI's clients and rerankers' clients work unchanged.
+`/predict`, `/tokenize`, `/decode`, `GET /info`) and a Cohere/Jina-shaped `POST /v1/rerank`
+(also at `/v2/rerank`, where Cohere's v2 client and AIPerf's `cohere-rankings` send it), so
+TEI's clients and rerankers' clients work unchanged.
 
 Every input of a request (a text, or a query-passage pair) is one engine request, batched
 with everyone's and costed by its tokens (`Engine.infer_all`), so a list of 10,000 is split
@@ -8,7 +9,8 @@ over many batches, and with API keys another tenant's request takes its turn bet
 Keys, tiers, deadlines, metrics and traces are the engine's, as on every route. A body
 may name its `model`; without one, the route takes the one model of its kind (an embedder
 for /embed, a classifier for /predict, a one-label classifier for the rerank routes). TEI's
-routes answer errors in TEI's shape, `{"error", "error_type"}`; /v1/rerank in ours.
+routes answer errors in TEI's shape, `{"error", "error_type"}`; /v1/rerank and /v2/rerank in
+ours.
 """
 
 from __future__ import annotations
@@ -85,6 +87,7 @@ class RetrievalApi:
         add("POST", "/rerank", self.rerank)
         add("POST", "/predict", self.predict)
         add("POST", "/v1/rerank", self.cohere_rerank)
+        add("POST", "/v2/rerank", self.cohere_rerank)
         add("POST", "/tokenize", self.tokenize)
         add("POST", "/decode", self.decode)
         add("GET", "/info", self.info)

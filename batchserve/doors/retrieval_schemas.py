@@ -274,6 +274,7 @@ OPERATIONS = {
     ("POST", "/rerank"): RERANK,
     ("POST", "/predict"): PREDICT,
     ("POST", "/v1/rerank"): COHERE_RERANK,
+    ("POST", "/v2/rerank"): COHERE_RERANK,
     ("POST", "/tokenize"): TOKENIZE,
     ("POST", "/decode"): DECODE,
     ("GET", "/info"): INFO,
