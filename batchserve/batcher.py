@@ -45,7 +45,7 @@ from .devices.health import HEALTHY
 from .errors import BatchserveError, NotReady, Overloaded
 from .gpu_pool import BatchCall, BatchDone, GpuPool
 from .models.registry import Key, ModelVersion
-from .rules.capacity import DecayedRate
+from .rules.capacity import DecayedRate, LengthCost
 from .rules.fair_queue import FairQueue
 from .rules.policy import FlushReason, QueueView
 from .rules.sharing import PRESENT_S, shared_count
@@ -112,10 +112,12 @@ class Lane:
     def shared(self, count: int, ratio: float, now: float) -> int:
         """`count`, cut short while a tenant other than the one whose request is oldest
         here has sent to the version lately (rules/sharing.py)."""
+        version = self.key.version
         oldest = self.queue.head(1)[0].tenant
-        if count <= 1 or not self.key.version.senders.other_since(oldest, now - PRESENT_S):
+        if count <= 1 or not version.senders.other_since(oldest, now - PRESENT_S):
             return count
-        return shared_count(count, ratio, self.predicted_s)
+        learning = isinstance(version.estimate, LengthCost) and version.estimate.line() is None
+        return shared_count(count, ratio, None if learning else self.predicted_s)
 
 
 def length_bucket(version: ModelVersion, tokens: int) -> int:

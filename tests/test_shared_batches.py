@@ -46,7 +46,9 @@ def test_a_shared_batch_fits_a_few_one_input_times_and_a_flat_one_is_not_cut():
     assert shared_count(10, 3.0, line) == 10
     assert shared_count(100, 0.0, line) == 100  # off
     assert shared_count(100, 3.0, lambda size: 0.2) == 100  # flat: size costs nothing
-    assert shared_count(100, 3.0, lambda size: None) == 100  # nothing measured yet
+    assert shared_count(100, 3.0, None) == 3  # not learned yet: what fits at any fixed cost
+    assert shared_count(100, 2.5, None) == 2
+    assert shared_count(1, 3.0, None) == 1
 
 
 class Stepped:
@@ -112,3 +114,24 @@ async def test_a_long_lists_batches_are_cut_while_another_tenant_sends():
         sizes = [len(await stepped.finish()) for _ in range(23)]
         await asyncio.gather(*tickets)
     assert sizes == [12] * 21 + [100, 37]
+
+
+async def test_before_the_cost_line_is_learned_a_shared_batch_takes_ratio_inputs():
+    """Nothing yet says how the batch time grows with its size (one call seen), so a list's
+    batch beside another tenant takes the 3 inputs that fit three one-input times at any
+    fixed cost, not all 50 (a batch the other tenant would wait behind)."""
+    clock = FakeClock()
+    stepped = Stepped(clock)
+    model = ModelSpec(
+        name="m", version="1", fn_per_device=stepped, devices="sim:1", cost="length"
+    )  # fmt: skip
+    bulk, single = Tenant("bulk", "paid"), Tenant("single", "paid")
+    async with Engine(Config(shared_batch_ratio=3.0), models=[model], clock=clock) as engine:
+        tickets = [engine.submit("s0000", Caller(tenant=single))]
+        call = await stepped.started()
+        tickets += [engine.submit(f"b{n:04d}", Caller(tenant=bulk)) for n in range(50)]
+        stepped.end(call)
+        assert len(await stepped.finish()) == 3
+        # Two sizes seen: the line is learned, and the cut follows it (12, as above).
+        assert [len(await stepped.finish()) for _ in range(4)] == [12, 12, 12, 11]
+        await asyncio.gather(*tickets)

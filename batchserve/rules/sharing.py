@@ -48,17 +48,20 @@ class Senders:
         return (self._other_at if tenant == self._last else self._last_at) >= since
 
 
-def shared_count(count: int, ratio: float, predict: Callable[[int], float | None]) -> int:
+def shared_count(count: int, ratio: float, predict: Callable[[int], float | None] | None) -> int:
     """How many of `count` requests a batch takes while others send: the most whose
-    predicted time is at most `ratio` times one request's, and at least one. All `count`
-    while nothing is predicted yet, or where the time does not grow with the size (a flat
-    model's), or with `ratio` 0 (the cut turned off)."""
-    one = predict(1)
-    if ratio <= 0 or one is None or count <= 1:
+    predicted time is at most `ratio` times one request's, and at least `ratio` (whole)
+    of them, which fit whatever the call's fixed cost. `predict` None: the cost of a size is
+    not learned yet, so only those. All `count` where the time does not grow with the size
+    (a flat model's), or with `ratio` 0 (the cut turned off)."""
+    if ratio <= 0:
         return count
-    budget = ratio * one
-    low, high = 1, count  # predict grows with the size: the largest that fits, by halving
-    while low < high:
+    low = min(count, max(1, math.floor(ratio)))  # ratio x one input's time, at any fixed cost
+    one = None if predict is None else predict(1)
+    if predict is None or one is None:
+        return low
+    budget, high = ratio * one, count
+    while low < high:  # predict grows with the size: the largest that fits, by halving
         middle = (low + high + 1) // 2
         seconds = predict(middle)
         if seconds is not None and seconds <= budget:
