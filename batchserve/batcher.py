@@ -45,9 +45,10 @@ from .devices.health import HEALTHY
 from .errors import BatchserveError, NotReady, Overloaded
 from .gpu_pool import BatchCall, BatchDone, GpuPool
 from .models.registry import Key, ModelVersion
-from .rules.capacity import DecayedRate
+from .rules.capacity import DecayedRate, LengthCost
 from .rules.fair_queue import FairQueue
 from .rules.policy import FlushReason, QueueView
+from .rules.sharing import PRESENT_S, shared_count
 from .rules.tenants import IDLE_RANK
 from .tasks import CrashHandler, TaskSet
 
@@ -108,6 +109,16 @@ class Lane:
         """The batch time of `size` of this lane's requests, padded to the bucket's top."""
         return self.key.version.estimate.predict(size * max(1, (1 << self.key.bucket) - 1))
 
+    def shared(self, count: int, ratio: float, now: float) -> int:
+        """`count`, cut short while a tenant other than the one whose request is oldest
+        here has sent to the version lately (rules/sharing.py)."""
+        version = self.key.version
+        oldest = self.queue.head(1)[0].tenant
+        if count <= 1 or not version.senders.other_since(oldest, now - PRESENT_S):
+            return count
+        learning = isinstance(version.estimate, LengthCost) and version.estimate.line() is None
+        return shared_count(count, ratio, None if learning else self.predicted_s)
+
 
 def length_bucket(version: ModelVersion, tokens: int) -> int:
     """Length-cost versions group inputs whose lengths are within 2x of each other (bucket
@@ -147,6 +158,7 @@ class Batcher:
         self.idle = IdleLines()
         """The Batch API's lines: outside the queue bound, sent only to idle devices."""
         self._virtual_time = 0.0
+        self._shared_ratio = config.shared_batch_ratio
         self._shedding = Shedding() if config.keys_file is not None else None
         reserve = config.retry_reserve
         budget = RetryBudget(ratio=config.retry_budget, reserve=reserve, tokens=reserve)
@@ -271,6 +283,7 @@ class Batcher:
         self._queued += 1
         self._arrival_rate.add(request.arrival, 1)
         request.key.version.arrivals.add(request.arrival, 1)
+        request.key.version.senders.heard(request.tenant, request.arrival)
         if not self._wakeup.is_set() and self.pool.free_count:
             self._wakeup.set()
         self._changed()
@@ -494,6 +507,8 @@ class Batcher:
                             decision.wake_at if wake_at is None else min(wake_at, decision.wake_at)
                         )
                     continue
+            if self._shared_ratio:
+                count = lane.shared(count, self._shared_ratio, now)
             if best is None and len(self._lanes) == 1:
                 return lane, count, None, reason
             rank = (max(lane.tag, self._virtual_time), lane.queue.head(1)[0].deadline)

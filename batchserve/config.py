@@ -233,6 +233,15 @@ class Config:
         " request may hold; each is one batch item, and every one waits in --max-queue; more"
         " gets 413",
     )
+    shared_batch_ratio: float = setting(
+        3.0,
+        help="while a tenant other than the one whose request is oldest in a queue has sent to"
+        " its model in the last second, that queue's batches are cut to at most this many"
+        " times the predicted time of a one-input batch, so one tenant's long list holds"
+        " another's input back for a few short calls, not two full batches (models costed by"
+        " length; the list keeps about 1 - 1/this of its full-batch rate at worst); 0 turns"
+        " the cut off",
+    )
     drain_timeout_s: float = setting(
         30.0,
         help="on SIGTERM/SIGINT, how long accepted requests may take to finish before 503",
@@ -483,6 +492,10 @@ class Config:
             (self.max_queue >= 1, "max_queue must be 1 or more"),
             (self.max_input_bytes >= 1, "max_input_bytes must be 1 or more"),
             (self.retrieval_max_inputs >= 1, "retrieval_max_inputs must be 1 or more"),
+            (
+                self.shared_batch_ratio == 0 or self.shared_batch_ratio >= 1,
+                "shared_batch_ratio must be 0 (off) or 1 or more",
+            ),
             (self.drain_timeout_s >= 0, "drain_timeout_s must be 0 or more"),
             (self.slo_ms > 0, "slo_ms must be more than 0"),
             (self.metrics_max_age_ms >= 0, "metrics_max_age_ms must be 0 or more"),
@@ -602,7 +615,7 @@ FLAG_GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
     "batching": ("how requests are batched, and a failed batch rescued", (
         "policy", "max_batch_size", "max_linger_ms", "max_queue", "batch_timeout_ms",
         "bisect_failures", "retry_budget", "retry_reserve", "poison_memory",
-        "retrieval_max_inputs",
+        "retrieval_max_inputs", "shared_batch_ratio",
     )),
     "deadlines": ("a request's and a connection's time limits", (
         "timeout_ms", "first_token_timeout_ms", "drain_timeout_s", "header_timeout_s",

@@ -24,6 +24,7 @@ RESTART_ONLY = frozenset(
         "sim_fail_rate", "sim_hang_rate", "sim_bad_output_rate", "sim_hang_ms", "sim_seed",
         "sim_step_ms", "sim_kv_budget", "bisect_failures", "retry_budget", "retry_reserve",
         "poison_memory", "result_store", "result_store_size", "trace", "cpu_threads", "preload",
+        "shared_batch_ratio",
     }
 )  # fmt: skip
 """Settings a running server keeps until restarted: where it listens, its devices and

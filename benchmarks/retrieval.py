@@ -14,7 +14,7 @@ single-input /embed at 20 rps; that tenant's p99 beside it over its p99 alone (s
 the two alternating), and whether the big request came back 200 with its vectors in order.
 
     python benchmarks/retrieval.py rerank --infinity VENV/bin/infinity_emb --repeats 3
-    python benchmarks/retrieval.py split --repeats 3
+    python benchmarks/retrieval.py split --repeats 3 [--shared-batch-ratio 0]
 """
 
 from __future__ import annotations
@@ -229,7 +229,8 @@ def split(args: argparse.Namespace) -> list[str]:
     keys.write_text(KEYS)
     # A list this long takes longer than the default 5 s deadline: its operator raises it.
     command = batchserve(models_file(None), "--keys-file", str(keys), "--max-queue", "20000",
-                         "--timeout-ms", "120000")  # fmt: skip
+                         "--timeout-ms", "120000", "--shared-batch-ratio",
+                         str(args.shared_batch_ratio))  # fmt: skip
     load = ("--shape", "embed", "--keys", "single=sk-single:1")
     alone, beside, bigs = [], [], []
     server = start(command, "/readyz")
@@ -278,6 +279,12 @@ def main() -> None:
         help="rerank: batchserve's max_batch_tokens, one server each (0: none)",
     )
     parser.add_argument("--inputs", type=int, default=10_000, help="split: the big request's")
+    parser.add_argument(
+        "--shared-batch-ratio",
+        type=float,
+        default=3.0,
+        help="split: the server's flag (0: batches never cut, as before it)",
+    )
     args = parser.parse_args()
     RESULTS.mkdir(parents=True, exist_ok=True)
     lines = rerank(args) if args.target == "rerank" else split(args)

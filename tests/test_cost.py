@@ -106,13 +106,16 @@ async def test_a_tenant_alone_in_a_length_bucket_gets_a_tenants_share_not_the_bu
 ):
     """Tenant a floods long inputs into a bucket of its own; b and c share the short one.
     Lanes share device time by the tenants waiting in them, so a's lane gets a third of
-    the calls (each predicts the same time here: the virtual clock stands still), not half."""
+    the calls (each predicts the same time here: the virtual clock stands still), not half.
+    Batches are not cut for the tenants sharing the model (--shared-batch-ratio 0): the
+    lanes' shares are what is counted here, not the calls' sizes (test_shared_batches.py)."""
     model = ModelSpec(
         name="m", version="1", fn_per_device=gated, devices="sim:1", cost="length",
         max_batch_size=10,
     )  # fmt: skip
     a, b, c = (Tenant(name, "paid") for name in "abc")
-    async with Engine(Config(), models=[model], clock=FakeClock()) as engine:
+    config = Config(shared_batch_ratio=0)
+    async with Engine(config, models=[model], clock=FakeClock()) as engine:
         first = engine.submit("first")
         await gated.entered("sim:0")
         flood = [engine.submit(f"L{n:020d}", Caller(tenant=a)) for n in range(40)]

@@ -25,6 +25,7 @@ from ..config import Config
 from ..errors import InvalidInput, ModelNotFound, NotReady, StartupError
 from ..rules.capacity import BatchBudget, CallTime, DecayedRate, LengthCost
 from ..rules.policy import Policy, make_policy
+from ..rules.sharing import Senders
 from .backends import device_factory
 from .device_names import parse_devices
 from .retrieval import TextModel, text_model_of
@@ -67,6 +68,9 @@ class ModelVersion:
     device_time: DecayedRate = field(default_factory=DecayedRate)
     """Seconds of device time its calls take a second, recent: what its neighbours on
     shared devices cannot count on."""
+    senders: Senders = field(default_factory=Senders)
+    """Which tenants sent to it lately: while more than one does, the batcher cuts its
+    batches short (rules/sharing.py)."""
     plain_key: Key = field(init=False)
     """The key of its requests without params (flat cost): built once, not per request."""
 
