@@ -24,6 +24,7 @@ from shared_prefix import system_prompt, turn
 
 from batchserve.models.causal_lm import load
 from batchserve.models.generators import GeneratorSettings, Seq
+from batchserve.rules.prefill import Prefill, fair_split
 
 TOP = 10
 CLOCK = time.perf_counter
@@ -53,6 +54,43 @@ def prefill(generator, text: str, chunk: int, index: int) -> tuple[float, float]
     total = CLOCK() - started
     generator.release([stream.id, seq.id])
     return total, longest
+
+
+def chats(generator, texts: list[str], step_tokens: int, tag: str) -> list[float]:
+    """Seconds to each chat's first token, cold, as the step loop runs them with prefix
+    caching on: the first chat prefills the shared prompt alone in chunks while the others
+    wait for its blocks, then they attach and prefill the rest of theirs, the budget split
+    fairly beside the decoding ones."""
+    seqs = [Seq(f"{tag}-{i}", t, params={"ignore_eos": True}) for i, t in enumerate(texts)]
+    left = {s.id: generator.count_tokens(s.prompt) - generator.attach(s) for s in seqs[:1]}
+    first: dict[str, float] = {}
+    active, waiting = seqs[:1], seqs[1:]
+    started = CLOCK()
+    while len(first) < len(seqs):
+        prefilling = [s for s in active if s.id not in first]
+        if not prefilling:  # the shared prompt is in: the others take its blocks
+            for s in waiting:
+                left[s.id] = generator.count_tokens(s.prompt) - generator.attach(s)
+            active, prefilling, waiting = active + waiting, waiting, []
+        decoding = [s for s in active if s.id in first]
+        wants = [Prefill("", 1.0, left[s.id]) for s in prefilling]
+        shares = fair_split(step_tokens - len(decoding), wants)
+        for s in decoding:
+            s.chunk = 1
+        taking = [s for s, share in zip(prefilling, shares, strict=True) if share]
+        for s, share in zip(prefilling, shares, strict=True):
+            s.chunk = share
+        made = generator.step(decoding + taking)
+        for s, answer in zip(decoding + taking, made, strict=True):
+            if s.id in first:
+                s.token_ids.append(answer.token_id)
+                continue
+            left[s.id] -= s.chunk
+            if answer.token_id is not None:
+                first[s.id] = CLOCK() - started
+                s.token_ids.append(answer.token_id)
+    generator.release([s.id for s in seqs])
+    return [first[s.id] for s in seqs]
 
 
 def profile(generator, text: str, chunk: int) -> dict[str, float]:
@@ -114,6 +152,13 @@ def main() -> None:
     parser.add_argument("--model-path", default=None)
     parser.add_argument("--profile", action="store_true")
     parser.add_argument(
+        "--chats",
+        type=int,
+        default=0,
+        help="also N chats sharing the prompt,"
+        " cold, prefix caching on: time to first token p50 / p99",
+    )
+    parser.add_argument(
         "--cpu-time",
         action="store_true",
         help="the process's CPU time, not the wall clock (one thread on a busy machine)",
@@ -125,7 +170,7 @@ def main() -> None:
     print(describe())
     settings = GeneratorSettings(
         model_path=args.model_path, dtype=args.dtype, cpu_threads=args.threads,
-        prefix_caching=False, kv_cache_bytes=2**30,
+        prefix_caching=args.chats > 0, kv_cache_bytes=2**30,
     )  # fmt: skip
     generator = load("cpu", settings)
     messages = [{"role": "system", "content": system_prompt(args.system_tokens)},
@@ -146,6 +191,24 @@ def main() -> None:
         totals = [t for t, _ in times]
         print(f"| {chunk} | {1e3 * statistics.median(totals):.0f} / {1e3 * min(totals):.0f}"
               f" | {1e3 * statistics.median(g for _, g in times):.0f} |")  # fmt: skip
+    if args.chats:
+        cold: dict[int, list[list[float]]] = {c: [] for c in chunks}
+        for repeat in range(args.repeats + 1):
+            for chunk in chunks if repeat % 2 == 0 else chunks[::-1]:
+                # a new system prompt each time: nothing cached from before
+                system = f"Session {repeat}-{chunk}. " + system_prompt(args.system_tokens)
+                texts = [generator.chat_prompt([{"role": "system", "content": system},
+                                                {"role": "user", "content": turn(i)}])
+                         for i in range(args.chats)]  # fmt: skip
+                ttft = sorted(chats(generator, texts, chunk, f"c{repeat}-{chunk}"))
+                if repeat:  # the first round compiles each size's kernels
+                    cold[chunk].append(ttft)
+        print(f"| step tokens | {args.chats} chats cold: first token p50 ms | p99 ms |")
+        print("|---|---|---|")
+        for chunk, runs_ in cold.items():
+            p50 = statistics.median(t[len(t) // 2] for t in runs_)
+            p99 = statistics.median(t[-1] for t in runs_)
+            print(f"| {chunk} | {1e3 * p50:.0f} | {1e3 * p99:.0f} |")
     if args.profile:
         products(generator, [16, 256, 512, 1024, 1282])
         for chunk in chunks:
