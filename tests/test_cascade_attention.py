@@ -163,3 +163,32 @@ def test_greedy_tokens_with_a_shared_prefix_read_once_equal_caching_off(tok, tin
         assert bool(cascades) == caching
         cascades.clear()
     assert answers[True] == answers[False]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_chunks_equal_attending_to_every_row_under_a_causal_mask(dtype):
+    """A first chunk reads its own fresh keys causally (nothing gathered, no mask made);
+    a later chunk gathers its sequence's rows under the step's additive mask: both give
+    what each token attending to its sequence's rows up to itself gives."""
+    gen = torch.Generator().manual_seed(5)
+    heads, kv_heads, dim, scale = 6, 2, 8, 0.3
+    keys = torch.randn(200, kv_heads, dim, generator=gen).to(dtype)
+    values = torch.randn(200, kv_heads, dim, generator=gen).to(dtype)
+    first = list(range(100, 117))  # a new sequence's first chunk of 17
+    later = list(range(20, 60)) + list(range(150, 162))  # 40 rows fed before, a chunk of 12
+    views = [
+        attention.prefill_view(torch, "cpu", dtype, first, 0),
+        attention.prefill_view(torch, "cpu", dtype, later, 40),
+    ]
+    assert views[0].gather is None
+    assert views[0].mask is None
+    fresh = first + later[40:]
+    q = torch.randn(len(fresh), heads, dim, generator=gen).to(dtype)
+    got = attention.attend_prefill(torch, q, keys[fresh], values[fresh], keys, values, views, scale)
+    offset = 0
+    for out, rows, fed in zip(got, [first, later], [0, 40], strict=True):
+        for i in range(len(rows) - fed):
+            seen = rows[: fed + i + 1]
+            want = expected(q[offset + i][None], keys, values, [seen], scale)
+            torch.testing.assert_close(out[i][None], want, atol=1e-2, rtol=1e-2)
+        offset += len(rows) - fed

@@ -129,6 +129,64 @@ def attend_decode(
     return joined.reshape(q.shape[0], -1)
 
 
+@dataclass(frozen=True, slots=True)
+class PrefillView:
+    """How a prefill chunk of `chunk` tokens reads its sequence's rows: after its first chunk,
+    all of them gathered (`gather`: those cached before it and its own) under `mask`, which
+    lets its token i see the `fed + i + 1` first; a first chunk (`gather` None) attends to its
+    own fresh keys, causally, so the kernel skips the hidden half and nothing is gathered."""
+
+    chunk: int
+    gather: Any = None
+    mask: Any = None
+
+
+def prefill_view(torch: Any, device: str, dtype: Any, rows: list[int], fed: int) -> PrefillView:
+    """The view of a chunk whose sequence holds `rows` (the chunk's own last), `fed` of them
+    computed before it. The mask is added to the scores (0 or -inf, in `dtype`): made once a
+    step, not converted from booleans by the kernel in every layer."""
+    chunk = len(rows) - fed
+    if fed == 0:
+        return PrefillView(chunk)
+    shown = torch.ones(chunk, len(rows), dtype=torch.bool, device=device).tril(fed)
+    mask = torch.zeros(shown.shape, dtype=dtype, device=device).masked_fill_(~shown, float("-inf"))
+    return PrefillView(chunk, torch.tensor(rows, device=device), mask)
+
+
+def attend_prefill(
+    torch: Any,
+    q: Any,
+    k: Any,
+    v: Any,
+    keys: Any,
+    values: Any,
+    views: list[PrefillView],
+    scale: float,
+) -> list[Any]:
+    """Each prefill chunk's attention (`q`, `k`, `v`: the chunks' fresh rows, in `views`'
+    order; `keys`, `values`: one layer's cache, the fresh rows already in it), one
+    `[chunk, heads * head_dim]` tensor per chunk."""
+    outputs, start = [], 0
+    for view in views:
+        span = slice(start, start + view.chunk)
+        if view.gather is None:
+            k_seq, v_seq = k[span], v[span]
+        else:
+            k_seq, v_seq = keys.index_select(0, view.gather), values.index_select(0, view.gather)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q[span].transpose(0, 1)[None],
+            k_seq.transpose(0, 1)[None],
+            v_seq.transpose(0, 1)[None],
+            attn_mask=view.mask,
+            is_causal=view.gather is None,
+            scale=scale,
+            enable_gqa=True,
+        )
+        outputs.append(out[0].transpose(0, 1).reshape(view.chunk, -1))
+        start += view.chunk
+    return outputs
+
+
 def attend_with_lse(torch: Any, q: Any, k: Any, v: Any, mask: Any, scale: float) -> Any:
     """Attention and the log-sum-exp of its scores (`[batch, heads, queries]`, float32):
     torch's fused CPU kernel, which returns it, on the CPU; the same in plain operations

@@ -34,7 +34,14 @@ from dataclasses import replace
 from typing import Any
 
 from ..errors import StartupError
-from .attention import DecodePlan, attend_decode, decode_plan
+from .attention import (
+    DecodePlan,
+    PrefillView,
+    attend_decode,
+    attend_prefill,
+    decode_plan,
+    prefill_view,
+)
 from .chat_tools import templated_chat
 from .cpu import bound_kernel_caches, cpu_flags, has_bf16, pin_compute
 from .generators import CachedPrefix, GeneratorSettings, Made, Seq
@@ -237,7 +244,8 @@ class CausalLM:
         rope = (cos[0].unsqueeze(1), sin[0].unsqueeze(1))
         rows = torch.tensor(new_rows, device=device)
         prefill_views = [
-            self._prefill_view(seqs[i].id, held[i].fed, chunks[i]) for i in order[len(decoding) :]
+            prefill_view(torch, device, self._dtype, self.cache.rows(seqs[i].id), held[i].fed)
+            for i in order[len(decoding) :]
         ]
         products = self._products
         views = (reading, prefill_views)
@@ -323,7 +331,7 @@ class CausalLM:
         rope: tuple[Any, Any],
         rows: Any,
         reading: DecodePlan | None,
-        prefill_views: list[tuple[Any, Any]],
+        prefill_views: list[PrefillView],
     ) -> Any:
         torch = self._torch
         attention = layer.self_attn
@@ -343,7 +351,6 @@ class CausalLM:
         keys.index_copy_(0, rows, k)
         values.index_copy_(0, rows, v)
         outputs = []
-        sdpa = torch.nn.functional.scaled_dot_product_attention
         start = 0
         if reading is not None:
             count = len(reading.order)
@@ -351,28 +358,12 @@ class CausalLM:
                 attend_decode(torch, q[:count], keys, values, reading, self._kv_heads, self._scale)
             )
             start = count
-        for gather, mask in prefill_views:
-            chunk = mask.shape[0]
-            out = sdpa(
-                q[start : start + chunk].transpose(0, 1)[None],
-                keys.index_select(0, gather).transpose(0, 1)[None],
-                values.index_select(0, gather).transpose(0, 1)[None],
-                attn_mask=mask,
-                scale=self._scale,
-                enable_gqa=True,
+        if prefill_views:
+            outputs += attend_prefill(
+                torch, q[start:], k[start:], v[start:], keys, values, prefill_views, self._scale
             )
-            outputs.append(out[0].transpose(0, 1).reshape(chunk, -1))
-            start += chunk
         joined = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
         return self._products(joined, weights.o, attention.o_proj.bias)
-
-    def _prefill_view(self, seq_id: str, fed: int, chunk: int) -> tuple[Any, Any]:
-        """A chunk's sequence's rows (those cached before it and its own), and the causal
-        mask that lets its token i see the `fed + i + 1` first."""
-        torch = self._torch
-        rows = torch.tensor(self.cache.rows(seq_id), device=self.device)
-        mask = torch.ones(chunk, fed + chunk, dtype=torch.bool, device=self.device).tril(fed)
-        return rows, mask
 
     def _encode(self, text: str) -> list[int]:
         ids: list[int] = self.tokenizer.encode(text)
