@@ -235,7 +235,6 @@ async def test_sqlite_a_poll_deletes_the_expired_record_it_finds(tmp_path: Path)
         await store.close()
 
 
-
 async def test_a_redis_password_never_reaches_an_error_or_the_log(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
