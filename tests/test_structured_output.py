@@ -338,32 +338,39 @@ def test_a_length_bounded_string_is_a_chain_of_rules_holding_the_same_strings(bo
 
     from batchserve.models.grammar import _json_grammar
 
-    schema = {"type": "object", "properties": {"name": {"type": "string", **bounds}},
-              "required": ["name"], "additionalProperties": False}  # fmt: skip
+    tag = {"type": "string", "maxLength": 3}  # shares the name's chain
+    schema = {"type": "object", "properties": {"name": {"type": "string", **bounds}, "tag": tag},
+              "required": ["name", "tag"], "additionalProperties": False}  # fmt: skip
     grammar = _json_grammar(xgr, json.dumps(schema))
     assert not re.search(r"characters\{\d+, \d+\}", str(grammar)), str(grammar)
     for length in range(8):
-        text = '{"name": "' + "é" * length + '"}'
+        text = '{"name": "' + "é" * length + '", "tag": "abc"}'
         assert _is_grammar_accept_string(grammar, text) is (length in lengths), text
-    assert not _is_grammar_accept_string(grammar, '{"name": "a\tb"}')  # no control character
+    assert not _is_grammar_accept_string(grammar, '{"name": "ab", "tag": "abcd"}')
+    assert not _is_grammar_accept_string(grammar, '{"name": "a\tb", "tag": ""}')  # control
 
 
-def test_a_string_is_chained_only_where_its_rule_is_one_character_and_its_bound_small():
+def test_strings_of_the_same_characters_share_a_chain_of_small_bounds_and_one_character():
+    """Each link costs the compile a few ms: strings of the same characters share links.
+    A string of a longer rule, or past MAX_CHAINED, keeps xgrammar's repetition."""
     from batchserve.models.grammar import MAX_CHAINED, _chained
 
-    text = f"""root ::= ((s t u))
+    text = f"""root ::= ((s v t u))
 s ::= (("\\"" c{{1, 2}} "\\""))
+v ::= (("\\"" d{{0, 1}} "\\""))
 t ::= (("\\"" w{{0, 2}} "\\""))
 u ::= (("\\"" c{{0, {MAX_CHAINED + 1}}} "\\""))
 c ::= (([a-z]))
+d ::= (([a-z]))
 w ::= (("ab"))
 """
     assert _chained(text).splitlines() == [
-        "root ::= ((s t u))",
-        's ::= (("\\"" c s_end1))',
-        *text.splitlines()[2:],
-        's_end0 ::= (("\\""))',
-        's_end1 ::= (("\\"") | (c s_end0))',
+        "root ::= ((s v t u))",
+        's ::= (("\\"" c c_end1))',
+        'v ::= (("\\"" c_end1))',
+        *text.splitlines()[3:],
+        'c_end0 ::= (("\\""))',
+        'c_end1 ::= (("\\"") | (c c_end0))',
     ]
 
 

@@ -260,29 +260,33 @@ def _json_grammar(xgr: Any, schema_text: str) -> Any:
 MAX_CHAINED = 256
 """The longest length bound `_chained` writes out (a rule per character); past it, xgrammar's
 own repetition (its compile costs about as much per character either way)."""
-_CHARACTER_RULE = re.compile(r"^(\w+) ::= \(\(\[(?:[^\]\\]|\\.)*\]\)\)$", re.MULTILINE)
+_CHARACTER_RULE = re.compile(r"^(\w+) ::= \(\((\[(?:[^\]\\]|\\.)*\])\)\)$", re.MULTILINE)
 _BOUNDED_STRING = re.compile(r'^(\w+) ::= \(\("\\"" (\w+)\{(\d+), (\d+)\} "\\""\)\)$', re.MULTILINE)
 
 
 def _chained(text: str) -> str:
     """`text` (EBNF), each string rule `s ::= "\"" c{m, n} "\""` (c one character) written
-    as `"\"" c ... c s_end{n - m}`, m times c, where `s_end{k} ::= "\"" | c s_end{k - 1}`:
+    as `"\"" c ... c c_end{n - m}`, m times c, where `c_end{k} ::= "\"" | c c_end{k - 1}`:
     the same strings, but xgrammar fills a row's mask in such a chain in a few µs, where its
     repetition takes 40-490 µs on average and ms near the bound, on SmolLM2's tokenizer
     (benchmarks/LLM.md, section 12). The closing quote ends each link: a link that could
-    be empty (`"" | c ...`) fills as slowly as the repetition."""
-    characters = set(_CHARACTER_RULE.findall(text))
+    be empty (`"" | c ...`) fills as slowly as the repetition. A compile costs a few ms a
+    link, so strings of the same characters share one chain (through the first such c)."""
+    owners: dict[str, str] = {}
+    for rule, characters in _CHARACTER_RULE.findall(text):
+        owners.setdefault(characters, rule)
+    sharing = {rule: owners[characters] for rule, characters in _CHARACTER_RULE.findall(text)}
     rules: dict[str, str] = {}
 
     def chain(found: re.Match[str]) -> str:
-        string, rule = found.group(1), found.group(2)
+        string, rule = found.group(1), sharing.get(found.group(2))
         least, most = int(found.group(3)), int(found.group(4))
-        if rule not in characters or not least <= most <= MAX_CHAINED:
+        if rule is None or not least <= most <= MAX_CHAINED:
             return found.group(0)
         for k in range(most - least + 1):
-            link = f'(("\\"") | ({rule} {string}_end{k - 1}))' if k else '(("\\""))'
-            rules[f"{string}_end{k}"] = link
-        links = " ".join(['"\\""', *[rule] * least, f"{string}_end{most - least}"])
+            link = f'(("\\"") | ({rule} {rule}_end{k - 1}))' if k else '(("\\""))'
+            rules[f"{rule}_end{k}"] = link
+        links = " ".join(['"\\""', *[rule] * least, f"{rule}_end{most - least}"])
         return f"{string} ::= (({links}))"
 
     chained = _BOUNDED_STRING.sub(chain, text)
