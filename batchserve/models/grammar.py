@@ -7,8 +7,10 @@ benchmarks/LLM.md): xgrammar compiles a schema ahead in 1-20 ms and then fills a
 mask in 2-16 µs at the median, at most 27 µs at the p99; llguidance starts at once but fills
 a mask in 5 µs at the median and 90-270 µs at the p99, since it computes masks lazily. A
 step waits for its slowest row, so the p99 is what counts, and a compile off the step loop
-costs the step only CPU where the two share a core. A string with `maxLength` costs more in
-xgrammar: ~180 ms to compile, up to a few ms a row to fill (benchmarks/LLM.md, 12).
+costs the step only CPU where the two share a core. A string with `maxLength` is written as
+a chain of rules (`_chained`), which xgrammar fills in a few µs where its own bounded
+repetition took up to ms a row; the chain compiles in ~150 ms, once a schema for strings of
+the same characters (benchmarks/LLM.md, 12).
 
 A `GrammarSpec` is what a request asks for, in canonical text (its cache key); a `Compiled`
 is a spec compiled for one tokenizer (thread-safe, shared by every device); a `Matcher` is one
