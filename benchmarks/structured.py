@@ -202,11 +202,15 @@ async def speed(
         order = ["constrained", "unconstrained"][:: 1 if repeat % 2 == 0 else -1]
         for arm in order:
             used = cpu_seconds(pid)
-            _, seconds = await closed_loop(session, constrained if arm == "constrained" else free)
+            answers, seconds = await closed_loop(
+                session, constrained if arm == "constrained" else free
+            )
             rows[arm].append(seconds)
             cpu[arm].append(cpu_seconds(pid) - used)
+            cut, now = sum(a.finish == "length" for a in answers), sum(a.tokens for a in answers)
             print(f"  speed repeat {repeat} {arm}: {tokens / seconds:.1f} tokens/s,"
-                  f" {tokens / cpu[arm][-1]:.1f} a server CPU second", file=sys.stderr)  # fmt: skip
+                  f" {tokens / cpu[arm][-1]:.1f} a server CPU second; made {now} tokens,"
+                  f" {cut} cut", file=sys.stderr)  # fmt: skip
     # Ratios within a pair: its unconstrained window's time over its constrained one's.
     wall = [u / c for c, u in zip(*rows.values(), strict=True)]
     per_cpu = [u / c for c, u in zip(*cpu.values(), strict=True)]

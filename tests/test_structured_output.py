@@ -326,6 +326,54 @@ def test_a_length_bounded_string_holds_no_control_character(tok):
     assert not [t for t in allowed if t and ord(t[0]) < 0x20]
 
 
+@pytest.mark.parametrize(
+    ("bounds", "lengths"),
+    [({"maxLength": 5}, range(6)), ({"minLength": 2, "maxLength": 4}, range(2, 5))],
+)
+def test_a_length_bounded_string_is_a_chain_of_rules_holding_the_same_strings(bounds, lengths):
+    """xgrammar fills a mask slowly inside its bounded repetition (`c{0, 24}`): the rule is
+    written as a chain of rules, which must hold exactly the strings the bounds allow."""
+    import xgrammar as xgr
+    from xgrammar.testing import _is_grammar_accept_string
+
+    from batchserve.models.grammar import _json_grammar
+
+    tag = {"type": "string", "maxLength": 3}  # shares the name's chain
+    schema = {"type": "object", "properties": {"name": {"type": "string", **bounds}, "tag": tag},
+              "required": ["name", "tag"], "additionalProperties": False}  # fmt: skip
+    grammar = _json_grammar(xgr, json.dumps(schema))
+    assert not re.search(r"characters\{\d+, \d+\}", str(grammar)), str(grammar)
+    for length in range(8):
+        text = '{"name": "' + "é" * length + '", "tag": "abc"}'
+        assert _is_grammar_accept_string(grammar, text) is (length in lengths), text
+    assert not _is_grammar_accept_string(grammar, '{"name": "ab", "tag": "abcd"}')
+    assert not _is_grammar_accept_string(grammar, '{"name": "a\tb", "tag": ""}')  # control
+
+
+def test_strings_of_the_same_characters_share_a_chain_of_small_bounds_and_one_character():
+    """Each link costs the compile a few ms: strings of the same characters share links.
+    A string of a longer rule, or past MAX_CHAINED, keeps xgrammar's repetition."""
+    from batchserve.models.grammar import MAX_CHAINED, _chained
+
+    text = f"""root ::= ((s v t u))
+s ::= (("\\"" c{{1, 2}} "\\""))
+v ::= (("\\"" d{{0, 1}} "\\""))
+t ::= (("\\"" w{{0, 2}} "\\""))
+u ::= (("\\"" c{{0, {MAX_CHAINED + 1}}} "\\""))
+c ::= (([a-z]))
+d ::= (([a-z]))
+w ::= (("ab"))
+"""
+    assert _chained(text).splitlines() == [
+        "root ::= ((s v t u))",
+        's ::= (("\\"" c c_end1))',
+        'v ::= (("\\"" c_end1))',
+        *text.splitlines()[3:],
+        'c_end0 ::= (("\\""))',
+        'c_end1 ::= (("\\"") | (c c_end0))',
+    ]
+
+
 async def test_a_pydantic_ai_agent_calls_its_tool_and_answers_in_its_schema(served):
     """pydantic-ai asks for its output as a call of its own `final_result` tool, with
     tool_choice required: every answer is a valid call; the agent runs its tool, sends the

@@ -7,8 +7,10 @@ benchmarks/LLM.md): xgrammar compiles a schema ahead in 1-20 ms and then fills a
 mask in 2-16 µs at the median, at most 27 µs at the p99; llguidance starts at once but fills
 a mask in 5 µs at the median and 90-270 µs at the p99, since it computes masks lazily. A
 step waits for its slowest row, so the p99 is what counts, and a compile off the step loop
-costs the step only CPU where the two share a core. A string with `maxLength` costs more in
-xgrammar: ~180 ms to compile, up to a few ms a row to fill (benchmarks/LLM.md, 12).
+costs the step only CPU where the two share a core. A string with `maxLength` is written as
+a chain of rules (`_chained`), which xgrammar fills in a few µs where its own bounded
+repetition took up to ms a row; the chain compiles in ~150 ms, once a schema for strings of
+the same characters (benchmarks/LLM.md, 12).
 
 A `GrammarSpec` is what a request asks for, in canonical text (its cache key); a `Compiled`
 is a spec compiled for one tokenizer (thread-safe, shared by every device); a `Matcher` is one
@@ -155,11 +157,13 @@ def constrain(
 def mask_on_cpu(torch: Any, logits: Any, bitmask: Any, rows: list[int]) -> None:
     """What xgrammar's `apply_token_bitmask_inplace` does (-inf at each token whose bit is
     0, bit j of word i being token 32 i + j), on a little-endian CPU: each byte of the mask
-    looked up as its 8 tokens at once, where xgrammar's CPU kernel tests bit by bit; about
-    half its time on SmolLM2's 49,152 tokens (benchmarks/LLM.md, section 12)."""
+    looked up as its 8 tokens' booleans packed in one int64 (one gather), where xgrammar's
+    CPU kernel tests bit by bit; 0.7 ms for 16 rows of SmolLM2's 49,152 tokens, where a
+    table of 8 booleans a byte took 1.6 and xgrammar's kernel 1.8 (benchmarks/LLM.md, 12)."""
     index = torch.tensor(rows)
-    as_bytes = bitmask.index_select(0, index).view(torch.uint8).long()
-    blocked = _blocked_bits(torch)[as_bytes].view(len(rows), -1)[:, : logits.shape[-1]]
+    as_bytes = bitmask.index_select(0, index).view(torch.uint8).int()
+    packed = torch.nn.functional.embedding(as_bytes, _blocked_bits(torch))
+    blocked = packed.view(torch.bool).view(len(rows), -1)[:, : logits.shape[-1]]
     if len(rows) == logits.shape[0]:
         logits.masked_fill_(blocked, float("-inf"))
     else:
@@ -169,8 +173,10 @@ def mask_on_cpu(torch: Any, logits: Any, bitmask: Any, rows: list[int]) -> None:
 
 @functools.cache
 def _blocked_bits(torch: Any) -> Any:
-    """[256, 8] booleans: for each byte value, which of its 8 bits (low first) are 0."""
-    return ((torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1) == 0
+    """[256, 1] int64: for each byte value, its 8 bits (low first) as 8 booleans, true
+    where the bit is 0, packed in one little-endian int64."""
+    blocked = ((torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1) == 0
+    return blocked.to(torch.uint8).view(torch.int64)
 
 
 def free_end(
@@ -243,14 +249,52 @@ _JSON_CHARACTER = r"[^\0-\x1f\"\\]"
 def _json_grammar(xgr: Any, schema_text: str) -> Any:
     """The schema's grammar, its JSON written compactly. xgrammar 0.2 lets a string with a
     length bound hold control characters, which JSON forbids and parsers refuse (pydantic
-    among them): its rule for such a string's characters is rewritten to JSON's."""
+    among them): its rule for such a string's characters is rewritten to JSON's. And its
+    bounded repetition of those characters is rewritten as a chain of rules (`_chained`)."""
     grammar = xgr.Grammar.from_json_schema(
         schema_text, any_whitespace=False, separators=JSON_SEPARATORS
     )
     text = str(grammar)
-    if _LOOSE_CHARACTER not in text:
-        return grammar
-    return xgr.Grammar.from_ebnf(text.replace(_LOOSE_CHARACTER, _JSON_CHARACTER))
+    chained = _chained(text.replace(_LOOSE_CHARACTER, _JSON_CHARACTER))
+    return grammar if chained == text else xgr.Grammar.from_ebnf(chained)
+
+
+MAX_CHAINED = 256
+"""The longest length bound `_chained` writes out (a rule per character); past it, xgrammar's
+own repetition (its compile costs about as much per character either way)."""
+_CHARACTER_RULE = re.compile(r"^(\w+) ::= \(\((\[(?:[^\]\\]|\\.)*\])\)\)$", re.MULTILINE)
+_BOUNDED_STRING = re.compile(r'^(\w+) ::= \(\("\\"" (\w+)\{(\d+), (\d+)\} "\\""\)\)$', re.MULTILINE)
+
+
+def _chained(text: str) -> str:
+    """`text` (EBNF), each string rule `s ::= "\"" c{m, n} "\""` (c one character) written
+    as `"\"" c ... c c_end{n - m}`, m times c, where `c_end{k} ::= "\"" | c c_end{k - 1}`:
+    the same strings, but xgrammar fills a row's mask in such a chain in a few µs, where its
+    repetition takes 40-490 µs on average and ms near the bound, on SmolLM2's tokenizer
+    (benchmarks/LLM.md, section 12). The closing quote ends each link: a link that could
+    be empty (`"" | c ...`) fills as slowly as the repetition. A compile costs a few ms a
+    link, so strings of the same characters share one chain (through the first such c)."""
+    owners: dict[str, str] = {}
+    for rule, characters in _CHARACTER_RULE.findall(text):
+        owners.setdefault(characters, rule)
+    sharing = {rule: owners[characters] for rule, characters in _CHARACTER_RULE.findall(text)}
+    rules: dict[str, str] = {}
+
+    def chain(found: re.Match[str]) -> str:
+        string, rule = found.group(1), sharing.get(found.group(2))
+        least, most = int(found.group(3)), int(found.group(4))
+        if rule is None or not least <= most <= MAX_CHAINED:
+            return found.group(0)
+        for k in range(most - least + 1):
+            link = f'(("\\"") | ({rule} {rule}_end{k - 1}))' if k else '(("\\""))'
+            rules[f"{rule}_end{k}"] = link
+        links = " ".join(['"\\""', *[rule] * least, f"{rule}_end{most - least}"])
+        return f"{string} ::= (({links}))"
+
+    chained = _BOUNDED_STRING.sub(chain, text)
+    if any(re.search(rf"^{name} ::=", text, re.MULTILINE) for name in rules):
+        return text  # a name already taken (xgrammar never writes one): left as it was
+    return chained + "".join(f"{name} ::= {body}\n" for name, body in rules.items())
 
 
 def _xgrammar() -> Any:
