@@ -161,3 +161,16 @@ async def test_a_flat_cost_models_lines_go_in_full_batches():
         )
         assert await stepped.through(clock) == lines(5)
         await asyncio.gather(*waiting)
+
+
+async def test_lines_shrink_before_the_estimate_has_seen_two_sizes():
+    # Only full calls seen, the estimate is their mean at any size (5 ms, past 4.5 ms): one
+    # line, whose call gives it a slope. Read as a flat model's, it stayed full for good.
+    async with stepped_engine(idle_call_ms=4.5) as (engine, stepped, clock):
+        first = submit(engine, lines(4), LINE)
+        assert await stepped.entered() == lines(4)  # nothing timed yet: a full batch
+        more = submit(engine, [f"more-{n:02d}" for n in range(8)], LINE)
+        stepped.finish(clock)
+        sizes = await ran(stepped, clock, 8)
+        await asyncio.gather(*first, *more)
+    assert sizes == [1, 3, 3, 1]

@@ -41,25 +41,28 @@ class Limits(Protocol):
     """What an idle call's size is read from: the lane its lines' key would have."""
 
     @property
+    def key(self) -> Key: ...
+
+    @property
     def max_batch(self) -> int: ...
 
     def predicted_s(self, size: int) -> float | None: ...
 
 
 def call_size(limits: Limits, call_s: float) -> int:
-    """The lines of one idle call: the most, up to a full batch, whose predicted time stays
-    within `call_s` or one line's, whichever is longer. So a line longer than `call_s` still
-    runs alone, and a flat-cost model (predicted the same at any size: a smaller call would
-    be no shorter) runs full batches, as every model does until a call has been timed
-    (nothing measured: no grounds to shrink it)."""
-    one = limits.predicted_s(1)
-    if one is None:
+    """The lines of one idle call: the most, up to a full batch, predicted done within
+    `call_s`, and at least one. A full batch for a flat-cost model (its calls take the same
+    at any size: a smaller one would be no shorter), and for any model until a call has been
+    timed (nothing measured: no grounds to shrink it). A length-cost model whose calls were
+    all of one size so far is predicted their mean at any size: past `call_s` that gives one
+    line, and the estimate learns its slope from the calls of two sizes."""
+    if limits.key.version.spec.cost != "length" or limits.predicted_s(1) is None:
         return limits.max_batch
     within, over = 1, limits.max_batch + 1  # predictions grow with size: bisect
     while over - within > 1:
         middle = (within + over) // 2
         predicted = limits.predicted_s(middle)
-        if predicted is not None and predicted <= max(call_s, one):
+        if predicted is not None and predicted <= call_s:
             within = middle
         else:
             over = middle
