@@ -155,7 +155,7 @@ class Batcher:
         """Queued requests beyond which it refuses more (503); the engine may change it."""
         self._lanes: dict[Key, Lane] = {}
         self._queued = 0
-        self.idle = IdleLines()
+        self.idle = IdleLines(config.idle_call_ms / 1000)
         """The Batch API's lines: outside the queue bound, sent only to idle devices."""
         self._virtual_time = 0.0
         self._shared_ratio = config.shared_batch_ratio
@@ -444,7 +444,7 @@ class Batcher:
         versions sharing it has a request queued or to be retried."""
         waiting = itertools.chain(self._lanes, (key for key, _ in self._rescue.groups()))
         busy = {shared for key in waiting for shared in self.pool.sharing(key.version)}
-        taken = self.idle.take(busy, self.pool.free_for, lambda key: Lane(key, 0.0).max_batch)
+        taken = self.idle.take(busy, self.pool.free_for, lambda key: Lane(key, 0.0))
         if taken is None:
             return None
         key, lines = taken

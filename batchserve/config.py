@@ -397,6 +397,13 @@ class Config:
         help="most lines of one batch handed to the engine at once (they wait below every"
         " online tier for idle devices); the rest wait on disk",
     )
+    idle_call_ms: float = setting(
+        2.0,
+        help="longest a batch call of Batch API lines should take, as the model's measured"
+        " call time predicts it: an online request arriving while one runs waits for it."
+        " A call holds as many lines as fit, at least one (a flat-cost model's, whose"
+        " calls take the same at any size, stays a full batch)",
+    )
     batch_timeout_ms: float = setting(
         0.0,
         help="budget for one batch call or generation step; past it the device counts as hung,"
@@ -513,6 +520,7 @@ class Config:
             (self.batch_file_lines >= 1, "batch_file_lines must be 1 or more"),
             (self.batch_lease_s > 0, "batch_lease_s must be more than 0"),
             (self.batch_lines_in_flight >= 1, "batch_lines_in_flight must be 1 or more"),
+            (self.idle_call_ms >= 0, "idle_call_ms must be 0 or more"),
             (self.batch_timeout_ms >= 0, "batch_timeout_ms must be 0 (derived) or more"),
             (self.retry_budget >= 0, "retry_budget must be 0 or more"),
             (self.retry_reserve >= 0, "retry_reserve must be 0 or more"),
@@ -615,7 +623,7 @@ FLAG_GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
     "batching": ("how requests are batched, and a failed batch rescued", (
         "policy", "max_batch_size", "max_linger_ms", "max_queue", "batch_timeout_ms",
         "bisect_failures", "retry_budget", "retry_reserve", "poison_memory",
-        "retrieval_max_inputs", "shared_batch_ratio",
+        "retrieval_max_inputs", "shared_batch_ratio", "idle_call_ms",
     )),
     "deadlines": ("a request's and a connection's time limits", (
         "timeout_ms", "first_token_timeout_ms", "drain_timeout_s", "header_timeout_s",

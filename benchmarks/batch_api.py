@@ -61,6 +61,7 @@ name = "embed"
 version = "1"
 fn_per_device = "benchmarks.sim_embedder:load"
 devices = "sim:1"
+cost = "length"
 max_batch_size = {line_batch}
 """
 ONLINE = ("--models", "online:1")
@@ -137,11 +138,16 @@ def ended(batch: dict[str, Any]) -> bool:
     return batch["status"] in ("completed", "failed", "expired", "cancelled")
 
 
-async def device_seconds(session: aiohttp.ClientSession, url: str) -> tuple[float, float, float]:
-    """(time, the devices' busy seconds, the batch lines' device seconds), from /api/stats."""
+async def device_seconds(
+    session: aiohttp.ClientSession, url: str
+) -> tuple[float, float, float, int, int]:
+    """(time, the devices' busy seconds, the batch lines' device seconds, lines done, the
+    embedder's calls), from /api/stats."""
     stats = await get(session, f"{url}/api/stats")
     busy = sum(device["busy_seconds"] for device in stats["devices"])
-    return time.monotonic(), busy, stats["batch_api"]["device_s"]
+    [calls] = [model["batches"] for model in stats["models"] if model["model"] == "embed"]
+    lines = stats["batch_api"]
+    return time.monotonic(), busy, lines["device_s"], lines["done"], calls
 
 
 async def batch_window(rate: float, seconds: float, seed: int, lines: int) -> dict[str, Any]:
@@ -149,22 +155,24 @@ async def batch_window(rate: float, seconds: float, seed: int, lines: int) -> di
     url = f"http://127.0.0.1:{PORT}"
     async with aiohttp.ClientSession() as session:
         batch_id = await create_batch(session, url, embedding_lines(lines))
-        start, busy0, lines0 = await device_seconds(session, url)
+        start, busy0, lines0, done0, calls0 = await device_seconds(session, url)
         online = await asyncio.to_thread(run_loadgen, rate, seconds, seed, ONLINE)
-        end, busy1, lines1 = await device_seconds(session, url)
+        end, busy1, lines1, done1, calls1 = await device_seconds(session, url)
         running = (await get(session, f"{url}/v1/batches/{batch_id}"))["status"] == "in_progress"
         batch = await until(session, url, batch_id, ended)
     lines_s = lines1 - lines0
     idle_s = (end - start) - (busy1 - busy0 - lines_s)  # one device
     return {"online": online, "share": lines_s / idle_s, "still_running": running,
-            "completed": batch["request_counts"]["completed"]}  # fmt: skip
+            "completed": batch["request_counts"]["completed"],
+            "per_call": (done1 - done0) / max(1, calls1 - calls0)}  # fmt: skip
 
 
 def idle_repeat(
-    scratch: Path, seed: int, lines: int, seconds: float, line_batch: int
+    scratch: Path, seed: int, lines: int, seconds: float, line_batch: int, *flags: str
 ) -> dict[str, Any]:
     db = str(scratch / f"idle-{seed}.db")
-    server = start_server(server_command(scratch, db, line_batch=line_batch), "batch_api.log")
+    command = server_command(scratch, db, *flags, line_batch=line_batch)
+    server = start_server(command, "batch_api.log")
     try:
         capacity = run_loadgen(OVERLOAD_RPS, CAPACITY_S, seed, ONLINE)["achieved_rps"]
         rate = LOAD_SHARE * capacity
@@ -313,9 +321,18 @@ def main() -> None:
     parser.add_argument("--lines", type=int, default=10_000, help="the idle run's batch lines")
     parser.add_argument("--check-lines", type=int, default=2_000,
                         help="the restart and replicas runs' batch lines")  # fmt: skip
-    parser.add_argument("--line-batch", type=int, default=8,
-                        help="the embedder's batch limit: the longest call an online"
-                        " request may wait behind")  # fmt: skip
+    parser.add_argument(
+        "--line-batch",
+        type=int,
+        default=8,
+        help="the embedder's batch limit (a line call holds at most this)",
+    )
+    parser.add_argument(
+        "--idle-call-ms",
+        type=float,
+        default=None,
+        help="the server's --idle-call-ms (default: the server's default)",
+    )
     parser.add_argument("--only", choices=("idle", "restart", "replicas"), default=None,
                         help="run only this part")  # fmt: skip
     args = parser.parse_args()
@@ -332,23 +349,30 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="batchserve-batch-bench-") as folder:
         scratch = Path(folder)
         if "idle" in parts:
+            flags = [] if args.idle_call_ms is None else ["--idle-call-ms", str(args.idle_call_ms)]
             runs = []
             for seed in range(1, args.repeats + 1):
-                runs.append(idle_repeat(scratch, seed, args.lines, args.seconds, args.line_batch))
+                runs.append(idle_repeat(scratch, seed, args.lines, args.seconds, args.line_batch,
+                                        *flags))  # fmt: skip
                 run = runs[-1]
                 progress.step(
                     f"idle seed {seed}: capacity {run['capacity_rps']:.0f} rps, p99 alone"
                     f" {run['alone']['p99_ms']:.1f} ms, with the batch"
-                    f" {run['online']['p99_ms']:.1f} ms, idle share {run['share']:.1%}"
+                    f" {run['online']['p99_ms']:.1f} ms"
+                    f" ({run['online']['p99_ms'] / run['alone']['p99_ms']:.2f}x), idle share"
+                    f" {run['share']:.1%}, {run['per_call']:.2f} lines a call"
                 )
             alone = median([r["alone"]["p99_ms"] for r in runs])
             beside = median([r["online"]["p99_ms"] for r in runs])
             print(f"| capacity (rps) | offered (rps) | p99 alone (ms) | p99 with the batch (ms) |"
-                  f" ratio | idle device time the batch used | batch still running at the"
-                  f" window's end | lines completed |\n|---|---|---|---|---|---|---|---|\n"
+                  f" ratio | idle device time the batch used | lines a call | batch still running"
+                  f" at the window's end | lines completed |\n"
+                  f"|---|---|---|---|---|---|---|---|---|\n"
                   f"| {median([r['capacity_rps'] for r in runs]):.0f} |"
                   f" {median([r['rate'] for r in runs]):.0f} | {alone:.1f} | {beside:.1f} |"
-                  f" {beside / alone:.2f}x | {median([r['share'] for r in runs]):.1%} |"
+                  f" {median([r['online']['p99_ms'] / r['alone']['p99_ms'] for r in runs]):.2f}x |"
+                  f" {median([r['share'] for r in runs]):.1%} |"
+                  f" {median([r['per_call'] for r in runs]):.2f} |"
                   f" {sum(r['still_running'] for r in runs)} of {len(runs)} |"
                   f" {min(r['completed'] for r in runs)} |",
                   flush=True)  # fmt: skip

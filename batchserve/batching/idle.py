@@ -5,8 +5,10 @@ so that it neither counts against the queue bound nor shapes an online batch. Th
 asks for an idle batch only once no online lane would send now (`Batcher._run`), and `take`
 gives one only for a version none of whose devices an online request waits for: a line
 never rides in an online batch, and online work arriving finds at most the one batch call
-in hand on a device ahead of it (a device runs one call at a time). What ran is counted for
-the metrics: lines waiting, running, done, and the device seconds they used.
+in hand on a device ahead of it (a device runs one call at a time). That call is kept short:
+it holds only as many lines as its version's estimate predicts done within `call_s`
+(`--idle-call-ms`), at least one (`call_size`). What ran is counted for the metrics: lines
+waiting, running, done, and the device seconds they used.
 
 The lines of a failed idle call come back here too (`again`), in the groups their rescue
 planned (`batching/rescue.py`): they run only as fresh lines do, in idle time, never in the
@@ -18,7 +20,7 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from collections.abc import Callable, Collection
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 from ..errors import BatchserveError
 from ..models.registry import Key, ModelVersion
@@ -35,8 +37,42 @@ class IdleCounts(NamedTuple):
     """Device seconds the lines' batch calls took, in all."""
 
 
+class Limits(Protocol):
+    """What an idle call's size is read from: the lane its lines' key would have."""
+
+    @property
+    def key(self) -> Key: ...
+
+    @property
+    def max_batch(self) -> int: ...
+
+    def predicted_s(self, size: int) -> float | None: ...
+
+
+def call_size(limits: Limits, call_s: float) -> int:
+    """The lines of one idle call: the most, up to a full batch, predicted done within
+    `call_s`, and at least one. A full batch for a flat-cost model (its calls take the same
+    at any size: a smaller one would be no shorter), and for any model until a call has been
+    timed (nothing measured: no grounds to shrink it). A length-cost model whose calls were
+    all of one size so far is predicted their mean at any size: past `call_s` that gives one
+    line, and the estimate learns its slope from the calls of two sizes."""
+    if limits.key.version.spec.cost != "length" or limits.predicted_s(1) is None:
+        return limits.max_batch
+    within, over = 1, limits.max_batch + 1  # predictions grow with size: bisect
+    while over - within > 1:
+        middle = (within + over) // 2
+        predicted = limits.predicted_s(middle)
+        if predicted is not None and predicted <= call_s:
+            within = middle
+        else:
+            over = middle
+    return within
+
+
 class IdleLines:
-    def __init__(self) -> None:
+    def __init__(self, call_s: float) -> None:
+        self.call_s = call_s
+        """The longest an idle call should take, predicted: what online work may find ahead."""
         self._waiting: dict[Key, dict[QueuedRequest, None]] = {}
         self._again: deque[tuple[Key, list[QueuedRequest]]] = deque()
         """Groups of failed idle calls to run again, oldest first: before fresh lines."""
@@ -75,12 +111,12 @@ class IdleLines:
         self,
         busy_online: Collection[ModelVersion],
         free_for: Callable[[ModelVersion], int],
-        max_batch: Callable[[Key], int],
+        limits: Callable[[Key], Limits],
     ) -> tuple[Key, list[QueuedRequest]] | None:
-        """A group to run again, else the oldest lines of a key, whose version has a free
-        device and shares none with an online request waiting (`busy_online`); None if no
-        key may run now. What a group holds may have been answered since (the caller
-        leaves those out)."""
+        """A group to run again, else the oldest lines of a key (`call_size` of them, by its
+        `limits`), whose version has a free device and shares none with an online request
+        waiting (`busy_online`); None if no key may run now. What a group holds may have
+        been answered since (the caller leaves those out)."""
         for index, (key, group) in enumerate(self._again):
             if key.version not in busy_online and free_for(key.version):
                 del self._again[index]
@@ -88,7 +124,7 @@ class IdleLines:
         for key, waiting in self._waiting.items():
             if key.version in busy_online or not free_for(key.version):
                 continue
-            batch = list(itertools.islice(waiting, max_batch(key)))
+            batch = list(itertools.islice(waiting, call_size(limits(key), self.call_s)))
             for request in batch:
                 del waiting[request]
             if not waiting:

@@ -440,6 +440,7 @@ class Engine:
         self.config = config
         self._intake.configure(admission, config)
         self._batcher.max_queue = config.max_queue
+        self._batcher.idle.call_s = config.idle_call_ms / 1000
         self._recorder.access_log_on = config.access_log
         self.versions.apply(models, config)
         return LiveChanges(config, changes.changed, [*changes.kept, *models.kept])
