@@ -28,13 +28,12 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +44,7 @@ from progress import Progress
 from servers import PORT, ROOT, run_loadgen, start_server, stop_server
 
 sys.path.insert(0, str(ROOT))
-from deploy.replicas import Replicas
+from deploy.replicas import Replicas, free_ports, redis_server
 
 SIM_COST = "0.5,0.05"
 """The online model's call: 0.5 ms plus 50 us per padded character (sim_embedder.COST_S)."""
@@ -257,33 +256,6 @@ def restart_check(scratch: Path, count: int) -> dict[str, Any]:
         return {"done_at_kill": at_kill} | asyncio.run(finish_and_check(url, batch_id, lines))
     finally:
         stop_server(server)
-
-
-def free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    for sock in sockets:
-        sock.bind(("127.0.0.1", 0))
-    ports = [sock.getsockname()[1] for sock in sockets]
-    for sock in sockets:
-        sock.close()
-    return ports
-
-
-@contextlib.contextmanager
-def redis_server(port: int, folder: Path) -> Iterator[None]:
-    process = subprocess.Popen(
-        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-         "--appendonly", "no", "--dir", str(folder)],
-        stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    try:
-        assert process.stdout is not None
-        if not any("Ready to accept connections" in line for line in process.stdout):
-            raise RuntimeError("redis-server exited before accepting connections")
-        yield
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
 
 
 def replicas_check(scratch: Path, count: int) -> dict[str, Any]:

@@ -9,7 +9,8 @@ directory. Ctrl-C or SIGTERM stops nginx, then drains every replica. The tests d
 same `Replicas` object, so the file in deploy/ is the one they prove.
 
 A tool beside the file it proves, not part of the server: it is not installed with
-batchserve, and it starts each replica as `python -m batchserve`.
+batchserve, and it starts each replica as `python -m batchserve`. `free_ports` and
+`redis_server` start what replicas share for the tests and benchmarks that run them.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 NGINX_CONF = Path(__file__).resolve().parent / "nginx/batchserve.conf"
@@ -74,6 +75,38 @@ http {{
     include {site};
 }}
 """
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` loopback ports that were free just now, the kernel's choice."""
+    sockets = [socket.socket() for _ in range(count)]
+    for sock in sockets:
+        sock.bind(("127.0.0.1", 0))
+    ports = [sock.getsockname()[1] for sock in sockets]
+    for sock in sockets:
+        sock.close()
+    return ports
+
+
+@contextlib.contextmanager
+def redis_server(port: int, folder: Path) -> Iterator[None]:
+    """Debian's redis-server on loopback `port`, nothing saved, once it says it accepts
+    connections; stopped on exit."""
+    process = subprocess.Popen(
+        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+         "--appendonly", "no", "--dir", str(folder)],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert process.stdout is not None
+        if not any("Ready to accept connections" in line for line in process.stdout):
+            raise RuntimeError("redis-server exited before accepting connections")
+        yield
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+        if process.stdout is not None:
+            process.stdout.close()
 
 
 class Replicas:

@@ -19,11 +19,11 @@ import pytest
 from batchserve.doors.batch_store_redis import RedisBatches
 from batchserve.errors import StoreUnavailable
 from batchserve.models.backends import simulate
+from deploy.replicas import free_ports, redis_server
 
 from .conftest import HANG_GUARD_S, real_server
 from .test_batch_api import jsonl, line
-from .test_nginx import free_ports
-from .test_result_store import redis_client, redis_server
+from .test_result_store import redis_client
 
 LINES = 200
 SLOW = ("--devices", "sim:1", "--sim-latency-ms", "5", "--batch-lines-in-flight", "4",

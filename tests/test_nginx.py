@@ -7,30 +7,19 @@ from __future__ import annotations
 import asyncio
 import re
 import shutil
-import socket
 import time
 from collections import Counter
 
 import aiohttp
 import pytest
 
-from deploy.replicas import NGINX_CONF, Replicas, nginx_site
+from deploy.replicas import NGINX_CONF, Replicas, free_ports, nginx_site
 
 pytestmark = pytest.mark.skipif(shutil.which("nginx") is None, reason="nginx is not installed")
 
 CONCURRENCY = 12
 MAX_REQUESTS = 20_000
 """A bound on the load whatever happens: each phase ends on an event, well before this."""
-
-
-def free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    for sock in sockets:
-        sock.bind(("127.0.0.1", 0))
-    ports = [sock.getsockname()[1] for sock in sockets]
-    for sock in sockets:
-        sock.close()
-    return ports
 
 
 def test_the_site_file_gets_one_upstream_line_per_replica() -> None:

@@ -11,8 +11,7 @@ import shutil
 import signal
 import sqlite3
 import stat
-import subprocess
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
@@ -23,10 +22,9 @@ from batchserve.clock import FakeClock
 from batchserve.doors.batch_store_redis import RedisBatches
 from batchserve.doors.shared_records import Record, SqliteRecords, open_records
 from batchserve.errors import StartupError, StoreUnavailable
-from deploy.replicas import Replicas
+from deploy.replicas import Replicas, free_ports, redis_server
 
 from .conftest import HANG_GUARD_S, TWO_TENANT_KEYS, real_server
-from .test_nginx import free_ports
 
 
 def bearer(key: str) -> dict[str, str]:
@@ -92,29 +90,6 @@ async def test_sqlite_requests_queued_at_kill_9_run_after_restart(tmp_path: Path
                 headers={**bearer("sk-alice"), "X-Request-Id": "refused"},
             ) as answer:  # fmt: skip
                 assert answer.status == status
-
-
-@contextlib.contextmanager
-def redis_server(port: int, folder: Path) -> Iterator[None]:
-    """redis-server on `port`, once it has said it accepts connections."""
-    process = subprocess.Popen(
-        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-         "--appendonly", "no", "--dir", str(folder)],
-        stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    try:
-        assert process.stdout is not None
-        for line in process.stdout:
-            if "Ready to accept connections" in line:
-                break
-        else:
-            pytest.fail("redis-server exited before accepting connections")
-        yield
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
-        if process.stdout is not None:
-            process.stdout.close()
 
 
 @contextlib.asynccontextmanager
