@@ -531,19 +531,17 @@ class PerDeviceSteps:
 
 async def until(engine: Engine, clock: FakeClock, done: Callable[[], bool]) -> None:
     """Virtual time on in steps of 5 ms (a policy may linger) until `done()`, at most 500 ms
-    of it: never as far as a call's 1 s watchdog. Past that, only real time: a device's
-    thread on a loaded machine may still be finishing the call that makes `done()` true."""
+    of it: never as far as a call's 1 s watchdog. Past that, it only yields to the loop: a
+    device's thread on a loaded machine may still be finishing the call that makes `done()`
+    true (bounded by the hang guard)."""
     try:
         async with asyncio.timeout(HANG_GUARD_S):
-            for step in itertools.count():
-                for _ in range(20):
-                    if done():
-                        return
-                    await asyncio.sleep(0)
-                if step < 100:
+            for turn in itertools.count(1):
+                if done():
+                    return
+                await asyncio.sleep(0)
+                if turn % 20 == 0 and turn <= 2_000:  # 100 steps, 20 loop turns apart
                     clock.advance(0.005)
-                else:
-                    await asyncio.sleep(0.001)
     except TimeoutError:
         pass
     pytest.fail(f"never got there; the engine is {engine.stats()}")
