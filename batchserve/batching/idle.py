@@ -24,6 +24,7 @@ from typing import NamedTuple, Protocol
 
 from ..errors import BatchserveError
 from ..models.registry import Key, ModelVersion
+from ..rules.capacity import most_within
 from .request import QueuedRequest
 
 
@@ -58,15 +59,7 @@ def call_size(limits: Limits, call_s: float) -> int:
     line, and the estimate learns its slope from the calls of two sizes."""
     if limits.key.version.spec.cost != "length" or limits.predicted_s(1) is None:
         return limits.max_batch
-    within, over = 1, limits.max_batch + 1  # predictions grow with size: bisect
-    while over - within > 1:
-        middle = (within + over) // 2
-        predicted = limits.predicted_s(middle)
-        if predicted is not None and predicted <= call_s:
-            within = middle
-        else:
-            over = middle
-    return within
+    return most_within(limits.predicted_s, 1, limits.max_batch, call_s)
 
 
 class IdleLines:

@@ -1,5 +1,6 @@
 """What the devices can do, measured: the one batch-time estimate, the watchdog's budget
-drawn from it, a generation device's prefill cost, and decayed event rates.
+drawn from it, a generation device's prefill cost, decayed event rates, and the largest
+batch a time allows (`most_within`).
 
 One `CallTime` is shared by everything that needs the batch time: the policy's spacing, the
 watchdog's budget, shedding and the capacity metrics. Two averages with two weights used to
@@ -9,7 +10,26 @@ disagree about the same devices. Pure: time is passed in.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+
+
+def most_within(
+    predict: Callable[[int], float | None], least: int, most: int, seconds: float
+) -> int:
+    """The largest batch size from `least` to `most` predicted done within `seconds`, else
+    `least`; a size `predict` cannot say counts as over. Predictions grow with the size, so
+    by halving: a few predictions, not one a size."""
+    low, high = least, most
+    while low < high:
+        middle = (low + high + 1) // 2
+        predicted = predict(middle)
+        if predicted is not None and predicted <= seconds:
+            low = middle
+        else:
+            high = middle - 1
+    return low
+
 
 CALL_TIME_WEIGHT = 0.2
 """Each finished batch moves the estimate a fifth of the way: a few batches follow a real

@@ -16,6 +16,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+from .capacity import most_within
+
 PRESENT_S = 1.0
 """A tenant that sent within this long counts as sending: one that sends every second or
 more often has the batches cut for all of its requests, a rarer one from its arrival on."""
@@ -60,12 +62,4 @@ def shared_count(count: int, ratio: float, predict: Callable[[int], float | None
     one = None if predict is None else predict(1)
     if predict is None or one is None:
         return low
-    budget, high = ratio * one, count
-    while low < high:  # predict grows with the size: the largest that fits, by halving
-        middle = (low + high + 1) // 2
-        seconds = predict(middle)
-        if seconds is not None and seconds <= budget:
-            low = middle
-        else:
-            high = middle - 1
-    return low
+    return most_within(predict, low, count, ratio * one)
