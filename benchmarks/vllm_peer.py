@@ -194,7 +194,7 @@ async def shared_prefix(port: int, system: str, turn_seed: int, rounds: int) -> 
 
 def run(args: argparse.Namespace) -> None:
     """Both servers up, then each workload's windows alternating between them."""
-    setup, levels = args.setup, [int(level) for level in args.levels.split(",")]
+    setup, levels = args.setup, [int(level) for level in args.levels.split(",") if level]
     os.sched_setaffinity(0, {1} if setup == "same-threads" else set(range(os.cpu_count() or 1)))
     print(f"setup {setup}; {describe()}", flush=True)
     servers = {"batchserve": launch("batchserve", setup, args.ours.split())}
@@ -240,7 +240,11 @@ def run(args: argparse.Namespace) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--setup", choices=("same-threads", "recommended"), required=True)
-    parser.add_argument("--levels", default="1,16,32", help="concurrent streams, comma-separated")
+    parser.add_argument(
+        "--levels",
+        default="1,16,32",
+        help="concurrent streams, comma-separated (empty: the shared prefix only)",
+    )
     parser.add_argument("--seconds", type=float, default=20.0, help="one streams window")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=2, help="shared prefix: turns per chat")

@@ -1,5 +1,6 @@
 """Cascade attention (`models/attention.py`): decoding sequences that share cached prefix rows
-attend to them once, merged with their own rows by log-sum-exp. It must equal each sequence
+attend to them once, merged with their own rows by log-sum-exp, and so do prefill chunks that
+feed their own tokens after such a prefix. It must equal each sequence
 attending to all its rows alone (random tensors, shared and unshared mixes, GQA groups), choose
 the groups that save rows, and leave the tiny Llama's greedy tokens as they are without
 sharing (caching off).
@@ -165,30 +166,95 @@ def test_greedy_tokens_with_a_shared_prefix_read_once_equal_caching_off(tok, tin
     assert answers[True] == answers[False]
 
 
+def chunk_layouts() -> list[tuple[list[list[int]], list[int]]]:
+    """Prefill chunks' rows and how many of each were computed before the chunk: three
+    chats of one cached system prompt (40 blocks, in order), two feeding their turn's first
+    chunk and one a later chunk of its turn; two sharing 36 blocks held out of order; a new
+    sequence's first chunk and a later chunk sharing nothing."""
+    shared, other = runs(40 * BLOCK, start=1000)[0], runs(36 * BLOCK, start=2000)[0]
+    scattered = other[BLOCK:] + other[:BLOCK]
+    turns = runs(17, 30 + 12, 5, 9, 3, 40 + 12, start=3000)
+    plain = runs(11, start=200)[0]
+    rows = [
+        shared + turns[0],
+        plain,
+        scattered + turns[3],
+        shared + turns[1],
+        runs(40, start=100)[0] + turns[5][40:],
+        shared + turns[2],
+        scattered + turns[4],
+    ]
+    fed = [len(shared), 0, len(other), len(shared) + 30, 40, len(shared), len(other)]
+    return [(rows, fed), (rows[:1] + rows[3:4] + rows[5:6], [fed[0], fed[3], fed[5]])]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_prefill_chunks_equal_attending_to_every_row_under_a_causal_mask(dtype):
-    """A first chunk reads its own fresh keys causally (nothing gathered, no mask made);
-    a later chunk gathers its sequence's rows under the step's additive mask: both give
-    what each token attending to its sequence's rows up to itself gives."""
+@pytest.mark.parametrize("layout", chunk_layouts())
+def test_prefill_chunks_equal_attending_to_every_row_under_a_causal_mask(dtype, layout):
+    """Chunks sharing a cached prefix attend to it once as a group, merged with their own
+    rows; a first chunk alone reads its fresh keys causally (nothing gathered, no mask); a
+    later one gathers its rows under the step's additive mask: all give what each token
+    attending to its sequence's rows up to itself gives."""
+    rows, fed = layout
     gen = torch.Generator().manual_seed(5)
     heads, kv_heads, dim, scale = 6, 2, 8, 0.3
-    keys = torch.randn(200, kv_heads, dim, generator=gen).to(dtype)
-    values = torch.randn(200, kv_heads, dim, generator=gen).to(dtype)
-    first = list(range(100, 117))  # a new sequence's first chunk of 17
-    later = list(range(20, 60)) + list(range(150, 162))  # 40 rows fed before, a chunk of 12
-    views = [
-        attention.prefill_view(torch, "cpu", dtype, first, 0),
-        attention.prefill_view(torch, "cpu", dtype, later, 40),
-    ]
-    assert views[0].gather is None
-    assert views[0].mask is None
-    fresh = first + later[40:]
+    keys = torch.randn(4000, kv_heads, dim, generator=gen).to(dtype)
+    values = torch.randn(4000, kv_heads, dim, generator=gen).to(dtype)
+    plan = attention.prefill_plan(torch, "cpu", dtype, rows, fed)
+    assert plan.groups, "the layout is meant to share a prefix that pays"
+    fresh = [row for i in plan.order for row in rows[i][fed[i] :]]
     q = torch.randn(len(fresh), heads, dim, generator=gen).to(dtype)
-    got = attention.attend_prefill(torch, q, keys[fresh], values[fresh], keys, values, views, scale)
+    got = torch.cat(
+        attention.attend_prefill(torch, q, keys[fresh], values[fresh], keys, values, plan, scale)
+    )
     offset = 0
-    for out, rows, fed in zip(got, [first, later], [0, 40], strict=True):
-        for i in range(len(rows) - fed):
-            seen = rows[: fed + i + 1]
-            want = expected(q[offset + i][None], keys, values, [seen], scale)
-            torch.testing.assert_close(out[i][None], want, atol=1e-2, rtol=1e-2)
-        offset += len(rows) - fed
+    for i in plan.order:
+        for token in range(len(rows[i]) - fed[i]):
+            seen = rows[i][: fed[i] + token + 1]
+            want = expected(q[offset][None].float(), keys.float(), values.float(), [seen], scale)
+            tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+            torch.testing.assert_close(got[offset][None].float(), want, atol=tolerance, rtol=0)
+            offset += 1
+    for i, view in zip(plan.order, plan.views, strict=True):
+        if fed[i] == 0:  # a first chunk alone
+            assert view.gather is None
+            assert view.mask is None
+
+
+def test_chats_feeding_their_turns_after_a_cached_system_prompt_read_it_once(
+    tok, tiny, monkeypatch
+):
+    """The cold wave of chats sharing a system prompt: once the first has computed it, the
+    others feed their turns together, reading the prompt once as a group; their greedy
+    tokens equal caching off's."""
+    system = " ".join(tiny_llama.CORPUS * 12)
+    prompts = [f"{system} {word} {word}" for word in ("cat", "bird", "dog", "park")]
+    groups = []
+    real = attention._prefill_cascade
+
+    def counted(*args: Any) -> Any:
+        groups.append(len(args[-2]))
+        return real(*args)
+
+    monkeypatch.setattr(attention, "_prefill_cascade", counted)
+    answers = {}
+    for caching in (True, False):
+        generator = CausalLM(tiny, tok, "cpu", kv_cache_bytes=2**22, prefix_caching=caching)
+        seqs = [
+            Seq(f"s{i}", p, params={"ignore_eos": True}, max_tokens=9)
+            for i, p in enumerate(prompts)
+        ]
+        generator.attach(seqs[0])
+        first = generator.step(seqs[:1])[0].token_id
+        for seq in seqs[1:]:  # with caching on, they adopt the blocks the first computed
+            generator.attach(seq)
+        made = [first] + [m.token_id for m in generator.step(seqs[1:])]
+        for seq, token in zip(seqs, made, strict=True):
+            seq.token_ids.append(token)  # type: ignore[arg-type]
+        for _ in range(4):
+            for seq, m in zip(seqs, generator.step(seqs), strict=True):
+                seq.token_ids.append(m.token_id)  # type: ignore[arg-type]
+        answers[caching] = [seq.token_ids for seq in seqs]
+        assert groups == ([3] * tiny.config.num_hidden_layers if caching else [])
+        groups.clear()
+    assert answers[True] == answers[False]

@@ -1,5 +1,5 @@
-"""Decode attention over the paged cache (`kv_cache.PagedKV`), with cascade attention for
-sequences that share a cached prefix.
+"""Attention over the paged cache (`kv_cache.PagedKV`), with cascade attention for
+sequences that share a cached prefix, decoding or feeding a prefill chunk.
 
 Each decoding sequence attends to all of its rows. Read the plain way, every sequence's rows
 are gathered into one padded tensor a layer and attended in one call: at a long context that
@@ -9,7 +9,10 @@ attends to that prefix once, all their queries against one copy of its keys and 
 view of the cache where its rows run in order), and each to its own rows after it; the two
 parts are merged exactly by their log-sum-exp (softmax over the union of the keys). Which
 sequences form a group, over how many blocks, is chosen where it saves more rows than its
-extra calls cost (`MIN_SAVED_ROWS`); the rest are read the plain way.
+extra calls cost (`MIN_SAVED_ROWS`); the rest are read the plain way. Prefill chunks after
+a shared cached prefix (the chats of one system prompt, each feeding its own turn) are grouped
+the same way: every chunk's queries against the prefix in one call, each chunk against its own
+rows causally, merged alike; otherwise a chunk reads its own rows alone.
 """
 
 from __future__ import annotations
@@ -86,9 +89,7 @@ def decode_plan(torch: Any, device: str, dtype: Any, rows: list[list[int]]) -> D
     chosen = shared_groups(rows)
     groups, grouped = [], set()
     for members, shared in chosen:
-        first = rows[members[0]][:shared]
-        run = first == list(range(first[0], first[0] + shared))
-        prefix = slice(first[0], first[0] + shared) if run else torch.tensor(first, device=device)
+        prefix = _prefix(torch, device, rows[members[0]][:shared])
         suffix = _padded(torch, device, [rows[i][shared:] for i in members], dtype)
         groups.append(Group(prefix, suffix))
         grouped.update(members)
@@ -153,6 +154,41 @@ def prefill_view(torch: Any, device: str, dtype: Any, rows: list[int], fed: int)
     return PrefillView(chunk, torch.tensor(rows, device=device), mask)
 
 
+@dataclass(frozen=True, slots=True)
+class PrefillPlan:
+    """How the step's prefill chunks read their rows. `order` (indices into the list given)
+    is the order their tokens must come in: each group's chunks, then the rest's. A group
+    (`groups`: how many chunks, and the rows of the cached prefix they share) attends to its
+    prefix once, all its chunks' queries together; `views` (in `order`) are what each chunk
+    reads besides: in a group, only its rows after the prefix."""
+
+    order: list[int]
+    groups: list[tuple[int, Any]]
+    views: list[PrefillView]
+
+
+def prefill_plan(
+    torch: Any, device: str, dtype: Any, rows: list[list[int]], fed: list[int]
+) -> PrefillPlan:
+    """The reading plan for prefill chunks whose sequences hold `rows` (each chunk's own
+    last), `fed` of them computed before it. Chunks whose computed rows share cached blocks
+    (the chats of one system prompt, each feeding its own turn) are grouped as decoding
+    sequences are (`shared_groups`: whole blocks before each chunk's first token)."""
+    chosen = shared_groups([row[: done + 1] for row, done in zip(rows, fed, strict=True)])
+    skip = {i: shared for members, shared in chosen for i in members}
+    order = [i for members, _ in chosen for i in members]
+    order += [i for i in range(len(rows)) if i not in skip]
+    views = [
+        prefill_view(torch, device, dtype, rows[i][skip.get(i, 0) :], fed[i] - skip.get(i, 0))
+        for i in order
+    ]
+    groups = [
+        (len(members), _prefix(torch, device, rows[members[0]][:shared]))
+        for members, shared in chosen
+    ]
+    return PrefillPlan(order, groups, views)
+
+
 def attend_prefill(
     torch: Any,
     q: Any,
@@ -160,14 +196,21 @@ def attend_prefill(
     v: Any,
     keys: Any,
     values: Any,
-    views: list[PrefillView],
+    plan: PrefillPlan,
     scale: float,
 ) -> list[Any]:
-    """Each prefill chunk's attention (`q`, `k`, `v`: the chunks' fresh rows, in `views`'
-    order; `keys`, `values`: one layer's cache, the fresh rows already in it), one
-    `[chunk, heads * head_dim]` tensor per chunk."""
-    outputs, start = [], 0
-    for view in views:
+    """Each prefill chunk's attention (`q`, `k`, `v`: the chunks' fresh rows, in the plan's
+    order; `keys`, `values`: one layer's cache, the fresh rows already in it): a
+    `[tokens, heads * head_dim]` tensor for each group, then one for each other chunk."""
+    outputs, start, index = [], 0, 0
+    for count, prefix in plan.groups:
+        views = plan.views[index : index + count]
+        span = slice(start, start + sum(view.chunk for view in views))
+        outputs.append(
+            _prefill_cascade(torch, q[span], k[span], v[span], keys, values, prefix, views, scale)
+        )
+        start, index = span.stop, index + count
+    for view in plan.views[index:]:
         span = slice(start, start + view.chunk)
         if view.gather is None:
             k_seq, v_seq = k[span], v[span]
@@ -187,15 +230,77 @@ def attend_prefill(
     return outputs
 
 
-def attend_with_lse(torch: Any, q: Any, k: Any, v: Any, mask: Any, scale: float) -> Any:
+def _prefill_cascade(
+    torch: Any,
+    q: Any,
+    k: Any,
+    v: Any,
+    keys: Any,
+    values: Any,
+    prefix: Any,
+    views: list[PrefillView],
+    scale: float,
+) -> Any:
+    """One group of prefill chunks: all their queries against the shared prefix in one
+    call, each chunk's against its own rows after it (causal), merged by log-sum-exp."""
+    tokens, heads, head_dim = q.shape
+    kv_heads = keys.shape[1]
+    per_kv = heads // kv_heads
+    k_prefix, v_prefix = _rows(keys, prefix), _rows(values, prefix)
+    # Every query of the group as its KV head's rows: [1, kv_heads, tokens * per_kv, head_dim].
+    shared_q = q.view(tokens, kv_heads, per_kv, head_dim).transpose(0, 1)
+    out_prefix, lse_prefix = attend_with_lse(
+        torch,
+        shared_q.reshape(1, kv_heads, tokens * per_kv, head_dim),
+        k_prefix.transpose(0, 1)[None],
+        v_prefix.transpose(0, 1)[None],
+        None,
+        scale,
+    )
+    out_prefix = out_prefix[0].view(kv_heads, tokens, per_kv, head_dim).transpose(0, 1)
+    lse_prefix = lse_prefix[0].view(kv_heads, tokens, per_kv).transpose(0, 1)
+    own_out, own_lse, start = [], [], 0
+    for view in views:
+        span = slice(start, start + view.chunk)
+        if view.gather is None:
+            k_own, v_own = k[span], v[span]
+        else:
+            k_own, v_own = keys.index_select(0, view.gather), values.index_select(0, view.gather)
+        # Each query head its KV head's rows (a copy of the chunk's own few rows only).
+        out, lse = attend_with_lse(
+            torch,
+            q[span].transpose(0, 1)[None],
+            k_own.repeat_interleave(per_kv, dim=1).transpose(0, 1)[None],
+            v_own.repeat_interleave(per_kv, dim=1).transpose(0, 1)[None],
+            view.mask,
+            scale,
+            causal=view.gather is None,
+        )
+        own_out.append(out[0].transpose(0, 1))
+        own_lse.append(lse[0].transpose(0, 1))
+        start = span.stop
+    out_own = torch.cat(own_out).view(tokens, kv_heads, per_kv, head_dim)
+    lse_own = torch.cat(own_lse).view(tokens, kv_heads, per_kv)
+    weight = torch.sigmoid(lse_prefix - lse_own)[..., None]
+    merged = torch.lerp(out_own.float(), out_prefix.float(), weight)
+    return merged.to(q.dtype).reshape(tokens, -1)
+
+
+def attend_with_lse(
+    torch: Any, q: Any, k: Any, v: Any, mask: Any, scale: float, *, causal: bool = False
+) -> Any:
     """Attention and the log-sum-exp of its scores (`[batch, heads, queries]`, float32):
     torch's fused CPU kernel, which returns it, on the CPU; the same in plain operations
-    elsewhere. `mask` is added to the scores (0, or -inf where hidden), or None."""
+    elsewhere. `mask` is added to the scores (0, or -inf where hidden), or None; `causal`:
+    query i sees keys 0 to i (queries and keys of one length)."""
     if q.device.type == "cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, attn_mask=mask, scale=scale
+            q, k, v, is_causal=causal, attn_mask=mask, scale=scale
         )
         return out, lse
+    if causal:
+        shown = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+        mask = torch.zeros(shown.shape, device=q.device).masked_fill_(~shown, float("-inf"))
     return plain_attend_with_lse(torch, q, k, v, mask, scale)
 
 
@@ -248,6 +353,14 @@ def _padded(torch: Any, device: str, rows: list[list[int]], dtype: Any) -> Padde
         hidden = torch.zeros(shown.shape, dtype=dtype, device=device)
         shown = hidden.masked_fill_(~shown, float("-inf"))
     return Padded(len(rows), torch.tensor(gather, device=device), shown)
+
+
+def _prefix(torch: Any, device: str, rows: list[int]) -> Any:
+    """A shared prefix's rows: a slice where they run in order (read as a view), else an
+    index tensor (copied)."""
+    if rows == list(range(rows[0], rows[0] + len(rows))):
+        return slice(rows[0], rows[0] + len(rows))
+    return torch.tensor(rows, device=device)
 
 
 def _rows(cache: Any, rows: Any) -> Any:

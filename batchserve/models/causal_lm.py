@@ -19,7 +19,8 @@ chunks beside decodes) is not `generate`'s:
   starts its prefill after it): the decoding sequences together (`attention.py`: those that
   share a long cached prefix attend to it once as a group, the rest padded to the longest and
   masked, in one `scaled_dot_product_attention` a layer); a prefill chunk on its own, causally
-  masked against its sequence's cached tokens;
+  masked against its sequence's cached tokens, or with the other chunks that share its cached
+  prefix, attending to it once as a group;
 - logits only for the last token of each sequence that makes one (a finished prompt, or a
   decode), and sampling by each sequence's own params (`sampling.py`);
 - text out through `detokenizer.Detokenizer`, in whole characters. (transformers' own
@@ -36,11 +37,11 @@ from typing import Any
 from ..errors import StartupError
 from .attention import (
     DecodePlan,
-    PrefillView,
+    PrefillPlan,
     attend_decode,
     attend_prefill,
     decode_plan,
-    prefill_view,
+    prefill_plan,
 )
 from .chat_tools import templated_chat
 from .cpu import bound_kernel_caches, cpu_flags, has_bf16, pin_compute
@@ -229,6 +230,10 @@ class CausalLM:
             all_rows = [self.cache.rows(seqs[i].id) for i in decoding]
             reading = decode_plan(torch, device, self._dtype, all_rows)
             decoding = [decoding[j] for j in reading.order]
+        prefill_rows = [self.cache.rows(seqs[i].id) for i in prefilling]
+        fed = [held[i].fed for i in prefilling]
+        prefill = prefill_plan(torch, device, self._dtype, prefill_rows, fed)
+        prefilling = [prefilling[j] for j in prefill.order]
         order = decoding + prefilling
         ids: list[int] = []
         positions: list[int] = []
@@ -243,12 +248,8 @@ class CausalLM:
         cos, sin = self.model.model.rotary_emb(x[None], position_ids[None])
         rope = (cos[0].unsqueeze(1), sin[0].unsqueeze(1))
         rows = torch.tensor(new_rows, device=device)
-        prefill_views = [
-            prefill_view(torch, device, self._dtype, self.cache.rows(seqs[i].id), held[i].fed)
-            for i in order[len(decoding) :]
-        ]
         products = self._products
-        views = (reading, prefill_views)
+        views = (reading, prefill)
         for index, (layer, weights) in enumerate(zip(self._layers, self._weights, strict=True)):
             x = x + self._attention(index, layer, weights, x, rope, rows, *views)
             x = x + mlp(layer, weights, products, layer.post_attention_layernorm(x))
@@ -331,7 +332,7 @@ class CausalLM:
         rope: tuple[Any, Any],
         rows: Any,
         reading: DecodePlan | None,
-        prefill_views: list[PrefillView],
+        prefill: PrefillPlan,
     ) -> Any:
         torch = self._torch
         attention = layer.self_attn
@@ -358,9 +359,9 @@ class CausalLM:
                 attend_decode(torch, q[:count], keys, values, reading, self._kv_heads, self._scale)
             )
             start = count
-        if prefill_views:
+        if prefill.views:
             outputs += attend_prefill(
-                torch, q[start:], k[start:], v[start:], keys, values, prefill_views, self._scale
+                torch, q[start:], k[start:], v[start:], keys, values, prefill, self._scale
             )
         joined = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
         return self._products(joined, weights.o, attention.o_proj.bias)
