@@ -18,10 +18,12 @@ from batchserve.errors import StartupError
 from batchserve.models.cpu import (
     KERNEL_CACHE_ENTRIES,
     KERNEL_CACHES,
+    MALLOC_SETTINGS,
     CorePlan,
     bound_kernel_caches,
     cpu_flags,
     cpu_model,
+    keep_freed_memory,
     plan_cores,
 )
 
@@ -125,6 +127,27 @@ def test_the_shape_keyed_kernel_caches_are_bounded_unless_the_operator_says() ->
     chosen = {"LRU_CACHE_CAPACITY": "8"}
     bound_kernel_caches(chosen)
     assert chosen["LRU_CACHE_CAPACITY"] == "8"
+
+
+def test_a_steps_freed_temporaries_stay_in_the_heap_unless_the_operator_tuned_malloc() -> None:
+    """glibc gave a step's freed logits back to the kernel and faulted them in again at the
+    next step (3,000 minor faults a 32-row step): the thresholds are fixed once, on glibc,
+    and left alone where the operator set them."""
+    calls: list[tuple[int, int]] = []
+
+    def mallopt(option: int, value: int) -> int:
+        calls.append((option, value))
+        return 1
+
+    assert keep_freed_memory({}, mallopt)
+    assert calls == list(MALLOC_SETTINGS)
+    for name in ("MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES"):
+        calls.clear()
+        assert not keep_freed_memory({name: "1"}, mallopt)
+        assert calls == []
+    assert not keep_freed_memory({}, lambda option, value: 0)  # refused: said so
+    if os.confstr("CS_GNU_LIBC_VERSION"):  # the real glibc takes both values
+        assert keep_freed_memory({})
 
 
 def test_dtype_auto_is_bf16_only_where_the_cpu_has_it() -> None:

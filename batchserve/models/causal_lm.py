@@ -44,7 +44,7 @@ from .attention import (
     prefill_plan,
 )
 from .chat_tools import templated_chat
-from .cpu import bound_kernel_caches, cpu_flags, has_bf16, pin_compute
+from .cpu import bound_kernel_caches, cpu_flags, has_bf16, keep_freed_memory, pin_compute
 from .generators import CachedPrefix, GeneratorSettings, Made, Seq
 from .grammar import Compiled, GrammarCompiler, GrammarSpec, constrain
 from .kv_cache import BLOCK, PagedKV
@@ -380,6 +380,7 @@ def load(device: str, settings: GeneratorSettings | None = None) -> CausalLM:
     transformers = _import("transformers")
     if device == "cpu":
         bound_kernel_caches()
+        keep_freed_memory()
         pin_compute(torch, settings.cpu_threads)
     dtype = getattr(torch, resolve_dtype(torch, settings.dtype, device, cpu_flags()))
     folder, gguf = model_files(settings.model_path)
