@@ -90,3 +90,16 @@ async def test_a_step_with_an_extreme_row_and_a_normal_row_completes_both():
             await b.result()
         assert a.summary()["tokens"] == b.summary()["tokens"] == 6
         assert step_failures(engine) == 0
+
+
+def test_a_banned_end_is_skipped_in_its_row_alone_and_the_logits_stay_as_they_were():
+    """ignore_eos and min_tokens keep the end from being chosen in their rows only; the
+    step's logits are left untouched (its log-probabilities are read from them after)."""
+    logits = torch.tensor([[5.0, 1.0, 3.0, 2.0]] * 4)
+    before = logits.clone()
+    params = [{"ignore_eos": True}, {}, {"min_tokens": 2}, {"min_tokens": 2}]
+    assert choose_tokens(torch, logits, params, [0, 0, 1, 2], {0}) == [2, 0, 2, 0]
+    assert torch.equal(logits, before)
+    sampled = {"temperature": 1e-300, "ignore_eos": True}  # greedy by value, sampled by path
+    assert choose_tokens(torch, logits[:1], [sampled], [0], {0}) == [2]
+    assert torch.equal(logits, before)
