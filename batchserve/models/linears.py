@@ -9,7 +9,10 @@ On the CPU, where torch has oneDNN, every weight the step multiplies by is also 
 reordered once into oneDNN's blocked layout (`mkldnn._reorder_linear_weight`): a plain
 `linear` repacks the weight on every call, which at a decode step's few rows costs as much as
 the product. Measured here on one core at 16 rows: SmolLM2's LM head 33 ms to 14 ms, an MLP's
-gate and up 0.89 to 0.59 ms. The price is a second copy of those weights in memory.
+gate and up 0.89 to 0.59 ms. The price is a second copy of those weights in memory. One row
+of float32 (a lone stream's decode) is the exception: torch's plain `linear` (a matrix-vector
+product) beats the blocked layout there (SmolLM2's layer 0.91 against 0.68 ms; a whole step
+7-10 % faster), so it multiplies by the weight as it is.
 """
 
 from __future__ import annotations
@@ -36,29 +39,38 @@ class Products:
     def __repr__(self) -> str:
         return f"<Products packed={self.packed}>"
 
-    def prepare(self, weight: Any) -> Any:
+    def prepare(self, weight: Any) -> Prepared:
         """The weight as `__call__` takes it."""
         if self.packed and weight.dtype in (self._torch.float32, self._torch.bfloat16):
-            return self._pack(weight.detach(), ROWS_HINT)
-        return weight
+            return Prepared(weight, self._pack(weight.detach(), ROWS_HINT))
+        return Prepared(weight, None)
 
-    def __call__(self, x: Any, weight: Any, bias: Any = None) -> Any:
-        if self.packed and weight.is_mkldnn:
-            return self._packed_linear(x, weight, bias, "none", [None], "")
-        return self._linear(x, weight, bias)
+    def __call__(self, x: Any, weight: Prepared, bias: Any = None) -> Any:
+        packed = weight.packed
+        if packed is not None and (x.shape[0] > 1 or x.dtype != self._torch.float32):
+            return self._packed_linear(x, packed, bias, "none", [None], "")
+        return self._linear(x, weight.plain, bias)
+
+
+@dataclass(slots=True, frozen=True)
+class Prepared:
+    """A weight as it is and, on the CPU, packed for oneDNN (None where it is not)."""
+
+    plain: Any
+    packed: Any | None
 
 
 @dataclass(slots=True, frozen=True)
 class LayerWeights:
     """One layer's weights as the step multiplies by them."""
 
-    qkv: Any
+    qkv: Prepared
     qkv_bias: Any
     qkv_sizes: tuple[int, int, int]
-    o: Any
-    gate_up: Any | None
+    o: Prepared
+    gate_up: Prepared | None
     """None: an MLP of another shape, called as it is (and `down` unused)."""
-    down: Any | None
+    down: Prepared | None
 
 
 def layer_weights(torch: Any, layer: Any, products: Products) -> LayerWeights:
@@ -80,7 +92,7 @@ def layer_weights(torch: Any, layer: Any, products: Products) -> LayerWeights:
 
 def mlp(layer: Any, weights: LayerWeights, products: Products, x: Any) -> Any:
     """The layer's MLP over `x`: gate and up in one product where they are fused."""
-    if weights.gate_up is None:
+    if weights.gate_up is None or weights.down is None:
         return layer.mlp(x)
     gate, up = products(x, weights.gate_up).chunk(2, dim=-1)
     act = layer.mlp.act_fn(gate) * up
