@@ -39,12 +39,20 @@ class Heard:
     def health_changed(self) -> None:
         self._hear("health", None)
 
+    def idle_started(self, key: Key, batch: list[QueuedRequest]) -> int:
+        raise AssertionError("nothing here prepares an idle call")
+
+    def idle_withdrawn(self, key: Key, batch: list[QueuedRequest]) -> None:
+        raise AssertionError("nothing here prepares an idle call")
+
     def hooks(self) -> dict[str, Any]:
         """The pool's callbacks, as the batcher hands them over."""
         return {
             "batch_done": self.batch_done,
             "batch_failed": self.batch_failed,
             "health_changed": self.health_changed,
+            "idle_started": self.idle_started,
+            "idle_withdrawn": self.idle_withdrawn,
         }
 
     def _hear(self, kind: str, detail: object) -> None:
