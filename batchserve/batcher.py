@@ -40,10 +40,11 @@ from .batching.rescue import LaneView, Rescue, still_waiting
 from .batching.shedding import Shedding, refuse_too_short
 from .clock import Clock
 from .config import Config
+from .devices.calls import BatchCall
 from .devices.fleet import Devices
 from .devices.health import HEALTHY
 from .errors import BatchserveError, NotReady, Overloaded
-from .gpu_pool import BatchCall, BatchDone, GpuPool
+from .gpu_pool import BatchDone, GpuPool
 from .models.registry import Key, ModelVersion
 from .rules.capacity import DecayedRate, LengthCost
 from .rules.fair_queue import FairQueue
@@ -464,7 +465,7 @@ class Batcher:
         """On each device whose call in hand is an idle one, the next idle call of its
         version, prepared to start as it returns (`devices/prepared.py`), if no online
         request waits for that version."""
-        devices = self.pool.chainable() if self.idle else []
+        devices = self.pool.prepared.chainable(self.pool.devices) if self.idle else []
         busy = self._busy_online() if devices else set()
         for device in devices:
             assert device.key is not None  # it has a call in hand

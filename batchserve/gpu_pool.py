@@ -23,12 +23,13 @@ import itertools
 import logging
 from collections import Counter
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 from .batching.faults import BatchFailure, FailureKind
 from .batching.request import QueuedRequest, Result
 from .clock import Clock
 from .devices import loading
+from .devices.calls import BatchCall, error_type
 from .devices.device import Device, Malformed, padded, run_checked, who
 from .devices.fleet import Devices, PoolStats
 from .devices.health import HEALTHY, DeviceState, Verdict
@@ -36,7 +37,6 @@ from .devices.prepared import PreparedCall, PreparedCalls, Withdrawn
 from .errors import BackendError, BatchserveError, StartupError
 from .models.registry import Key, ModelVersion
 from .models.specs import DEFAULT_MODEL
-from .rules.tenants import IDLE_RANK
 from .tasks import CrashHandler, TaskSet
 
 log = logging.getLogger(__name__)
@@ -49,21 +49,6 @@ BatchFailed = Callable[[list[QueuedRequest], Key, BatchFailure], None]
 """Nobody in the batch (all of the key) has been answered: who hears retries or fails them."""
 IdleStarted = Callable[[Key, list[QueuedRequest]], int]
 """A prepared idle call started (`devices/prepared.py`): its batch id, counted as sent."""
-
-
-class BatchCall(NamedTuple):
-    """A batch call that returned, as the pool's `on_call` hears of it (its trace span)."""
-
-    batch: list[QueuedRequest]
-    batch_id: int
-    device: str
-    started: float
-    finished: float
-    reason: str
-    """Why the batch left (rules/policy.py's FlushReason)."""
-    error: str | None
-    """None: it answered its batch; else why not: the type of what it raised, or "hung"
-    (the watchdog handed the batch on; the call returned late)."""
 
 
 LOGGED_IDS = 5
@@ -254,20 +239,6 @@ class GpuPool:
         number = device.thread.submitted
         self._running(device, batch, batch_id, key, self._clock.time(), (call, number), reason)
 
-    def chainable(self) -> list[Device]:
-        """Devices whose call in hand is an idle one that a prepared call may follow: none
-        is prepared yet, and no step or warm-up waits for a turn there (they would wait
-        behind it)."""
-        return [
-            d
-            for d in self.devices
-            if d.batch
-            and d.batch[0].tier_rank == IDLE_RANK
-            and not d.residents
-            and not d.turns
-            and d.name not in self.prepared
-        ]
-
     def _running(
         self,
         device: Device,
@@ -330,7 +301,7 @@ class GpuPool:
             returned = exc
         hung = self._fleet.returned(device)  # then the watchdog handed the batch back
         if self._on_call is not None:
-            error = "hung" if hung else _error_type(returned)
+            error = "hung" if hung else error_type(returned)
             now = self._clock.time()
             self._on_call(BatchCall(batch, batch_id, device.name, started, now, reason, error))
         if hung:
@@ -471,8 +442,3 @@ class GpuPool:
             BatchFailure(FailureKind.HUNG, error, device.name, batch_id),
             then="; the device gets no work until a probe answers in time",
         )
-
-
-def _error_type(returned: list[Any] | Exception) -> str | None:
-    """What a call raised, by type only: its message may quote the inputs."""
-    return type(returned).__name__ if isinstance(returned, Exception) else None

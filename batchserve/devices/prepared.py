@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from ..batching.request import QueuedRequest
 from ..models.registry import Key, ModelVersion
+from ..rules.tenants import IDLE_RANK
 from .device import Device, run_checked
 from .thread import Next
 
@@ -37,11 +38,22 @@ class PreparedCalls:
     def __bool__(self) -> bool:
         return bool(self._by_device)
 
-    def __contains__(self, device: str) -> bool:
-        return device in self._by_device
-
     def __repr__(self) -> str:
         return f"<PreparedCalls on {list(self._by_device)}>"
+
+    def chainable(self, devices: list[Device]) -> list[Device]:
+        """Of `devices`, those whose call in hand is an idle one that a prepared call may
+        follow: none is prepared yet, and no step or warm-up waits for a turn there (it
+        would wait behind that call too)."""
+        return [
+            d
+            for d in devices
+            if d.batch
+            and d.batch[0].tier_rank == IDLE_RANK
+            and not d.residents
+            and not d.turns
+            and d.name not in self._by_device
+        ]
 
     def prepare(self, device: Device, key: Key, batch: list[QueuedRequest]) -> bool:
         """`batch` (all of `key`) to start on `device` as its call in hand returns; False
