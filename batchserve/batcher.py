@@ -317,7 +317,7 @@ class Batcher:
             self._queued -= len(lane.queue)
             del self._lanes[lane.key]
         self._rescue.drop(version)
-        self.pool.prepared.withdraw(None if version is None else self.pool.sharing(version))
+        self.pool.prepared.withdraw(None if version is None else {version})
         self.idle.fail(error, version)
         self._changed()
 

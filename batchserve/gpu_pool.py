@@ -9,9 +9,11 @@ devices themselves, their threads, their watchdog, the health machine and the ca
 devices out of service (probes, restarts) are `devices/`'s (`Devices`, fleet.py), shared
 with the generation models' step loops. The pool owns every task it starts and cancels
 what is left of them on close. Each successful call's duration goes into the engine's one
-batch-time estimate; all timing reads its clock.
+batch-time estimate; all timing reads its clock. An idle call (the Batch API's) may have the
+next prepared behind it (`prepared`, `devices/prepared.py`): the device's thread starts it
+as the call returns, and the pool takes it up as its own when it handles that call's end.
 
-GpuPool has about 24 methods, 9 of them one-line queries the batcher asks of the devices at
+GpuPool has about 26 methods, 9 of them one-line queries the batcher asks of the devices at
 each decision (free_for, healthy_for, ...), which belong with the devices they count.
 """
 
