@@ -40,10 +40,11 @@ from .batching.rescue import LaneView, Rescue, still_waiting
 from .batching.shedding import Shedding, refuse_too_short
 from .clock import Clock
 from .config import Config
+from .devices.calls import BatchCall
 from .devices.fleet import Devices
 from .devices.health import HEALTHY
 from .errors import BatchserveError, NotReady, Overloaded
-from .gpu_pool import BatchCall, BatchDone, GpuPool
+from .gpu_pool import BatchDone, GpuPool
 from .models.registry import Key, ModelVersion
 from .rules.capacity import DecayedRate, LengthCost
 from .rules.fair_queue import FairQueue
@@ -144,10 +145,13 @@ class Batcher:
         """Builds the pool of `versions` over `devices`, handing it the batcher's callbacks
         (and `on_call`: tracing); `on_batch_ran` hears of each batch call that succeeded
         (the metrics' queue waits and call times)."""
+        self.idle = IdleLines(config.idle_call_ms / 1000)
+        """The Batch API's lines: outside the queue bound, sent only to idle devices."""
         self.pool = pool = GpuPool(
             versions, clock=clock, on_crash=on_crash, on_call=on_call, devices=devices,
             batch_done=self.batch_done, batch_failed=self.batch_failed,
-            health_changed=self.health_changed,
+            health_changed=self.health_changed, idle_started=self._idle_started,
+            idle_withdrawn=self.idle.back,
         )  # fmt: skip
         """Its pool, which it starts and closes, the one it dispatches to and hears."""
         self._clock = clock
@@ -155,8 +159,6 @@ class Batcher:
         """Queued requests beyond which it refuses more (503); the engine may change it."""
         self._lanes: dict[Key, Lane] = {}
         self._queued = 0
-        self.idle = IdleLines(config.idle_call_ms / 1000)
-        """The Batch API's lines: outside the queue bound, sent only to idle devices."""
         self._virtual_time = 0.0
         self._shared_ratio = config.shared_batch_ratio
         self._shedding = Shedding() if config.keys_file is not None else None
@@ -281,6 +283,8 @@ class Batcher:
         self._lanes[request.key] = lane
         lane.queue.push(request)
         self._queued += 1
+        if self.pool.prepared:  # online work goes before any idle call not yet started
+            self.pool.prepared.withdraw(self.pool.sharing(request.key.version))
         self._arrival_rate.add(request.arrival, 1)
         request.key.version.arrivals.add(request.arrival, 1)
         request.key.version.senders.heard(request.tenant, request.arrival)
@@ -313,6 +317,7 @@ class Batcher:
             self._queued -= len(lane.queue)
             del self._lanes[lane.key]
         self._rescue.drop(version)
+        self.pool.prepared.withdraw(None if version is None else {version})
         self.idle.fail(error, version)
         self._changed()
 
@@ -323,6 +328,7 @@ class Batcher:
         answered = len(batch)
         if batch and batch[0].tier_rank == IDLE_RANK:
             self.idle.ended(answered, finished - started)
+            self._prepare_idle()
         self._completed += answered
         self._drain_rate.add(finished, answered)
         self._wakeup.set()
@@ -334,6 +340,8 @@ class Batcher:
         """Hands a failed batch to its rescue, which plans what runs again."""
         if batch and batch[0].tier_rank == IDLE_RANK:
             self.idle.ended(len(batch), None)
+        elif self.pool.prepared:  # its rescue may wait for the device: online work
+            self.pool.prepared.withdraw(self.pool.sharing(key.version))
         self._rescue.batch_failed(batch, key, failure)
         self._wakeup.set()
         self._changed()
@@ -442,13 +450,39 @@ class Batcher:
     def _idle_batch(self) -> tuple[Key, list[QueuedRequest]] | None:
         """Batch API lines for a free device that no online request waits for: none of the
         versions sharing it has a request queued or to be retried."""
-        waiting = itertools.chain(self._lanes, (key for key, _ in self._rescue.groups()))
-        busy = {shared for key in waiting for shared in self.pool.sharing(key.version)}
-        taken = self.idle.take(busy, self.pool.free_for, lambda key: Lane(key, 0.0))
+        taken = self.idle.take(self._busy_online(), self.pool.free_for, _limits)
         if taken is None:
             return None
         key, lines = taken
         return key, still_waiting(lines, self._clock.time())
+
+    def _busy_online(self) -> set[ModelVersion]:
+        """The versions online requests wait for, and those sharing a device with them."""
+        waiting = itertools.chain(self._lanes, (key for key, _ in self._rescue.groups()))
+        return {shared for key in waiting for shared in self.pool.sharing(key.version)}
+
+    def _prepare_idle(self) -> None:
+        """On each device whose call in hand is an idle one, the next idle call of its
+        version, prepared to start as it returns (`devices/prepared.py`), if no online
+        request waits for that version."""
+        devices = self.pool.prepared.chainable(self.pool.devices) if self.idle else []
+        busy = self._busy_online() if devices else set()
+        for device in devices:
+            assert device.key is not None  # it has a call in hand
+            taken = self.idle.take(busy, {device.key.version}.__contains__, _limits)
+            if taken is None:
+                continue
+            key, lines = taken
+            lines = still_waiting(lines, self._clock.time())
+            if lines:
+                self.idle.hold(len(lines))
+                if not self.pool.prepared.prepare(device, key, lines):
+                    self.idle.back(key, lines)
+
+    def _idle_started(self, key: Key, batch: list[QueuedRequest]) -> int:
+        """A prepared idle call started: counted as sent; its batch id."""
+        self.idle.sent(len(batch), held=True)
+        return self._count(key, batch)
 
     def _taker(self, now: float) -> Callable[[LaneView, int], list[QueuedRequest]]:
         """`_take` at `now`, for a rescue group that takes its lane's requests along."""
@@ -458,15 +492,22 @@ class Batcher:
         """Starts `batch` on a device; `reason`, why it leaves, is for its trace span (the
         rescue calls pass none)."""
         if batch:
-            self._batches += 1
-            self.batch_sizes[len(batch)] += 1
-            model, version = key.version.name, key.version.version
-            self.batch_fill[model, version, "batches"] += 1
-            self.batch_fill[model, version, "requests"] += len(batch)
-            if batch[0].tier_rank == IDLE_RANK:
+            idle = batch[0].tier_rank == IDLE_RANK
+            if idle:
                 self.idle.sent(len(batch))
-            self.pool.dispatch(batch, self._batches, key, reason)
+            self.pool.dispatch(batch, self._count(key, batch), key, reason)
+            if idle:
+                self._prepare_idle()
         self._changed()
+
+    def _count(self, key: Key, batch: list[QueuedRequest]) -> int:
+        """Counts a batch sent; its id."""
+        self._batches += 1
+        self.batch_sizes[len(batch)] += 1
+        model, version = key.version.name, key.version.version
+        self.batch_fill[model, version, "batches"] += 1
+        self.batch_fill[model, version, "requests"] += len(batch)
+        return self._batches
 
     def _choose(self, now: float) -> tuple[Lane | None, int, float | None, FlushReason]:
         """The lane to send from now, how many of its requests and why; else when to look
@@ -542,6 +583,11 @@ class Batcher:
         if not lane.queue:
             del self._lanes[lane.key]
         return still_waiting(taken, now)
+
+
+def _limits(key: Key) -> Lane:
+    """What an idle call's size is read from: the lane `key` would have."""
+    return Lane(key, 0.0)
 
 
 def _full_batch_rps(version: ModelVersion) -> float | None:

@@ -9,9 +9,11 @@ devices themselves, their threads, their watchdog, the health machine and the ca
 devices out of service (probes, restarts) are `devices/`'s (`Devices`, fleet.py), shared
 with the generation models' step loops. The pool owns every task it starts and cancels
 what is left of them on close. Each successful call's duration goes into the engine's one
-batch-time estimate; all timing reads its clock.
+batch-time estimate; all timing reads its clock. An idle call (the Batch API's) may have the
+next prepared behind it (`prepared`, `devices/prepared.py`): the device's thread starts it
+as the call returns, and the pool takes it up as its own when it handles that call's end.
 
-GpuPool has about 24 methods, 9 of them one-line queries the batcher asks of the devices at
+GpuPool has about 26 methods, 9 of them one-line queries the batcher asks of the devices at
 each decision (free_for, healthy_for, ...), which belong with the devices they count.
 """
 
@@ -19,18 +21,21 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import logging
 from collections import Counter
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 from .batching.faults import BatchFailure, FailureKind
 from .batching.request import QueuedRequest, Result
 from .clock import Clock
 from .devices import loading
+from .devices.calls import BatchCall, error_type
 from .devices.device import Device, Malformed, padded, run_checked, who
 from .devices.fleet import Devices, PoolStats
 from .devices.health import HEALTHY, DeviceState, Verdict
+from .devices.prepared import PreparedCall, PreparedCalls, Withdrawn
 from .errors import BackendError, BatchserveError, StartupError
 from .models.registry import Key, ModelVersion
 from .models.specs import DEFAULT_MODEL
@@ -44,21 +49,8 @@ BatchDone = Callable[[list[QueuedRequest], float, float], None]
 before anyone is answered."""
 BatchFailed = Callable[[list[QueuedRequest], Key, BatchFailure], None]
 """Nobody in the batch (all of the key) has been answered: who hears retries or fails them."""
-
-
-class BatchCall(NamedTuple):
-    """A batch call that returned, as the pool's `on_call` hears of it (its trace span)."""
-
-    batch: list[QueuedRequest]
-    batch_id: int
-    device: str
-    started: float
-    finished: float
-    reason: str
-    """Why the batch left (rules/policy.py's FlushReason)."""
-    error: str | None
-    """None: it answered its batch; else why not: the type of what it raised, or "hung"
-    (the watchdog handed the batch on; the call returned late)."""
+IdleStarted = Callable[[Key, list[QueuedRequest]], int]
+"""A prepared idle call started (`devices/prepared.py`): its batch id, counted as sent."""
 
 
 LOGGED_IDS = 5
@@ -77,21 +69,27 @@ class GpuPool:
         batch_done: BatchDone,
         batch_failed: BatchFailed,
         health_changed: Callable[[], None],
+        idle_started: IdleStarted,
+        idle_withdrawn: Withdrawn,
         on_call: Callable[[BatchCall], None] | None = None,
         devices: Devices | None = None,
     ) -> None:
         """Who hears what happens (the batcher, which builds its pool): `batch_done`,
         `batch_failed`, and `health_changed` when a device goes out of service or comes
-        back; `on_call` of each batch call as it returns, before anyone is answered
-        (tracing). `devices`: the engine's, shared with its generation models and built
-        before the pool (the engine forwards their `changed` to `device_changed`); without
-        them the pool has devices of its own, which tell it directly and which it closes."""
+        back; `idle_started` and `idle_withdrawn` of its prepared idle calls; `on_call`
+        of each batch call as it returns, before anyone is answered (tracing). `devices`:
+        the engine's, shared with its generation models and built before the pool (the
+        engine forwards their `changed` to `device_changed`); without them the pool has
+        devices of its own, which tell it directly and which it closes."""
         self._versions = versions
         self._clock = clock
         self._batch_done = batch_done
         self._batch_failed = batch_failed
         self._health_changed = health_changed
         self._on_call = on_call
+        self._idle_started = idle_started
+        self.prepared = PreparedCalls(idle_withdrawn)
+        """Idle calls prepared to follow the one in hand (`prepare`)."""
         self._own = devices is None
         self._fleet = devices or Devices(
             clock=clock, on_crash=on_crash, changed=self.device_changed
@@ -212,7 +210,8 @@ class GpuPool:
 
     async def __aexit__(self, *exc_info: object) -> None:
         """Cancels what is left: calls nobody waits for after the drain; then its own
-        devices' probes and threads."""
+        devices' probes and threads; what is prepared never starts."""
+        self.prepared.withdraw()
         await self._tasks.aclose()
         if self._own:
             await self._fleet.__aexit__()
@@ -235,35 +234,59 @@ class GpuPool:
                 device,
             )
         device.state = DeviceState.BUSY
-        device.busy_since = started = self._clock.time()
+        # Submitted here, not in the task's first step: that step would queue behind every
+        # handler that the last finished batch just woke, leaving the device idle meanwhile.
+        run = functools.partial(run_checked, device.fns[version], key.params)
+        call = device.thread.submit(run, [r.input for r in batch])
+        number = device.thread.submitted
+        self._running(device, batch, batch_id, key, self._clock.time(), (call, number), reason)
+
+    def _running(
+        self,
+        device: Device,
+        batch: list[QueuedRequest],
+        batch_id: int,
+        key: Key,
+        started: float,
+        call: tuple[asyncio.Future[list[Any]], int],
+        reason: str,
+    ) -> None:
+        """The call of `batch` is in hand on the (taken) device since `started`: its
+        future, and its number on the thread (the watchdog's)."""
+        device.busy_since = started
         device.key = key
         device.batch = batch
         for request in batch:
             request.running = True
-        # Submitted here, not in the task's first step: that step would queue behind every
-        # handler that the last finished batch just woke, leaving the device idle meanwhile.
-        run = functools.partial(run_checked, device.fns[version], key.params)
         # The watchdog is a plain timer, not asyncio.wait: that would add a loop pass between
         # the call's end and this device's next batch, and under load each pass waits behind
         # every handler.
-        call = self._fleet.watch(
+        future, number = call
+        self._fleet.arm(
             device,
-            run,
-            [r.input for r in batch],
-            version.call_budget_s(padded(batch)),
+            number,
+            key.version.call_budget_s(padded(batch)),
             functools.partial(self._hung, device, batch, batch_id),
         )
         self._tasks.start(
-            self._finish(device, batch, batch_id, started, call, reason),
+            self._finish(device, batch, batch_id, started, future, reason),
             name=f"batchserve-batch-{batch_id}",
         )
 
+    def _follow(self, device: Device, prepared: PreparedCall, started: float) -> None:
+        """The thread started `prepared` as the call before it returned, at `started` as
+        the loop counts (a device's calls stay back to back)."""
+        batch_id = self._idle_started(prepared.key, prepared.batch)
+        call = (prepared.next.future, prepared.next.number)
+        self._running(device, prepared.batch, batch_id, prepared.key, started, call, "idle")
+
     def fail_in_flight(self, error: BatchserveError) -> None:
-        """Answers everyone whose batch is still running; late results are then dropped."""
-        for device in self.devices:
-            for request in device.batch:
-                if not request.future.done():
-                    request.future.set_exception(error)
+        """Answers everyone whose batch is still running, or prepared to; late results are
+        then dropped."""
+        running = itertools.chain(*(device.batch for device in self.devices))
+        for request in itertools.chain(running, self.prepared.requests()):
+            if not request.future.done():
+                request.future.set_exception(error)
 
     async def _finish(
         self,
@@ -280,7 +303,7 @@ class GpuPool:
             returned = exc
         hung = self._fleet.returned(device)  # then the watchdog handed the batch back
         if self._on_call is not None:
-            error = "hung" if hung else _error_type(returned)
+            error = "hung" if hung else error_type(returned)
             now = self._clock.time()
             self._on_call(BatchCall(batch, batch_id, device.name, started, now, reason, error))
         if hung:
@@ -288,10 +311,14 @@ class GpuPool:
         key = device.key
         assert key is not None
         finished = self._clock.time()
-        device.state = DeviceState.IDLE
-        device.busy_since = None
-        device.key = None
-        device.batch = []
+        following = self.prepared.after(device)  # only after a call that succeeded
+        if following is None:
+            device.state = DeviceState.IDLE
+            device.busy_since = None
+            device.key = None
+            device.batch = []
+        else:
+            self._follow(device, following, finished)
         device.call_ended(started, finished)
         key.version.device_time.add(finished, finished - started)
         if isinstance(returned, Exception):
@@ -306,7 +333,8 @@ class GpuPool:
         outputs = returned
         version = key.version
         version.estimate.observe(finished - started, padded(batch))
-        device.hand_turn()
+        if following is None:
+            device.hand_turn()
         # Wake the batcher before the waiting handlers: its wake-up is then queued ahead of
         # theirs, so the device gets its next batch before a hundred responses are written.
         self._batch_done(batch, started, finished)
@@ -406,6 +434,7 @@ class GpuPool:
         assert key is not None
         device.key = None
         device.batch = []
+        self.prepared.after(device)  # withdrawn: the thread never starts it (`stalled`)
         error = BackendError(
             f"the batch call on {device.name} ran past its budget of {budget_s * 1e3:.0f} ms"
         )
@@ -415,8 +444,3 @@ class GpuPool:
             BatchFailure(FailureKind.HUNG, error, device.name, batch_id),
             then="; the device gets no work until a probe answers in time",
         )
-
-
-def _error_type(returned: list[Any] | Exception) -> str | None:
-    """What a call raised, by type only: its message may quote the inputs."""
-    return type(returned).__name__ if isinstance(returned, Exception) else None

@@ -39,12 +39,21 @@ class Heard:
     def health_changed(self) -> None:
         self._hear("health", None)
 
+    def idle_started(self, key: Key, batch: list[QueuedRequest]) -> int:
+        self._hear("started", [request.input for request in batch])
+        return len(self.events)
+
+    def idle_withdrawn(self, key: Key, batch: list[QueuedRequest]) -> None:
+        self._hear("withdrawn", [request.input for request in batch])
+
     def hooks(self) -> dict[str, Any]:
         """The pool's callbacks, as the batcher hands them over."""
         return {
             "batch_done": self.batch_done,
             "batch_failed": self.batch_failed,
             "health_changed": self.health_changed,
+            "idle_started": self.idle_started,
+            "idle_withdrawn": self.idle_withdrawn,
         }
 
     def _hear(self, kind: str, detail: object) -> None:
@@ -118,6 +127,21 @@ async def test_a_batch_runs_on_a_free_device_and_is_timed_on_the_engine_clock(po
     ]
     assert pool.free_count == 2
     assert pool.devices[0].busy_total_s == pytest.approx(0.100)
+
+
+async def test_closing_withdraws_a_prepared_call_and_its_device_never_starts_it(pool_of, gated):
+    pool, heard, clock = await pool_of()
+    first, key = batch_of(pool, clock, "a")
+    then, _ = batch_of(pool, clock, "b")
+    pool.dispatch(first, 1, key, "idle")
+    [device] = pool.devices
+    assert pool.prepared.prepare(device, key, then)
+    await gated.entered("sim:0")
+    await pool.__aexit__(None, None, None)
+    assert heard.events == [("withdrawn", ["b"])]  # back to the idle tier, not started
+    gated.gate.set()
+    await device.thread.join(HANG_GUARD_S)
+    assert gated.seen_inputs() == ["a"]
 
 
 async def test_a_malformed_result_answers_nobody_and_goes_back_to_the_batcher(pool_of, gated):

@@ -5,7 +5,9 @@ so that it neither counts against the queue bound nor shapes an online batch. Th
 asks for an idle batch only once no online lane would send now (`Batcher._run`), and `take`
 gives one only for a version none of whose devices an online request waits for: a line
 never rides in an online batch, and online work arriving finds at most the one batch call
-in hand on a device ahead of it (a device runs one call at a time). That call is kept short:
+in hand on a device ahead of it (a device runs one call at a time; the call prepared to
+follow it, `devices/prepared.py`, is withdrawn as online work arrives, its lines back here
+first: `back`). That call is kept short:
 it holds only as many lines as its version's estimate predicts done within `call_s`
 (`--idle-call-ms`), at least one (`call_size`). What ran is counted for the metrics: lines
 waiting, running, done, and the device seconds they used.
@@ -68,7 +70,10 @@ class IdleLines:
         """The longest an idle call should take, predicted: what online work may find ahead."""
         self._waiting: dict[Key, dict[QueuedRequest, None]] = {}
         self._again: deque[tuple[Key, list[QueuedRequest]]] = deque()
-        """Groups of failed idle calls to run again, oldest first: before fresh lines."""
+        """Groups of failed idle calls to run again, oldest first, and of withdrawn ones:
+        before fresh lines."""
+        self.held = 0
+        """Lines in calls prepared to follow the one in hand: still waiting, as counted."""
         self.running = 0
         self.done = 0
         self.device_s = 0.0
@@ -81,7 +86,7 @@ class IdleLines:
         return f"<IdleLines waiting={len(self)} running={self.running} done={self.done}>"
 
     def counts(self) -> IdleCounts:
-        return IdleCounts(len(self), self.running, self.done, self.device_s)
+        return IdleCounts(len(self) + self.held, self.running, self.done, self.device_s)
 
     def versions(self) -> set[ModelVersion]:
         return {key.version for key in itertools.chain(self._waiting, (k for k, _ in self._again))}
@@ -92,6 +97,15 @@ class IdleLines:
     def again(self, key: Key, group: list[QueuedRequest]) -> None:
         """A group of a failed idle call, to run again as it is in idle time."""
         self._again.append((key, group))
+
+    def hold(self, count: int) -> None:
+        """`count` lines taken went into a prepared call: they wait there."""
+        self.held += count
+
+    def back(self, key: Key, group: list[QueuedRequest]) -> None:
+        """The lines of a prepared call, withdrawn before it started: they go first."""
+        self.held -= len(group)
+        self._again.appendleft((key, group))
 
     def discard(self, request: QueuedRequest) -> None:
         waiting = self._waiting.get(request.key)
@@ -137,7 +151,10 @@ class IdleLines:
             if not request.future.done():
                 request.future.set_exception(error)
 
-    def sent(self, count: int) -> None:
+    def sent(self, count: int, *, held: bool = False) -> None:
+        """`count` lines started: taken, or `held` in a prepared call until now."""
+        if held:
+            self.held -= count
         self.running += count
 
     def ended(self, count: int, device_s: float | None) -> None:

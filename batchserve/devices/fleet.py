@@ -145,18 +145,30 @@ class Devices:
         """`fn(arg)` on the device (taken: BUSY) under its watchdog; the caller awaits the
         future, then calls `returned`."""
         call = device.thread.submit(fn, arg)
+        self.arm(device, device.thread.submitted, budget_s, on_hung, progress)
+        return call
+
+    def arm(
+        self,
+        device: Device,
+        call: int,
+        budget_s: float,
+        on_hung: OnHung,
+        progress: Progress | None = None,
+    ) -> None:
+        """The watchdog of call number `call` on the device (one the thread started of
+        itself, prepared: `DeviceThread.prepare`), its budget counted from now."""
         seen = None if progress is None else progress()
         device.watchdog = self._clock.call_at(
             self._clock.time() + budget_s,
             self._look,
             device,
-            device.thread.submitted,
+            call,
             seen,
             budget_s,
             on_hung,
             progress,
         )
-        return call
 
     def returned(self, device: Device) -> bool:
         """The watched call came back; True if it had hung: its results are dropped and
@@ -247,6 +259,8 @@ class Devices:
                 progress,
             )
             return
+        if not device.thread.stalled(call):
+            return  # it returned just now
         self.health.hung(device)
         device.end_turns()
         device.busy_since = None

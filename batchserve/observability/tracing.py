@@ -33,9 +33,9 @@ from typing import TYPE_CHECKING, Any
 
 from ..batching.request import QueuedRequest, Result
 from ..clock import Clock
+from ..devices.calls import BatchCall
 from ..errors import BatchserveError, ClientClosed, StartupError
 from ..generation.request import Generation
-from ..gpu_pool import BatchCall
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider as SdkTracerProvider
