@@ -30,14 +30,15 @@ import asyncio
 import itertools
 import math
 from collections import Counter
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable
 
 from .batching.faults import BatchFailure, RetryBudget
-from .batching.idle import IdleCounts, IdleLines
+from .batching.idle import IdleLines
+from .batching.lanes import Lane
 from .batching.request import QueuedRequest
 from .batching.rescue import LaneView, Rescue, still_waiting
 from .batching.shedding import Shedding, refuse_too_short
+from .batching.snapshot import BatcherSnapshot, BatcherStats
 from .clock import Clock
 from .config import Config
 from .devices.calls import BatchCall
@@ -46,85 +47,10 @@ from .devices.health import HEALTHY
 from .errors import BatchserveError, NotReady, Overloaded
 from .gpu_pool import BatchDone, GpuPool
 from .models.registry import Key, ModelVersion
-from .rules.capacity import DecayedRate, LengthCost
-from .rules.fair_queue import FairQueue
+from .rules.capacity import DecayedRate
 from .rules.policy import FlushReason, QueueView
-from .rules.sharing import PRESENT_S, shared_count
 from .rules.tenants import IDLE_RANK
 from .tasks import CrashHandler, TaskSet
-
-
-@dataclass(frozen=True, slots=True)
-class BatcherStats:
-    queued: int
-    in_flight: int
-    free_devices: int
-    healthy_devices: int
-    batches: int
-    completed: int
-
-
-@dataclass(frozen=True, slots=True)
-class BatcherSnapshot:
-    """What the metrics and the dashboard read of the batcher at a scrape: copies, so that a
-    reader neither reaches into the batcher nor sees it change under it."""
-
-    queued: int
-    """Requests waiting for a batch, those to be retried included."""
-    in_flight: int
-    healthy_devices: int
-    capacity_rps: float | None
-    arrival_rps: float
-    predicted_wait_s: float
-    """How long a request arriving now would wait for the queue ahead of it."""
-    queued_by_version: Mapping[tuple[str, str], int]
-    """Requests waiting per (model, version), for the versions that have any."""
-    batch_sizes: Mapping[int, int]
-    batch_fill: Mapping[tuple[str, str, str], int]
-    recoveries: Mapping[str, int]
-    idle: IdleCounts
-    """The Batch API's lines: waiting, running, done, and the device time they used."""
-
-
-class Lane:
-    """The waiting requests of one compatibility key, and its share of device time so far."""
-
-    __slots__ = ("key", "max_batch", "queue", "tag")
-
-    def __init__(self, key: Key, tag: float) -> None:
-        self.key = key
-        self.queue = FairQueue[QueuedRequest]()
-        self.tag = tag
-        """Virtual time at which its next batch starts; smaller goes first."""
-        spec = key.version.spec
-        self.max_batch = spec.max_batch_size
-        if spec.max_batch_tokens is not None:
-            longest = (1 << key.bucket) - 1  # the bucket's longest input
-            self.max_batch = max(1, min(self.max_batch, spec.max_batch_tokens // longest))
-
-    def __repr__(self) -> str:
-        label = self.key.version.spec.label
-        return f"<Lane {label} bucket={self.key.bucket} queued={len(self.queue)}>"
-
-    def predicted_s(self, size: int) -> float | None:
-        """The batch time of `size` of this lane's requests, padded to the bucket's top."""
-        return self.key.version.estimate.predict(size * max(1, (1 << self.key.bucket) - 1))
-
-    def shared(self, count: int, ratio: float, now: float) -> int:
-        """`count`, cut short while a tenant other than the one whose request is oldest
-        here has sent to the version lately (rules/sharing.py)."""
-        version = self.key.version
-        oldest = self.queue.head(1)[0].tenant
-        if count <= 1 or not version.senders.other_since(oldest, now - PRESENT_S):
-            return count
-        learning = isinstance(version.estimate, LengthCost) and version.estimate.line() is None
-        return shared_count(count, ratio, None if learning else self.predicted_s)
-
-
-def length_bucket(version: ModelVersion, tokens: int) -> int:
-    """Length-cost versions group inputs whose lengths are within 2x of each other (bucket
-    b holds 2^(b-1) to 2^b - 1 tokens); flat ones have one bucket."""
-    return tokens.bit_length() if version.spec.cost == "length" else 0
 
 
 class Batcher:

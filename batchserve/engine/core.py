@@ -30,8 +30,9 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from ..batcher import Batcher, length_bucket
+from ..batcher import Batcher
 from ..batching.deadlines import Deadlines
+from ..batching.lanes import length_bucket
 from ..batching.request import Ask, QueuedRequest, Result, Ticket, new_request_id
 from ..clock import Clock, LoopClock, Timer
 from ..config import Config

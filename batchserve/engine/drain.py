@@ -10,7 +10,8 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from ..batcher import Batcher, BatcherStats
+from ..batcher import Batcher
+from ..batching.snapshot import BatcherStats
 from ..clock import Clock, wait_until
 from ..errors import BatchserveError, NotReady
 from ..generation.models import Generators

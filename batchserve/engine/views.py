@@ -11,8 +11,9 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ..batcher import Batcher, BatcherStats
+from ..batcher import Batcher
 from ..batching.request import Result
+from ..batching.snapshot import BatcherStats
 from ..errors import InvalidInput, ModelNotFound
 from ..generation.models import Generators
 from ..gpu_pool import GpuPool

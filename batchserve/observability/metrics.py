@@ -22,8 +22,9 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from ..batcher import Batcher, BatcherSnapshot
+from ..batcher import Batcher
 from ..batching.request import QueuedRequest, Result
+from ..batching.snapshot import BatcherSnapshot
 from ..clock import Clock
 from ..devices.fleet import PoolStats
 from ..devices.health import HEALTHY, DeviceState
