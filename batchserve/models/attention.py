@@ -212,10 +212,7 @@ def attend_prefill(
         start, index = span.stop, index + count
     for view in plan.views[index:]:
         span = slice(start, start + view.chunk)
-        if view.gather is None:
-            k_seq, v_seq = k[span], v[span]
-        else:
-            k_seq, v_seq = keys.index_select(0, view.gather), values.index_select(0, view.gather)
+        k_seq, v_seq = _chunk_rows(k, v, keys, values, view, span)
         out = torch.nn.functional.scaled_dot_product_attention(
             q[span].transpose(0, 1)[None],
             k_seq.transpose(0, 1)[None],
@@ -228,6 +225,14 @@ def attend_prefill(
         outputs.append(out[0].transpose(0, 1).reshape(view.chunk, -1))
         start += view.chunk
     return outputs
+
+
+def _chunk_rows(k: Any, v: Any, keys: Any, values: Any, view: PrefillView, span: slice) -> Any:
+    """The keys and values a chunk reads (`view`): its fresh rows (`span` of `k`, `v`) for a
+    first chunk, else its rows gathered from the layer's cache."""
+    if view.gather is None:
+        return k[span], v[span]
+    return keys.index_select(0, view.gather), values.index_select(0, view.gather)
 
 
 def _prefill_cascade(
@@ -262,10 +267,7 @@ def _prefill_cascade(
     own_out, own_lse, start = [], [], 0
     for view in views:
         span = slice(start, start + view.chunk)
-        if view.gather is None:
-            k_own, v_own = k[span], v[span]
-        else:
-            k_own, v_own = keys.index_select(0, view.gather), values.index_select(0, view.gather)
+        k_own, v_own = _chunk_rows(k, v, keys, values, view, span)
         # Each query head its KV head's rows (a copy of the chunk's own few rows only).
         out, lse = attend_with_lse(
             torch,
