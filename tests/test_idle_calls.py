@@ -101,10 +101,13 @@ def submit(
 
 
 async def measured(
-    engine: Engine, stepped: Stepped, clock: FakeClock, then: Callable[[], object]
-) -> None:
+    engine: Engine,
+    stepped: Stepped,
+    clock: FakeClock,
+    then: Callable[[], list[asyncio.Future[Result]]],
+) -> list[asyncio.Future[Result]]:
     """Two online calls, of one request and of two, teach the estimate `cost_s`; `then` runs
-    while the second is on the device, so what it submits waits for it."""
+    while the second is on the device, so what it submits (returned) waits for it."""
     await asyncio.gather(*submit(engine, ["on-0001"]), stepped.through(clock))
     one = submit(engine, ["on-0002"])
     await stepped.entered()
@@ -113,9 +116,10 @@ async def measured(
     stepped.finish(clock)
     await asyncio.gather(*one)
     assert await stepped.entered() == ["on-0003", "on-0004"]
-    then()
+    submitted = then()
     stepped.finish(clock)
     await asyncio.gather(*pair)
+    return submitted
 
 
 async def ran(stepped: Stepped, clock: FakeClock, count: int) -> list[int]:
@@ -133,10 +137,7 @@ def lines(count: int) -> list[str]:
 async def test_an_idle_call_holds_only_the_lines_predicted_done_within_the_bound():
     # Predicted 1 ms + 1 ms a line: 3 lines (4 ms) fit 4.5 ms, 4 (5 ms) do not.
     async with stepped_engine(idle_call_ms=4.5) as (engine, stepped, clock):
-        waiting: list[asyncio.Future[Result]] = []
-        await measured(
-            engine, stepped, clock, lambda: waiting.extend(submit(engine, lines(10), LINE))
-        )
+        waiting = await measured(engine, stepped, clock, lambda: submit(engine, lines(10), LINE))
         sizes = await ran(stepped, clock, 10)
         results = await asyncio.gather(*waiting)
     assert sizes == [3, 3, 3, 1]
@@ -146,10 +147,7 @@ async def test_an_idle_call_holds_only_the_lines_predicted_done_within_the_bound
 async def test_a_line_predicted_past_the_bound_still_runs_alone():
     # One line is predicted 2 ms, past 1.5 ms: the shortest call there is, one line each.
     async with stepped_engine(idle_call_ms=1.5) as (engine, stepped, clock):
-        waiting: list[asyncio.Future[Result]] = []
-        await measured(
-            engine, stepped, clock, lambda: waiting.extend(submit(engine, lines(3), LINE))
-        )
+        waiting = await measured(engine, stepped, clock, lambda: submit(engine, lines(3), LINE))
         sizes = await ran(stepped, clock, 3)
         await asyncio.gather(*waiting)
     assert sizes == [1, 1, 1]
@@ -157,9 +155,8 @@ async def test_a_line_predicted_past_the_bound_still_runs_alone():
 
 async def test_online_batches_are_not_bounded_by_it():
     async with stepped_engine(idle_call_ms=1.5) as (engine, stepped, clock):
-        waiting: list[asyncio.Future[Result]] = []
         online = [f"on-{n:04d}" for n in range(10, 15)]
-        await measured(engine, stepped, clock, lambda: waiting.extend(submit(engine, online)))
+        waiting = await measured(engine, stepped, clock, lambda: submit(engine, online))
         assert await stepped.through(clock) == online  # 6 ms predicted: one call all the same
         await asyncio.gather(*waiting)
 
@@ -167,10 +164,7 @@ async def test_online_batches_are_not_bounded_by_it():
 async def test_a_flat_cost_models_lines_go_in_full_batches():
     # Its estimate predicts the same time at any size: fewer lines would be no shorter.
     async with stepped_engine(cost="flat", idle_call_ms=1.5) as (engine, stepped, clock):
-        waiting: list[asyncio.Future[Result]] = []
-        await measured(
-            engine, stepped, clock, lambda: waiting.extend(submit(engine, lines(5), LINE))
-        )
+        waiting = await measured(engine, stepped, clock, lambda: submit(engine, lines(5), LINE))
         assert await stepped.through(clock) == lines(5)
         await asyncio.gather(*waiting)
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 
-from batchserve.batching.request import Result
 from batchserve.models.backends import simulate
 
 from .conftest import reach
@@ -24,10 +23,7 @@ def batch_api(engine: object) -> tuple[int, int, int]:
 
 async def test_the_device_starts_the_next_idle_call_itself_and_counts_it_waiting_till_then():
     async with stepped_engine(idle_call_ms=1.5) as (engine, stepped, clock):  # one line a call
-        waiting: list[asyncio.Future[Result]] = []
-        await measured(
-            engine, stepped, clock, lambda: waiting.extend(submit(engine, lines(3), LINE))
-        )
+        waiting = await measured(engine, stepped, clock, lambda: submit(engine, lines(3), LINE))
         assert await stepped.entered() == ["line-00"]
         assert batch_api(engine) == (2, 1, 0)  # line-01, prepared behind it, still waits
         assert stepped.started_itself(clock) == ["line-01"]
@@ -42,10 +38,7 @@ async def test_the_device_starts_the_next_idle_call_itself_and_counts_it_waiting
 
 async def test_online_work_withdraws_the_prepared_call_and_goes_next():
     async with stepped_engine(idle_call_ms=1.5) as (engine, stepped, clock):
-        waiting: list[asyncio.Future[Result]] = []
-        await measured(
-            engine, stepped, clock, lambda: waiting.extend(submit(engine, lines(4), LINE))
-        )
+        waiting = await measured(engine, stepped, clock, lambda: submit(engine, lines(4), LINE))
         assert await stepped.entered() == ["line-00"]  # line-01 prepared behind it
         online = submit(engine, ["on-0005"])
         await reach(engine, lambda s: s.queued == 1)
@@ -68,10 +61,7 @@ async def test_a_failed_chained_call_goes_back_to_the_idle_tier_behind_online_wo
     # itself, fails: its halves run again in idle time, after the online request.
     async with stepped_engine(idle_call_ms=3.5) as (engine, stepped, clock):
         stepped.fail_together = {"line-03"}
-        waiting: list[asyncio.Future[Result]] = []
-        await measured(
-            engine, stepped, clock, lambda: waiting.extend(submit(engine, lines(4), LINE))
-        )
+        waiting = await measured(engine, stepped, clock, lambda: submit(engine, lines(4), LINE))
         assert await stepped.entered() == lines(2)
         assert stepped.started_itself(clock) == lines(4)[2:]
         online = submit(engine, ["on-0005"])
