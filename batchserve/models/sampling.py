@@ -46,7 +46,8 @@ def choose_tokens(
     # max's indices, not argmax: the same first best index, 2.5x faster over a vocabulary
     # on the CPU (1.0 against 2.4 ms at 32 rows of 49,152).
     chosen: list[int] = logits.max(dim=-1).indices.tolist()
-    eos = torch.tensor(sorted(eos_ids), device=logits.device) if eos_ids else None
+    ban = eos_ids and any(banned)  # the end's ids as a tensor only for a step that bans it
+    eos = torch.tensor(sorted(eos_ids), device=logits.device) if ban else None
     for row, (p, count) in enumerate(zip(params, made, strict=True)):
         temperature = float(p.get("temperature") or 0)
         if temperature <= 0 and not (banned[row] and chosen[row] in eos_ids):
