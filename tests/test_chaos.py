@@ -16,6 +16,7 @@ from batchserve.models.backends import (
     HANG_MARKER,
     POISON_MARKER,
     Chaos,
+    HangOnce,
     simulate,
     simulated_factory,
 )
@@ -61,18 +62,23 @@ async def test_poison_and_a_hang_fail_only_the_poison_requests(start_server):
     Three poison inputs arrive in one burst of 3,000: a backlog, during which the retry budget
     earns nothing, so its reserve must pay for all three isolations (about 14 calls each).
     """
-    factory = simulated_factory(0.002, 100, Chaos(hang_s=0.5))
+    hang_once = HangOnce()  # the marked call stays wedged until released, however slow the loop
+    factory = simulated_factory(0.002, 100, Chaos(hang_s=60), hang_once=hang_once)
     client, engine = await start_server(factory, devices=4, batch_timeout_ms=250, retry_reserve=100)
     texts = texts_with_poison(3000, every=1000)
     texts[1500] += HANG_MARKER  # wedges the first call that carries it, once
-    answers = await run_load(client, texts)
+    try:
+        answers = await run_load(client, texts)
+    finally:
+        hang_once.release()
     statuses = check_invariants(engine, texts, answers)
     poison = [status for text, (status, _) in zip(texts, answers, strict=True)
               if POISON_MARKER in text]  # fmt: skip
     assert poison == [500] * 3
     assert statuses == Counter({200: 2997, 500: 3})
-    # At least the marked call hangs. A 2 ms call that ran past the 250 ms budget on a
-    # stalled machine would add a hang, and its batch would simply run again elsewhere.
+    # At least the marked call hangs: its requests were answered, so the watchdog handed its
+    # batch back. A 2 ms call that ran past the 250 ms budget on a stalled machine would add
+    # a hang, and its batch would simply run again elsewhere.
     assert engine.faults["batch_hung"] >= 1
     await reach(engine, lambda s: s.healthy_devices == 4)  # the hung one rejoins
 

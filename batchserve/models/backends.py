@@ -42,11 +42,17 @@ class Chaos:
 
 
 class HangOnce:
-    """Shared by all simulated devices: the hang marker wedges one call, then no other."""
+    """Shared by all simulated devices: the hang marker wedges one call, then no other.
+
+    The wedged call returns after its hang time or when released, whichever comes first: a
+    test releases it once the watchdog has judged it, so the hang outlasts any stall of the
+    loop, however slow the machine.
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._used = False
+        self._released = threading.Event()
 
     def claim(self, inputs: list[str]) -> bool:
         if not any(HANG_MARKER in text for text in inputs):
@@ -54,6 +60,13 @@ class HangOnce:
         with self._lock:
             first, self._used = not self._used, True
         return first
+
+    def hold(self, hang_s: float) -> None:
+        """The wedged call's wait (on its device's thread)."""
+        self._released.wait(hang_s)
+
+    def release(self) -> None:
+        self._released.set()
 
 
 class SimulatedDevice:
@@ -94,9 +107,13 @@ class SimulatedDevice:
                 raise ValueError(f"batch of {len(inputs)} inputs; the limit is 1 to {self._limit}")
             self.calls += 1
             chaos, fate = self._chaos, self._random.random()
-            hang = fate < chaos.hang_rate or self._hang_once.claim(inputs)
             padded = len(inputs) * max(map(len, inputs))
-            time.sleep(chaos.hang_s if hang else self._latency_s + self._per_token_s * padded)
+            if fate < chaos.hang_rate:
+                time.sleep(chaos.hang_s)
+            elif self._hang_once.claim(inputs):
+                self._hang_once.hold(chaos.hang_s)
+            else:
+                time.sleep(self._latency_s + self._per_token_s * padded)
             poisoned = [i for i, text in enumerate(inputs) if POISON_MARKER in text]
             if poisoned:
                 raise SimulatedFault(f"input {poisoned[0]} of the batch carries the poison marker")
@@ -115,9 +132,14 @@ class SimulatedDevice:
 
 
 def simulated_factory(
-    latency_s: float, limit: int, chaos: Chaos | None = None, per_token_s: float = 0.0
+    latency_s: float,
+    limit: int,
+    chaos: Chaos | None = None,
+    per_token_s: float = 0.0,
+    hang_once: HangOnce | None = None,
 ) -> DeviceFactory:
-    hang_once = HangOnce()
+    """Simulated devices sharing one `hang_once` (pass one to release its hang)."""
+    hang_once = hang_once or HangOnce()
 
     def load(device: str) -> BatchFn:
         return SimulatedDevice(device, latency_s, limit, chaos, hang_once, per_token_s)

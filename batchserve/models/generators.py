@@ -270,7 +270,7 @@ class SimulatedGenerator:
             new = [s for s in seqs if s.id not in self._prefilled]
             processed = sum(len(s.prompt) + len(s.tokens) for s in new) + len(seqs) - len(new)
             if self._hang_once.claim([s.prompt for s in seqs]):
-                time.sleep(self._hang_s)
+                self._hang_once.hold(self._hang_s)
             time.sleep(self._fixed_s + self._per_token_s * processed)
             if any(POISON_MARKER in s.prompt for s in seqs):
                 raise SimulatedFault("a sequence of the step carries the poison marker")
