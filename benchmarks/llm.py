@@ -144,6 +144,8 @@ if device == "cpu":
     torch.set_num_threads(1)
 model, tok = generator.model, generator.tokenizer
 tok.padding_side = "left"
+if tok.pad_token is None:  # older transformers leave the GGUF tokenizer without one
+    tok.pad_token = tok.eos_token
 hidden = model.config.hidden_size
 def timed(fn):
     started = time.perf_counter(); fn()
@@ -188,11 +190,13 @@ def baselines(levels: list[int], dtype: str, device: str) -> dict[int, dict[str,
     step's matrix products alone, in a child on core 0 at one thread, like the server (on
     a GPU: unpinned, on the GPU)."""
     pinned = ["taskset", "-c", "0"] if device == "cpu" else []
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     out = subprocess.run(
         [*pinned, sys.executable, "-c", BASELINE, ",".join(map(str, levels)), dtype, device],
-        cwd=ROOT, capture_output=True, text=True, check=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": path},
     )  # fmt: skip
+    if out.returncode != 0:
+        sys.exit(f"the baselines' child failed ({out.returncode}):\n{out.stderr[-4000:]}")
     result = json.loads(out.stdout.strip().splitlines()[-1])
     return {int(batch): numbers for batch, numbers in result.items()}
 

@@ -84,7 +84,8 @@ def main() -> None:
         os.environ[name] = "1"
     if not (folder / "model.safetensors").exists():
         command = [sys.executable, "benchmarks/dequantize_gguf.py", str(folder)]
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+        env = {**os.environ, "PYTHONPATH": path}
         subprocess.run(command, cwd=ROOT, check=True, env=env)
     with tempfile.TemporaryDirectory() as temporary:
         tasks = Path(temporary)
