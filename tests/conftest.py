@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 import pytest
 from aiohttp import ClientResponse
 from aiohttp.test_utils import TestClient, TestServer
+from hypothesis import settings as hypothesis_settings
 
 from batchserve.clock import Clock
 from batchserve.config import Config
@@ -29,6 +30,11 @@ from batchserve.rules.policy import Policy
 from batchserve.server import AppRunner, create_app
 
 from . import tiny_llama
+
+# No example has a time limit: a garbage-collection pause or a busy machine must not fail a
+# property test (hypothesis's default deadline is 200 ms an example).
+hypothesis_settings.register_profile("batchserve", deadline=None)
+hypothesis_settings.load_profile("batchserve")
 
 Factory = Callable[[str], BatchFn]
 

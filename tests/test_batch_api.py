@@ -305,7 +305,10 @@ class HeldEmbedder(TinyEmbedder):
 async def test_the_openai_client_runs_an_embeddings_batch_and_cancels_one(aiohttp_client, tmp_path):
     embedder = HeldEmbedder()
     spec = ModelSpec(name="tiny", version="1", devices="sim:1", fn_per_device=lambda _: embedder)
-    config = Config(batch_db=str(tmp_path / "b.db"), batch_lines_in_flight=2)
+    # The held call must not count as hung, however long a slow machine takes to cancel it.
+    config = Config(
+        batch_db=str(tmp_path / "b.db"), batch_lines_in_flight=2, batch_timeout_ms=600_000
+    )
     client = await aiohttp_client(BatchserveTestServer(create_app(Engine(config, models=[spec]))))
     inputs: list[str | list[str]] = ["a banana", ["cat", "aaa a"], "one more", "the last"]
     lines = [

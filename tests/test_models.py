@@ -364,7 +364,7 @@ REQUESTS = st.lists(
 )
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=25, suppress_health_check=[HealthCheck.too_slow])
 @given(requests=REQUESTS, seed=st.integers(0, 2**16))
 def test_a_batch_call_never_mixes_models_versions_or_params(requests, seed):
     """Random keys, random arrival order and interleaving, devices shared between models:

@@ -37,7 +37,7 @@ logit_rows = st.lists(
 )
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=300)
 @given(
     temperature=temperatures,
     top_p=top_ps,

@@ -44,9 +44,9 @@ class Chaos:
 class HangOnce:
     """Shared by all simulated devices: the hang marker wedges one call, then no other.
 
-    The wedged call returns after its hang time or when released, whichever comes first: a
-    test releases it once the watchdog has judged it, so the hang outlasts any stall of the
-    loop, however slow the machine.
+    A wedged call (the marker's, or one the chaos rate drew) returns after its hang time or
+    when released, whichever comes first: a test releases it once the watchdog has judged
+    it, so the hang outlasts any stall of the loop, however slow the machine.
     """
 
     def __init__(self) -> None:
@@ -108,9 +108,7 @@ class SimulatedDevice:
             self.calls += 1
             chaos, fate = self._chaos, self._random.random()
             padded = len(inputs) * max(map(len, inputs))
-            if fate < chaos.hang_rate:
-                time.sleep(chaos.hang_s)
-            elif self._hang_once.claim(inputs):
+            if fate < chaos.hang_rate or self._hang_once.claim(inputs):
                 self._hang_once.hold(chaos.hang_s)
             else:
                 time.sleep(self._latency_s + self._per_token_s * padded)
