@@ -22,7 +22,7 @@ from batchserve.engine.core import Engine
 from batchserve.models.specs import FIELDS
 from batchserve.server import ROUTES_KEY, create_app
 
-from .conftest import TWO_TENANT_KEYS, BatchserveTestServer
+from .conftest import HANG_GUARD_S, TWO_TENANT_KEYS, BatchserveTestServer
 
 MODELS = """
 [[model]]
@@ -151,6 +151,9 @@ async def _schemathesis(
     assert url.startswith("http://127.0.0.1:")
     args = [str(ST), "--config-file", str(config), "--no-color", "run", url, *options]
     args += ["--max-examples", "8", "--generation-deterministic", "--workers", "1"]
+    # Each request's limit is the hang guard, not Schemathesis's 10 s: a loaded machine is
+    # slow, and only a wedged server should fail here.
+    args += ["--request-timeout", str(HANG_GUARD_S)]
     for header in headers:
         args += ["-H", header]
     run = await asyncio.create_subprocess_exec(
