@@ -16,7 +16,7 @@ from batchserve.models.backends import (
     HANG_MARKER,
     POISON_MARKER,
     Chaos,
-    HangOnce,
+    Hangs,
     simulate,
     simulated_factory,
 )
@@ -62,15 +62,15 @@ async def test_poison_and_a_hang_fail_only_the_poison_requests(start_server):
     Three poison inputs arrive in one burst of 3,000: a backlog, during which the retry budget
     earns nothing, so its reserve must pay for all three isolations (about 14 calls each).
     """
-    hang_once = HangOnce()  # the marked call stays wedged until released, however slow the loop
-    factory = simulated_factory(0.002, 100, Chaos(hang_s=60), hang_once=hang_once)
+    hangs = Hangs()  # the marked call stays wedged until released, however slow the loop
+    factory = simulated_factory(0.002, 100, Chaos(hang_s=60), hangs=hangs)
     client, engine = await start_server(factory, devices=4, batch_timeout_ms=250, retry_reserve=100)
     texts = texts_with_poison(3000, every=1000)
     texts[1500] += HANG_MARKER  # wedges the first call that carries it, once
     try:
         answers = await run_load(client, texts)
     finally:
-        hang_once.release()
+        hangs.release()
     statuses = check_invariants(engine, texts, answers)
     poison = [status for text, (status, _) in zip(texts, answers, strict=True)
               if POISON_MARKER in text]  # fmt: skip
@@ -83,7 +83,7 @@ async def test_poison_and_a_hang_fail_only_the_poison_requests(start_server):
     await reach(engine, lambda s: s.healthy_devices == 4)  # the hung one rejoins
 
 
-async def release_after_a_hang(engine: Engine, hangs: HangOnce) -> None:
+async def release_after_a_hang(engine: Engine, hangs: Hangs) -> None:
     """Lets the wedged calls return once the watchdog has judged one of them hung."""
     try:
         async with asyncio.timeout(HANG_GUARD_S):
@@ -96,10 +96,10 @@ async def release_after_a_hang(engine: Engine, hangs: HangOnce) -> None:
 
 async def test_random_faults_never_lose_or_mix_up_a_request(start_server):
     # The drawn hangs hold their calls until one has been judged hung, however slow the loop.
-    hangs = HangOnce()
+    hangs = Hangs()
     chaos = Chaos(hang_rate=0.03, fail_rate=0.1, bad_output_rate=0.1, hang_s=60, seed=7)
     client, engine = await start_server(
-        simulated_factory(0.002, 100, chaos, hang_once=hangs), devices=4, batch_timeout_ms=100
+        simulated_factory(0.002, 100, chaos, hangs=hangs), devices=4, batch_timeout_ms=100
     )
     texts = texts_with_poison(3000, every=100)
     answers, _ = await asyncio.gather(run_load(client, texts), release_after_a_hang(engine, hangs))

@@ -41,8 +41,9 @@ class Chaos:
     seed: int = 0
 
 
-class HangOnce:
-    """Shared by all simulated devices: the hang marker wedges one call, then no other.
+class Hangs:
+    """The simulated devices' hangs, shared by all of them: the hang marker wedges one call,
+    then no other (`claim`).
 
     A wedged call (the marker's, or one the chaos rate drew) returns after its hang time or
     when released, whichever comes first: a test releases it once the watchdog has judged
@@ -86,7 +87,7 @@ class SimulatedDevice:
         latency_s: float,
         limit: int,
         chaos: Chaos | None = None,
-        hang_once: HangOnce | None = None,
+        hangs: Hangs | None = None,
         per_token_s: float = 0.0,
     ) -> None:
         self.device = device
@@ -95,7 +96,7 @@ class SimulatedDevice:
         self._limit = limit
         self._chaos = chaos or Chaos()
         self._random = random.Random(f"{self._chaos.seed}:{device}")
-        self._hang_once = hang_once or HangOnce()
+        self._hangs = hangs or Hangs()
         self._busy = threading.Lock()
         self.calls = 0
 
@@ -108,8 +109,8 @@ class SimulatedDevice:
             self.calls += 1
             chaos, fate = self._chaos, self._random.random()
             padded = len(inputs) * max(map(len, inputs))
-            if fate < chaos.hang_rate or self._hang_once.claim(inputs):
-                self._hang_once.hold(chaos.hang_s)
+            if fate < chaos.hang_rate or self._hangs.claim(inputs):
+                self._hangs.hold(chaos.hang_s)
             else:
                 time.sleep(self._latency_s + self._per_token_s * padded)
             poisoned = [i for i, text in enumerate(inputs) if POISON_MARKER in text]
@@ -134,13 +135,13 @@ def simulated_factory(
     limit: int,
     chaos: Chaos | None = None,
     per_token_s: float = 0.0,
-    hang_once: HangOnce | None = None,
+    hangs: Hangs | None = None,
 ) -> DeviceFactory:
-    """Simulated devices sharing one `hang_once` (pass one to release its hang)."""
-    hang_once = hang_once or HangOnce()
+    """Simulated devices sharing one `hangs` (pass one to release their hangs)."""
+    hangs = hangs or Hangs()
 
     def load(device: str) -> BatchFn:
-        return SimulatedDevice(device, latency_s, limit, chaos, hang_once, per_token_s)
+        return SimulatedDevice(device, latency_s, limit, chaos, hangs, per_token_s)
 
     return load
 

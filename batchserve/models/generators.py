@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from ..errors import StartupError
-from .backends import POISON_MARKER, HangOnce, SimulatedFault, import_attr
+from .backends import POISON_MARKER, Hangs, SimulatedFault, import_attr
 from .chat_tools import fallback_messages, plain_chat_prompt
 from .grammar import Compiled
 from .logprobs import TokenLogprob
@@ -235,7 +235,7 @@ class SimulatedGenerator:
         kv_budget_tokens: int,
         fail_rate: float = 0.0,
         hang_s: float = 10.0,
-        hang_once: HangOnce | None = None,
+        hangs: Hangs | None = None,
         seed: int = 0,
     ) -> None:
         self.device = device
@@ -244,7 +244,7 @@ class SimulatedGenerator:
         self._per_token_s = per_token_s
         self._fail_rate = fail_rate
         self._hang_s = hang_s
-        self._hang_once = hang_once or HangOnce()
+        self._hangs = hangs or Hangs()
         self._random = random.Random(f"{seed}:{device}")
         self._prefilled: set[str] = set()
         self._busy = threading.Lock()
@@ -269,8 +269,8 @@ class SimulatedGenerator:
             self.steps += 1
             new = [s for s in seqs if s.id not in self._prefilled]
             processed = sum(len(s.prompt) + len(s.tokens) for s in new) + len(seqs) - len(new)
-            if self._hang_once.claim([s.prompt for s in seqs]):
-                self._hang_once.hold(self._hang_s)
+            if self._hangs.claim([s.prompt for s in seqs]):
+                self._hangs.hold(self._hang_s)
             time.sleep(self._fixed_s + self._per_token_s * processed)
             if any(POISON_MARKER in s.prompt for s in seqs):
                 raise SimulatedFault("a sequence of the step carries the poison marker")
@@ -310,7 +310,7 @@ def simulated_generator_factory(
     hang_s: float,
     seed: int,
 ) -> GeneratorFactory:
-    hang_once = HangOnce()
+    hangs = Hangs()
 
     def load(device: str) -> Generator:
         return SimulatedGenerator(
@@ -320,7 +320,7 @@ def simulated_generator_factory(
             kv_budget_tokens=kv_budget_tokens,
             fail_rate=fail_rate,
             hang_s=hang_s,
-            hang_once=hang_once,
+            hangs=hangs,
             seed=seed,
         )
 
