@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The GPU path in one run, under 8 minutes on one GPU: the CUDA tests (tests/test_cuda.py and
+# The GPU path in one run (its parts took about 5 minutes on an H200, not yet run as one
+# script): the CUDA tests (tests/test_cuda.py and
 # every test marked for CUDA: the tiny Llama's greedy equality with `generate`, SmolLM2's
 # equality test on CUDA, MiniLM's batch path and its server on CUDA), SmolLM2's decode step
 # timed and profiled at 1/16/64 rows, then the 1/16/64-stream benchmark of SmolLM2 on CUDA
