@@ -20,6 +20,7 @@ from . import tiny_llama
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
+from batchserve.models import causal_lm  # noqa: E402
 from batchserve.models.causal_lm import CausalLM  # noqa: E402
 
 
@@ -268,7 +269,7 @@ def cudnn_attention_restored() -> Any:
 
 
 @pytest.mark.usefixtures("cudnn_attention_restored")
-def test_a_model_on_cuda_turns_cudnn_attention_off_and_one_on_the_cpu_leaves_it():
+def test_cudnn_attention_is_turned_off_for_a_cuda_device_only():
     """cuDNN's attention builds a graph for each new shape, and decode shapes change every
     step (tests/test_cuda.py and benchmarks/gpu_check.sh run the model on a GPU)."""
     torch.backends.cuda.enable_cudnn_sdp(True)
@@ -276,3 +277,10 @@ def test_a_model_on_cuda_turns_cudnn_attention_off_and_one_on_the_cpu_leaves_it(
     assert torch.backends.cuda.cudnn_sdp_enabled()
     attention.avoid_cudnn_attention(torch, "cuda:0")
     assert not torch.backends.cuda.cudnn_sdp_enabled()
+
+
+def test_a_causal_lm_asks_to_avoid_cudnn_attention_on_its_device(monkeypatch, tok):
+    asked: list[str] = []
+    monkeypatch.setattr(causal_lm, "avoid_cudnn_attention", lambda _, device: asked.append(device))
+    CausalLM(tiny_llama.model(len(tok), tok.eos_token_id), tok, "cpu", kv_cache_bytes=1 << 20)
+    assert asked == ["cpu"]

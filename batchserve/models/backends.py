@@ -46,8 +46,9 @@ class Hangs:
     then no other (`claim`).
 
     A wedged call (the marker's, or one the chaos rate drew) returns after its hang time or
-    when released, whichever comes first: a test releases it once the watchdog has judged
-    it, so the hang outlasts any stall of the loop, however slow the machine.
+    when released, whichever comes first: a test that hands its devices its own `Hangs`
+    releases them once the watchdog has judged one, so the hang outlasts any stall of the
+    loop, however slow the machine.
     """
 
     def __init__(self) -> None:
