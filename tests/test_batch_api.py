@@ -335,14 +335,18 @@ async def test_the_openai_client_runs_an_embeddings_batch_and_cancels_one(aiohtt
         await each_as_online(ai, outputs)
 
         embedder.gate.clear()  # the next batch's first call waits on the device
-        file = await ai.files.create(file=("in.jsonl", io.BytesIO(jsonl(*lines))), purpose="batch")
-        batch = await ai.batches.create(
-            input_file_id=file.id, endpoint="/v1/embeddings", completion_window="24h"
-        )
-        assert await asyncio.to_thread(embedder.entered.wait, HANG_GUARD_S)
-        cancelling = await ai.batches.cancel(batch.id)
-        assert cancelling.status == "cancelling"
-        embedder.gate.set()
+        try:
+            file = await ai.files.create(
+                file=("in.jsonl", io.BytesIO(jsonl(*lines))), purpose="batch"
+            )
+            batch = await ai.batches.create(
+                input_file_id=file.id, endpoint="/v1/embeddings", completion_window="24h"
+            )
+            assert await asyncio.to_thread(embedder.entered.wait, HANG_GUARD_S)
+            cancelling = await ai.batches.cancel(batch.id)
+            assert cancelling.status == "cancelling"
+        finally:  # a failed step must not leave the device's thread held
+            embedder.gate.set()
         async with asyncio.timeout(HANG_GUARD_S):
             while batch.status != "cancelled":
                 batch = await ai.batches.retrieve(batch.id)
