@@ -58,13 +58,15 @@ def prompt(index: int) -> str:
     return f"Write a short story about a {animal} number {index} who lives in the city of"
 
 
-def serve(*args: str, device: str = "cpu") -> subprocess.Popen[str]:
+def serve(*args: str, device: str = "cpu", pinned: bool | None = None) -> subprocess.Popen[str]:
     """The server on `device`: pinned to core 0 on the CPU, unpinned beside a GPU (its loop
-    and device thread each want a core there)."""
+    and device thread each want a core there), unless `pinned` says otherwise."""
     command = [sys.executable, "-m", "batchserve", "--port", str(PORT), "--log-level",
                "WARNING", "--generator", "batchserve.models.causal_lm:load", "--devices", device,
                "--max-queue", "100000", *args]  # fmt: skip
-    return start_server(command, "llm-server.log", pinned=device == "cpu")
+    return start_server(
+        command, "llm-server.log", pinned=device == "cpu" if pinned is None else pinned
+    )
 
 
 async def stream(

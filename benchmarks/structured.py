@@ -344,11 +344,19 @@ def main() -> None:
                         help="the validity pass (the speed windows take their lengths from it)"
                         " and only this part")  # fmt: skip
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument(
+        "--unpinned",
+        action="store_true",
+        help="the server on every core, as it starts by default (its compute thread on core 1,"
+        " its loop and grammar compiles on core 0) rather than all of it on core 0",
+    )
     args = parser.parse_args()
     print(describe())
     os.sched_setaffinity(0, {1})  # the client's core; the server takes core 0
     started = time.monotonic()
-    server = serve("--dtype", args.dtype, "--first-token-timeout-ms", "600000")
+    server = serve(
+        "--dtype", args.dtype, "--first-token-timeout-ms", "600000", pinned=not args.unpinned
+    )
     try:
         asyncio.run(run(args, server.pid))
     finally:
