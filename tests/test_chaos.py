@@ -21,7 +21,7 @@ from batchserve.models.backends import (
     simulated_factory,
 )
 
-from .conftest import HANG_GUARD_S, reach
+from .conftest import reach
 
 ALLOWED_ERRORS = {500: "BACKEND_ERROR", 503: "NOT_READY", 504: "DEADLINE_EXCEEDED"}
 
@@ -84,13 +84,10 @@ async def test_poison_and_a_hang_fail_only_the_poison_requests(start_server):
 
 
 async def release_after_a_hang(engine: Engine, hangs: Hangs) -> None:
-    """Lets the wedged calls return once the watchdog has judged one of them hung."""
+    """Lets the wedged calls return once the watchdog has judged one of them hung: the
+    hung batch's hand-back changes the batcher's state, so the count is read then."""
     try:
-        async with asyncio.timeout(HANG_GUARD_S):
-            # Polled: a fault count, which nothing on the loop announces (a short pause
-            # between looks, not a timing: the loop is not kept spinning beside the load).
-            while engine.faults["batch_hung"] == 0:  # noqa: ASYNC110
-                await asyncio.sleep(0.01)
+        await reach(engine, lambda _: engine.faults["batch_hung"] > 0)
     finally:
         hangs.release()
 
