@@ -153,8 +153,7 @@ def prefill_view(torch: Any, device: str, dtype: Any, rows: list[int], fed: int)
     if fed == 0:
         return PrefillView(chunk)
     shown = torch.ones(chunk, len(rows), dtype=torch.bool, device=device).tril(fed)
-    mask = torch.zeros(shown.shape, dtype=dtype, device=device).masked_fill_(~shown, float("-inf"))
-    return PrefillView(chunk, torch.tensor(rows, device=device), mask)
+    return PrefillView(chunk, torch.tensor(rows, device=device), _added(torch, shown, dtype))
 
 
 @dataclass(frozen=True, slots=True)
@@ -305,7 +304,7 @@ def attend_with_lse(
         return out, lse
     if causal:
         shown = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
-        mask = torch.zeros(shown.shape, device=q.device).masked_fill_(~shown, float("-inf"))
+        mask = _added(torch, shown, torch.float32)
     return plain_attend_with_lse(torch, q, k, v, mask, scale)
 
 
@@ -354,10 +353,15 @@ def _padded(torch: Any, device: str, rows: list[list[int]], dtype: Any) -> Padde
     gather = [row for one in rows for row in one + [0] * (length - len(one))]
     lengths = torch.tensor([len(one) for one in rows], device=device)
     shown = (torch.arange(length, device=device)[None] < lengths[:, None])[:, None, None, :]
-    if dtype is not None:
-        hidden = torch.zeros(shown.shape, dtype=dtype, device=device)
-        shown = hidden.masked_fill_(~shown, float("-inf"))
-    return Padded(len(rows), torch.tensor(gather, device=device), shown)
+    mask = shown if dtype is None else _added(torch, shown, dtype)
+    return Padded(len(rows), torch.tensor(gather, device=device), mask)
+
+
+def _added(torch: Any, shown: Any, dtype: Any) -> Any:
+    """A boolean mask as one added to the scores, in `dtype`: 0 where shown, -inf where
+    hidden."""
+    hidden = torch.zeros(shown.shape, dtype=dtype, device=shown.device)
+    return hidden.masked_fill_(~shown, float("-inf"))
 
 
 def _prefix(torch: Any, device: str, rows: list[int]) -> Any:
