@@ -43,7 +43,7 @@ import time
 
 import aiohttp
 from cpuinfo import describe
-from servers import ROOT, start_server, stop_server
+from servers import ROOT, repository_env, start_server, stop_server
 from sse import events, piece
 
 PORT = 8767
@@ -192,10 +192,9 @@ def baselines(levels: list[int], dtype: str, device: str) -> dict[int, dict[str,
     step's matrix products alone, in a child on core 0 at one thread, like the server (on
     a GPU: unpinned, on the GPU)."""
     pinned = ["taskset", "-c", "0"] if device == "cpu" else []
-    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     out = subprocess.run(
         [*pinned, sys.executable, "-c", BASELINE, ",".join(map(str, levels)), dtype, device],
-        cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": path},
+        cwd=ROOT, capture_output=True, text=True, env=repository_env(),
     )  # fmt: skip
     if out.returncode != 0:
         sys.exit(f"the baselines' child failed ({out.returncode}):\n{out.stderr[-4000:]}")

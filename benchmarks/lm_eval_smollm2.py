@@ -24,7 +24,7 @@ from pathlib import Path
 
 from cpuinfo import describe
 from llm import PORT, serve
-from servers import ROOT, stop_server
+from servers import ROOT, repository_env, stop_server
 
 FOLDER = ROOT / "benchmarks/results/smollm2-fp32"
 TASK = "batchserve_smollm2"
@@ -84,9 +84,7 @@ def main() -> None:
         os.environ[name] = "1"
     if not (folder / "model.safetensors").exists():
         command = [sys.executable, "benchmarks/dequantize_gguf.py", str(folder)]
-        path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-        env = {**os.environ, "PYTHONPATH": path}
-        subprocess.run(command, cwd=ROOT, check=True, env=env)
+        subprocess.run(command, cwd=ROOT, check=True, env=repository_env())
     with tempfile.TemporaryDirectory() as temporary:
         tasks = Path(temporary)
         os.environ["HF_DATASETS_CACHE"] = str(tasks / "datasets")

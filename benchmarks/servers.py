@@ -16,6 +16,13 @@ PORT = 8765
 """Where every benchmark's server under test listens."""
 
 
+def repository_env() -> dict[str, str]:
+    """This environment for a child that imports the repository: its root first on
+    PYTHONPATH, what the caller had there kept (packages placed there, not installed)."""
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path}
+
+
 def start_server(
     command: list[str], log_name: str = "server.log", *, pinned: bool = True
 ) -> subprocess.Popen[str]:
