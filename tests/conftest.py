@@ -195,30 +195,31 @@ async def reach(engine: Engine, predicate: Callable[[EngineStats], bool]) -> Non
         pytest.fail(f"the engine never reached the state; it is {engine.stats()}")
 
 
-async def recovering(engine: Engine, device: str) -> None:
-    """Waits until the wedged call on `device` has returned (its thread, in real time) and
-    its probe back-off has begun on the engine's clock; bounded by the hang guard, not by a
-    count of loop passes, which a slow machine can run through before the thread returns."""
+async def polled(engine: Engine, holds: Callable[[], bool], what: str) -> None:
+    """Waits until `holds()`, checked on every loop pass: for a state that follows a device
+    thread's return, which nothing on the loop announces. Bounded by the hang guard, not by
+    a count of loop passes, which a slow machine can run through before the thread returns."""
     try:
         async with asyncio.timeout(HANG_GUARD_S):
-            # Polled: the state follows a thread's return, which nothing on the loop announces.
-            while engine.device_states()[device] != "recovering":  # noqa: ASYNC110
+            while not holds():  # noqa: ASYNC110
                 await asyncio.sleep(0)
     except TimeoutError:
-        pytest.fail(f"{device} never began recovering: {engine.device_states()}")
+        pytest.fail(f"never {what}; the devices are {engine.device_states()}")
+
+
+async def recovering(engine: Engine, device: str) -> None:
+    """Waits until the wedged call on `device` has returned (its thread, in real time) and
+    its probe back-off has begun on the engine's clock."""
+    await polled(engine, lambda: engine.device_states()[device] == "recovering",
+                 f"{device} began recovering")  # fmt: skip
 
 
 async def idle(engine: Engine, device: str) -> None:
     """Waits until `device` has no call inside (a release or a step may still be on its
     thread after the loop has moved on): a test that moves the fake clock past a call's
-    budget first waits for this, or the watchdog judges that call hung. Polled, as
-    `recovering` is; bounded by the hang guard."""
-    try:
-        async with asyncio.timeout(HANG_GUARD_S):
-            while engine._devices.get(device).state is not DeviceState.IDLE:  # noqa: ASYNC110
-                await asyncio.sleep(0)
-    except TimeoutError:
-        pytest.fail(f"{device} never became idle: {engine.device_states()}")
+    budget first waits for this, or the watchdog judges that call hung."""
+    await polled(engine, lambda: engine._devices.get(device).state is DeviceState.IDLE,
+                 f"{device} became idle")  # fmt: skip
 
 
 async def hold_one_and_queue_one(

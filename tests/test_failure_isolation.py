@@ -27,7 +27,7 @@ from batchserve.errors import BackendError
 from batchserve.models.backends import POISON_MARKER, simulate
 from batchserve.rules.tenants import Tenant
 
-from .conftest import HANG_GUARD_S, GatedBackend, reach, recovering
+from .conftest import HANG_GUARD_S, GatedBackend, polled, reach, recovering
 
 
 async def ask(client: TestClient, text: str) -> tuple[int, dict[str, object]]:
@@ -192,6 +192,8 @@ async def test_a_device_whose_every_call_raises_restarts_and_backs_off_while_bro
             texts = [f"w{wave}-{n}" for n in range(8)]
             results = await asyncio.gather(*map(engine.infer, texts))
             assert [r.output for r in results] == [simulate(t) for t in texts]
+        # The restart loads and probes on sim:1's thread, while the waves run on sim:0.
+        await polled(engine, lambda: engine.faults["restart_failed"] >= 1, "a failed restart")
         assert engine.device_states()["sim:1"] == "failing"
         assert gated.loads["sim:1"] >= 2  # loaded again on a fresh thread
         assert engine.faults["device_failing"] == 1

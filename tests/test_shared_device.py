@@ -19,7 +19,7 @@ from batchserve.errors import BackendError, NotReady
 from batchserve.models.generators import Seq
 from batchserve.models.specs import ModelSpec
 
-from .conftest import HANG_GUARD_S, recovering
+from .conftest import HANG_GUARD_S, polled, recovering
 from .test_generation import HANG_AT_3, OneHang, RecordingGenerator, generate
 
 
@@ -169,10 +169,8 @@ async def test_a_generation_device_whose_steps_keep_failing_is_probed_and_restar
         for prompt in ["one", "two"]:  # two whole steps in a row fail there: suspect, probed
             with pytest.raises(BackendError, match="fell off the bus"):
                 await generate(engine, prompt)
-        async with asyncio.timeout(HANG_GUARD_S):
-            # Polled: the probe and the reload run on the device's threads.
-            while not engine.faults["device_restarted"]:  # noqa: ASYNC110
-                await asyncio.sleep(0)
+        # The probe and the reload run on the device's threads.
+        await polled(engine, lambda: engine.faults["device_restarted"] > 0, "a restart")
         assert engine.faults["device_failing"] == 1  # its probe failed too
         assert len(loaded) == 2  # loaded again on a fresh thread, then probed
         assert (await generate(engine, "three"))[0] == "eerht"
