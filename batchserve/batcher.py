@@ -17,18 +17,17 @@ ends or a device's health changes). What runs again after a failed batch is
 `batching/rescue.py`'s, and the refusal of requests predicted to be late is
 `batching/shedding.py`'s: the batcher owns one of each.
 
-Batcher has 27 methods, over the house's 25: its public face (submit, discard, fail_queued,
-the pool's three callbacks, stats and capacity queries for the engine and metrics) plus the
-loop's.
-The module is over ~400 lines for that class, its lanes and the stats records it publishes;
-rescue and shedding are already in batching/.
+Batcher has 24 methods: its public face (submit, discard, fail_queued, the pool's three
+callbacks, stats and capacity queries for the engine and metrics) plus the loop's. The module
+is about 450 lines for that class and its lanes; what the devices can take
+(`batching/throughput.py`) and the waiters on its state (`batching/watchers.py`) are
+batching/'s, beside rescue and shedding.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-import math
 from collections import Counter
 from collections.abc import Callable
 
@@ -39,11 +38,12 @@ from .batching.request import QueuedRequest
 from .batching.rescue import LaneView, Rescue, still_waiting
 from .batching.shedding import Shedding, refuse_too_short
 from .batching.snapshot import BatcherSnapshot, BatcherStats
+from .batching.throughput import Throughput, queue_wait_s
+from .batching.watchers import Watchers
 from .clock import Clock
 from .config import Config
 from .devices.calls import BatchCall
 from .devices.fleet import Devices
-from .devices.health import HEALTHY
 from .errors import BatchserveError, NotReady, Overloaded
 from .gpu_pool import BatchDone, GpuPool
 from .models.registry import Key, ModelVersion
@@ -103,9 +103,10 @@ class Batcher:
         """Requests sent round again by kind of failure, and those answered 500."""
         self._wakeup = asyncio.Event()
         self._tasks = TaskSet(on_crash)
-        self._watchers: list[tuple[Callable[[BatcherStats], bool], asyncio.Future[None]]] = []
+        self._watchers = Watchers(self.stats)
         self._batches = 0
         self._completed = 0
+        self._throughput = Throughput(pool, clock)
         self._drain_rate = DecayedRate()
         self._arrival_rate = DecayedRate()
         self._on_batch_ran = on_batch_ran
@@ -154,7 +155,7 @@ class Batcher:
             healthy_devices=stats.healthy_devices,
             capacity_rps=capacity,
             arrival_rps=self.arrival_rps(now),
-            predicted_wait_s=_queue_wait_s(stats.queued, capacity),
+            predicted_wait_s=queue_wait_s(stats.queued, capacity),
             queued_by_version=dict(queued),
             batch_sizes=dict(self.batch_sizes),
             batch_fill=dict(self.batch_fill),
@@ -216,7 +217,7 @@ class Batcher:
         request.key.version.senders.heard(request.tenant, request.arrival)
         if not self._wakeup.is_set() and self.pool.free_count:
             self._wakeup.set()
-        self._changed()
+        self._watchers.changed()
 
     def discard(self, request: QueuedRequest) -> None:
         """Forgets a request its handler is done with; it may have been answered while queued
@@ -230,7 +231,7 @@ class Batcher:
             self._queued -= 1
             if not lane.queue:
                 del self._lanes[lane.key]
-        self._changed()
+        self._watchers.changed()
 
     def fail_queued(self, error: BatchserveError, version: ModelVersion | None = None) -> None:
         """Answers every waiting request (of `version`, if given) with `error`."""
@@ -245,7 +246,7 @@ class Batcher:
         self._rescue.drop(version)
         self.pool.prepared.withdraw(None if version is None else {version})
         self.idle.fail(error, version)
-        self._changed()
+        self._watchers.changed()
 
     # The pool's callbacks: it tells what happened to a batch or a device.
 
@@ -258,7 +259,7 @@ class Batcher:
         self._completed += answered
         self._drain_rate.add(finished, answered)
         self._wakeup.set()
-        self._changed()
+        self._watchers.changed()
         if self._on_batch_ran is not None:
             self._on_batch_ran(batch, started, finished)
 
@@ -270,7 +271,7 @@ class Batcher:
             self.pool.prepared.withdraw(self.pool.sharing(key.version))
         self._rescue.batch_failed(batch, key, failure)
         self._wakeup.set()
-        self._changed()
+        self._watchers.changed()
 
     def health_changed(self) -> None:
         """Fails what no healthy device is left to run."""
@@ -283,65 +284,17 @@ class Batcher:
                     NotReady(f"no healthy device is left to run {version.spec.label}"), version
                 )
         self._wakeup.set()
-        self._changed()
+        self._watchers.changed()
 
     async def wait_until(self, predicate: Callable[[BatcherStats], bool]) -> None:
         """Returns once `predicate(stats())` holds: for draining, and for tests."""
-        if predicate(self.stats()):
-            return
-        future = asyncio.get_running_loop().create_future()
-        watcher = (predicate, future)
-        self._watchers.append(watcher)
-        try:
-            await future
-        finally:
-            if watcher in self._watchers:
-                self._watchers.remove(watcher)
-
-    def _changed(self) -> None:
-        if not self._watchers:
-            return
-        stats = self.stats()
-        for watcher in [w for w in self._watchers if w[0](stats)]:
-            self._watchers.remove(watcher)
-            if not watcher[1].done():
-                watcher[1].set_result(None)
+        await self._watchers.wait_until(predicate)
 
     def arrival_rps(self, now: float) -> float:
         return self._arrival_rate.at(now)
 
     def capacity_rps(self, version: ModelVersion | None = None) -> float | None:
-        """Requests a second the healthy devices can take in full batches of `version`;
-        without one, of the versions they run (each device at its fastest). None until a
-        batch has finished, since the call time is measured, not assumed."""
-        if version is not None:
-            call_s = version.estimate.seconds
-            if not call_s:
-                return None
-            return self._devices_left(version) * version.spec.max_batch_size / call_s
-        rates = [
-            max(measured)
-            for device in self.pool.devices
-            if device.state in HEALTHY
-            and (measured := [rate for v in device.fns if (rate := _full_batch_rps(v))])
-        ]
-        return sum(rates) if rates else None
-
-    def _devices_left(self, version: ModelVersion) -> float:
-        """The healthy devices `version` can count on: what the versions sharing them took
-        of their time lately is not, though start-time fair queuing leaves it at least an
-        even split when all want more."""
-        devices = self.pool.healthy_for(version)
-        sharing = self.pool.sharing(version)
-        if len(sharing) < 2:
-            return devices
-        now = self._clock.time()
-        taken = sum(v.device_time.at(now) for v in sharing if v is not version)
-        return max(devices - taken, devices / len(sharing))
-
-    def predicted_queue_wait_s(self, queued: int) -> float:
-        """How long a request arriving now would wait for the `queued` ahead of it to drain."""
-        return _queue_wait_s(queued, self.capacity_rps())
+        return self._throughput.rps(version)
 
     def _drain_time_s(self) -> float:
         rate = self._drain_rate.at(self._clock.time())
@@ -424,7 +377,7 @@ class Batcher:
             self.pool.dispatch(batch, self._count(key, batch), key, reason)
             if idle:
                 self._prepare_idle()
-        self._changed()
+        self._watchers.changed()
 
     def _count(self, key: Key, batch: list[QueuedRequest]) -> int:
         """Counts a batch sent; its id."""
@@ -462,7 +415,7 @@ class Batcher:
                     oldest_arrival=head[0].arrival,
                     earliest_deadline=min(request.deadline for request in head),
                     service_s=lane.predicted_s(size),
-                    device_share=self._device_share(lane.key.version, now),
+                    device_share=self._throughput.device_share(lane.key.version, now),
                 )
                 decision = lane.key.version.policy.decide(
                     now, view, free, self.pool.busy_since_of(lane.key)
@@ -488,20 +441,6 @@ class Batcher:
         lane.tag = start + (lane.predicted_s(count) or 1.0) / lane.queue.weight
         return lane, count, None, reason
 
-    def _device_share(self, version: ModelVersion, now: float) -> float | None:
-        """The devices `version`'s partial batches may spread over where other versions
-        share them: its part of their arrivals. (Counting what the others leave idle as
-        well was measured worse: the small batches it allows take time the others then
-        lack, so their share falls and this one's grows.) None where it has its devices
-        to itself."""
-        sharing = self.pool.sharing(version)
-        if len(sharing) < 2:
-            return None
-        total = sum(v.arrivals.at(now) for v in sharing)
-        if total <= 0:
-            return None
-        return self.pool.healthy_for(version) * version.arrivals.at(now) / total
-
     def _take(self, lane: Lane, count: int, now: float) -> list[QueuedRequest]:
         """`count` requests in batch order; expired ones are answered 504 instead."""
         taken = lane.queue.take(count)
@@ -514,15 +453,3 @@ class Batcher:
 def _limits(key: Key) -> Lane:
     """What an idle call's size is read from: the lane `key` would have."""
     return Lane(key, 0.0)
-
-
-def _full_batch_rps(version: ModelVersion) -> float | None:
-    call_s = version.estimate.seconds
-    return version.spec.max_batch_size / call_s if call_s else None
-
-
-def _queue_wait_s(queued: int, capacity_rps: float | None) -> float:
-    """How long `queued` requests take to drain at `capacity_rps` (forever at none)."""
-    if not queued:
-        return 0.0
-    return queued / capacity_rps if capacity_rps else math.inf

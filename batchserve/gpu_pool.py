@@ -13,7 +13,7 @@ batch-time estimate; all timing reads its clock. An idle call (the Batch API's) 
 next prepared behind it (`prepared`, `devices/prepared.py`): the device's thread starts it
 as the call returns, and the pool takes it up as its own when it handles that call's end.
 
-GpuPool has about 26 methods, 9 of them one-line queries the batcher asks of the devices at
+GpuPool has about 27 methods, 10 of them short queries the batcher asks of the devices at
 each decision (free_for, healthy_for, ...), which belong with the devices they count.
 """
 
@@ -24,7 +24,7 @@ import functools
 import itertools
 import logging
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
 from .batching.faults import BatchFailure, FailureKind
@@ -129,6 +129,10 @@ class GpuPool:
         return sum(
             d.state in HEALTHY and version in d.fns and d.name not in avoid for d in self.devices
         )
+
+    def healthy_versions(self) -> Iterator[Collection[ModelVersion]]:
+        """The versions on each device in service."""
+        return (device.fns.keys() for device in self.devices if device.state in HEALTHY)
 
     def sharing(self, version: ModelVersion) -> frozenset[ModelVersion]:
         """The versions loaded on any device `version` is on, itself included."""
