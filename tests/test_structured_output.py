@@ -229,6 +229,11 @@ async def test_bad_tools_and_grammars_are_refused_naming_them_before_any_step(se
         ({"response_format": {"type": "xml"}}, '"response_format" must be'),
         ({"structured_outputs": {"yaml": 1}}, "unknown key(s): yaml"),
         ({"guided_choice": []}, '"guided_choice" must be a list'),
+        ({"guided_json": "{not json"}, '"guided_json": the schema\'s text is not JSON'),
+        ({"response_format": {"type": "json_object"}, "stop": [":"]},
+         '"stop" cannot be combined with "response_format"'),
+        ({"tools": [WEATHER_TOOL], "tool_choice": "required", "stop": '"'},
+         '"stop" cannot be combined with "tools"'),
     ]  # fmt: skip
     async with aiohttp.ClientSession() as http:
         for extra, message in cases:
@@ -434,3 +439,107 @@ def test_the_cpu_mask_blocks_what_xgrammars_kernel_blocks(vocab):
         assert torch.isinf(ours[1]).sum() >= vocab - 3 * 32
         untouched = [row for row in range(6) if row not in rows]
         assert torch.equal(ours[untouched], logits[untouched])
+
+
+async def test_top_logprobs_under_a_grammar_list_only_tokens_it_allows(served):
+    """A forbidden token's log-probability is -inf, which JSON cannot hold (it was written
+    as null): the alternatives are the tokens the grammar allows, however few."""
+    server, _ = served
+    body = {"model": "llm", "messages": CHAT, "max_tokens": 4, "logprobs": True,
+            "top_logprobs": 20, "guided_choice": ["cat", "dog"]}  # fmt: skip
+    url = server.make_url("/v1/chat/completions")
+    async with aiohttp.ClientSession() as http, http.post(url, json=body) as response:
+        answer = await response.json()
+    assert response.status == 200, answer
+    assert answer["choices"][0]["message"]["content"] in ("cat", "dog")
+    content = answer["choices"][0]["logprobs"]["content"]
+    first = content[0]["top_logprobs"]
+    assert 0 < len(first) < 20  # only beginnings of "cat" and "dog"
+    assert all(t["token"] and ("cat".startswith(t["token"]) or "dog".startswith(t["token"]))
+               for t in first)  # fmt: skip
+    assert all(isinstance(t["logprob"], float) for e in content for t in e["top_logprobs"])
+
+
+ALTERNATING = (
+    "{% for m in messages %}{% if not loop.first and m['role'] == messages[loop.index0 - 1]"
+    "['role'] %}{{ raise_exception('roles must alternate') }}{% endif %}"
+    "<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+"""A chat template that refuses two turns of one role in a row, as Mistral's and Gemma's do."""
+
+
+async def test_a_template_that_refuses_the_chat_gets_400_and_parallel_results_share_a_turn(
+    served, tok, monkeypatch
+):
+    server, _ = served
+    monkeypatch.setattr(tok, "chat_template", ALTERNATING, raising=False)
+    calls = [{"id": f"call_{n}", "type": "function",
+              "function": {"name": "get_weather", "arguments": f'{{"city": "{city}"}}'}}
+             for n, city in enumerate(["Paris", "Oslo"])]  # fmt: skip
+    results = [{"role": "tool", "tool_call_id": c["id"], "content": "sunny"} for c in calls]
+    history = [*CHAT, {"role": "assistant", "content": None, "tool_calls": calls}, *results]
+    url = server.make_url("/v1/chat/completions")
+    async with aiohttp.ClientSession() as http:
+        twice = {"model": "llm", "messages": [*CHAT, *CHAT], "max_tokens": 2}
+        async with http.post(url, json=twice) as response:
+            refused = await response.json()
+        assert response.status == 400, refused
+        assert refused["error"]["message"] == (
+            "the model's chat template refused these messages: roles must alternate"
+        )
+        # Two parallel calls' results: one user turn, so the template takes the chat.
+        answered = {"model": "llm", "messages": history, "tools": [WEATHER_TOOL],
+                    "max_tokens": 2}  # fmt: skip
+        async with http.post(url, json=answered) as response:
+            assert response.status == 200, await response.text()
+
+
+def test_a_template_with_a_tools_section_is_given_the_tools_and_the_calls_as_objects(
+    tok, monkeypatch
+):
+    from batchserve.models.chat_tools import templated_chat
+
+    monkeypatch.setattr(tok, "chat_template", TOOLS_TEMPLATE, raising=False)
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}  # fmt: skip
+    history = [*CHAT, {"role": "assistant", "content": None, "tool_calls": [call]}]
+    text = templated_chat(tok, history, [WEATHER_TOOL])
+    assert text.startswith('<tools>[{"type": "function", "function": {"name": "get_weather"')
+    assert "<|assistant|>call get_weather Oslo" in text  # the arguments as an object
+    assert text.endswith("<|assistant|>")
+    assert "<tool_call>" not in text  # the template's own format, not the fallback's
+
+
+TOOLS_TEMPLATE = (
+    "{% if tools %}<tools>{{ tools | tojson }}</tools>{% endif %}"
+    "{% for m in messages %}<|{{ m['role'] }}|>{% for c in m.get('tool_calls') or [] %}"
+    "call {{ c['function']['name'] }} {{ c['function']['arguments']['city'] }}{% endfor %}"
+    "{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+"""A chat template with a tools section (as Qwen's and Hermes' have)."""
+
+
+def test_parallel_tool_calls_false_ends_an_auto_answer_after_its_first_call(tok):
+    import torch
+    import xgrammar as xgr
+
+    from batchserve.models.grammar import GrammarCompiler
+
+    compiler = GrammarCompiler(tok, len(tok), {tok.eos_token_id})
+    tools = json.dumps([{"name": "get_weather", "parameters": Weather.model_json_schema()}])
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}'
+    made = tok.encode("Let me look. " + call + "\n</tool_call>", add_special_tokens=False)
+
+    def allowed_next(kind: Literal["tool_auto", "tool_auto_one"]) -> set[int]:
+        matcher = compiler.compile(GrammarSpec(kind, tools)).matcher(made)
+        bitmask = xgr.allocate_token_bitmask(1, len(tok))
+        matcher.fill(bitmask, 0)
+        logits = torch.zeros(1, len(tok))
+        xgr.apply_token_bitmask_inplace(logits, bitmask)
+        return set(torch.nonzero(logits[0] == 0).flatten().tolist())
+
+    assert allowed_next("tool_auto_one") == {tok.eos_token_id}
+    after_one_of_many = allowed_next("tool_auto")
+    assert tok.eos_token_id in after_one_of_many
+    assert tok.encode("<", add_special_tokens=False)[0] in after_one_of_many  # another call

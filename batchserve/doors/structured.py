@@ -79,8 +79,12 @@ def _response_format(value: object) -> list[Constraint]:
 
 def _guided(kind: str, value: object, field: str) -> Constraint:
     if kind == "guided_json":
-        text = value if isinstance(value, str) else json_schema_text(value, field)
-        return Constraint(GrammarSpec("json_schema", text), field)
+        if isinstance(value, str):  # the schema's JSON text: written again, one cache key
+            try:
+                value = orjson.loads(value)
+            except orjson.JSONDecodeError:
+                raise InvalidInput(f'"{field}": the schema\'s text is not JSON') from None
+        return Constraint(GrammarSpec("json_schema", json_schema_text(value, field)), field)
     if kind == "guided_choice":
         return Constraint(GrammarSpec("grammar", _choice_grammar(value, field)), field)
     if not isinstance(value, str) or not value:

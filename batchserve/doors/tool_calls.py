@@ -6,8 +6,9 @@ arguments in pieces).
 Calls are written in the Hermes format (`models/chat_tools.py`); every choice but `none` is
 held to it by a grammar: `required` and a named function make the answer exactly one call
 (valid JSON for that function's parameters), `auto` lets the model write text, and any call
-it opens with `<tool_call>` must be a whole, valid call of a listed function. `none` shows
-the tools to the model and reads no calls.
+it opens with `<tool_call>` must be a whole, valid call of a listed function (with
+`parallel_tool_calls: false`, the answer ends after its first call). `none` shows the tools
+to the model and reads no calls.
 """
 
 from __future__ import annotations
@@ -20,7 +21,13 @@ from typing import Any, NamedTuple
 import orjson
 
 from ..errors import InvalidInput
-from ..models.grammar import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, Constraint, GrammarSpec
+from ..models.grammar import (
+    TOOL_CALL_CLOSE,
+    TOOL_CALL_OPEN,
+    Constraint,
+    GrammarKind,
+    GrammarSpec,
+)
 from .structured import json_schema_text
 
 MAX_TOOLS = 128
@@ -46,6 +53,7 @@ def read_tools(payload: Mapping[str, Any]) -> Tools:
     """`tools` and `tool_choice` checked; InvalidInput naming the field otherwise."""
     given = payload.get("tools")
     choice = payload.get("tool_choice")
+    parallel = payload.get("parallel_tool_calls")
     if given is None or given == []:
         if choice not in (None, "none", "auto"):
             raise InvalidInput(f'"tool_choice" {_brief(choice)} needs "tools"')
@@ -63,9 +71,12 @@ def read_tools(payload: Mapping[str, Any]) -> Tools:
     choice = "auto" if choice is None else choice
     if choice == "none":
         return Tools(listed, None)
-    if choice in ("auto", "required"):
-        kind = "tool_auto" if choice == "auto" else "tool_call"
+    if choice == "auto":
+        # One call at most where the client says so: the answer ends after it.
+        kind: GrammarKind = "tool_auto_one" if parallel is False else "tool_auto"
         return Tools(listed, _tools_constraint(kind, functions, "tools"))
+    if choice == "required":  # exactly one call
+        return Tools(listed, _tools_constraint("tool_call", functions, "tools"))
     named = _named(choice)
     for index, function in enumerate(functions):
         if function["name"] == named:
@@ -218,9 +229,8 @@ def _function(tool: object, field: str) -> tuple[str, Any]:
     return name, parameters
 
 
-def _tools_constraint(kind: str, functions: list[dict[str, Any]], field: str) -> Constraint:
-    spec = GrammarSpec("tool_call" if kind == "tool_call" else "tool_auto", _json(functions))
-    return Constraint(spec, field)
+def _tools_constraint(kind: GrammarKind, functions: list[dict[str, Any]], field: str) -> Constraint:
+    return Constraint(GrammarSpec(kind, _json(functions)), field)
 
 
 def _named(choice: object) -> str:

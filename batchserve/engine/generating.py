@@ -127,6 +127,13 @@ class GenerationPath:
         prefill alone cannot make it: rules/prefill.py); by its bytes before the tokenizer
         runs where they say so, then by its tokens, counted off the event loop."""
         text, max_tokens = prompt.text, prompt.max_tokens
+        stops = stop_strings(prompt.stop)
+        if stops and prompt.constraint is not None:
+            raise InvalidInput(
+                f'"stop" cannot be combined with "{prompt.constraint.field}": the grammar'
+                " decides where the answer ends, and a stop string would cut it where it is"
+                " not valid"
+            )
         generation_model, deadline, in_flight = self._intake.admit(
             self._route, prompt.model, prompt.version, text, prompt.timeout_ms, request_id,
             tenant, arrival, first_token=True,
@@ -155,7 +162,7 @@ class GenerationPath:
             request_id=request_id,
             prompt_tokens=prompt_tokens,
             max_tokens=limit,
-            stops=stop_strings(prompt.stop),
+            stops=stops,
             arrival=arrival,
             deadline=deadline,
             model=generation_model.spec.name,

@@ -11,7 +11,8 @@ templates use too, so that one parser reads every answer (`doors/tool_calls.py`)
 
 An earlier assistant turn's calls are written back the same way, and a tool's result as a
 user turn between `<tool_response>` tags (a user turn, because some templates refuse a role
-they do not know).
+they do not know; the results of parallel calls share one, because some refuse two user
+turns in a row).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from ..errors import InvalidInput
 from .grammar import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 
 TOOLS_PREAMBLE = (
@@ -35,18 +37,22 @@ def templated_chat(
     tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
 ) -> str:
     """`messages` (OpenAI's shape) as one prompt in the tokenizer's chat template, with
-    `tools` in its tools section or else the fallback; the plain template without one."""
+    `tools` in its tools section or else the fallback; the plain template without one.
+    InvalidInput (400) where the template refuses the chat (a template may raise on turns
+    it does not allow: roles out of order, a system message it has no place for)."""
     template = getattr(tokenizer, "chat_template", None)
     if template is None:
         return plain_chat_prompt(messages, tools)
-    if tools and "tools" in template:
+    from jinja2 import TemplateError  # transformers renders templates with jinja2
+
+    with_tools = bool(tools) and "tools" in template
+    turns = template_messages(messages) if with_tools else fallback_messages(messages, tools)
+    try:
         text: str = tokenizer.apply_chat_template(
-            template_messages(messages), tools=tools, tokenize=False, add_generation_prompt=True
+            turns, tools=tools if with_tools else None, tokenize=False, add_generation_prompt=True
         )
-        return text
-    text = tokenizer.apply_chat_template(
-        fallback_messages(messages, tools), tokenize=False, add_generation_prompt=True
-    )
+    except TemplateError as exc:
+        raise InvalidInput(f"the model's chat template refused these messages: {exc}") from None
     return text
 
 
@@ -66,10 +72,18 @@ def fallback_messages(
     """The chat as plain (role, text) turns: the tools listed in the system message, calls
     and results written as text."""
     turns: list[dict[str, str]] = []
+    after_results = False
     for message in messages:
         role, content = message["role"], message.get("content") or ""
         if role == "tool":
-            role, content = "user", f"<tool_response>\n{content}\n</tool_response>"
+            content = f"<tool_response>\n{content}\n</tool_response>"
+            if after_results:
+                # Parallel calls' results as one user turn: templates that make roles
+                # alternate refuse two user turns in a row.
+                turns[-1]["content"] += "\n" + content
+                continue
+            role = "user"
+        after_results = message["role"] == "tool"
         calls = message.get("tool_calls") or []
         written = [TOOL_CALL_OPEN + _call_json(call) + TOOL_CALL_CLOSE for call in calls]
         turns.append({"role": role, "content": "\n".join(filter(None, [content, *written]))})

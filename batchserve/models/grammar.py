@@ -28,17 +28,21 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
 
-GrammarKind = Literal["json_schema", "json_object", "regex", "grammar", "tool_call", "tool_auto"]
+GrammarKind = Literal[
+    "json_schema", "json_object", "regex", "grammar", "tool_call", "tool_auto", "tool_auto_one"
+]
 
 
 @dataclass(frozen=True, slots=True)
 class GrammarSpec:
-    """A constraint in canonical text: a JSON schema serialized with sorted keys, a regular
-    expression, an EBNF grammar (xgrammar's, as vLLM's `guided_grammar`), or tools (their
-    `[{"name", "parameters"}]` as JSON): `tool_call`, exactly one call of one of them,
-    written between the tool-call tags; `tool_auto`, free text in which each call the model
-    starts with the opening tag must be whole and valid. Two requests asking for the same
-    thing share one compiled grammar."""
+    """A constraint in canonical text: a JSON schema as compact JSON in the order given
+    (its properties' order is the output's), a regular expression, an EBNF grammar
+    (xgrammar's, as vLLM's `guided_grammar`), or tools (their `[{"name", "parameters"}]` as
+    JSON): `tool_call`, exactly one call of one of them, written between the tool-call tags;
+    `tool_auto`, free text in which each call the model starts with the opening tag must be
+    whole and valid; `tool_auto_one`, the same with the answer ending after its first call
+    (`parallel_tool_calls: false`). Two requests asking for the same thing share one
+    compiled grammar."""
 
     kind: GrammarKind
     text: str = ""
@@ -120,7 +124,8 @@ class GrammarCompiler:
             elif spec.kind == "tool_call":
                 compiled = compiler.compile_grammar(xgr.Grammar.union(*_calls(xgr, spec.text)))
             else:
-                compiled = compiler.compile_structural_tag(_triggered_calls(xgr, spec.text))
+                one = spec.kind == "tool_auto_one"
+                compiled = compiler.compile_structural_tag(_triggered_calls(xgr, spec.text, one))
         except GrammarError:
             raise
         except (RuntimeError, ValueError, TypeError) as exc:
@@ -216,8 +221,9 @@ def _calls(xgr: Any, tools_text: str) -> list[Any]:
     return calls
 
 
-def _triggered_calls(xgr: Any, tools_text: str) -> str:
-    """A structural tag: free text, and each call begun with the opening tag a whole call."""
+def _triggered_calls(xgr: Any, tools_text: str, only_one: bool) -> str:
+    """A structural tag: free text, and each call begun with the opening tag a whole call;
+    `only_one`: the answer ends after the first."""
     tags = [
         {
             "begin": f'{TOOL_CALL_OPEN}{{"name": {json.dumps(name)}, "arguments": ',
@@ -226,7 +232,8 @@ def _triggered_calls(xgr: Any, tools_text: str) -> str:
         }
         for name, parameters in _tools(xgr, tools_text)
     ]
-    triggered = {"type": "triggered_tags", "triggers": [TOOL_CALL_OPEN.strip()], "tags": tags}
+    triggered = {"type": "triggered_tags", "triggers": [TOOL_CALL_OPEN.strip()], "tags": tags,
+                 "stop_after_first": only_one}  # fmt: skip
     return json.dumps({"type": "structural_tag", "format": triggered})
 
 

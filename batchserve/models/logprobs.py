@@ -13,6 +13,7 @@ at every position of its prefill, so a sequence asking for them computes its who
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -66,7 +67,8 @@ def rows_logprobs(
     for row, (token, logprob) in enumerate(zip(tokens, picked.tolist(), strict=True)):
         count = tops[row]
         pairs = zip(ids[row][:count], values[row][:count], strict=True) if count else ()
-        alternatives = tuple(Candidate(i, token_bytes(i), v) for i, v in pairs)
+        # A token a grammar forbids (masked to -inf) is no alternative: never listed.
+        alternatives = tuple(Candidate(i, token_bytes(i), v) for i, v in pairs if v > -math.inf)
         out.append(TokenLogprob(token, token_bytes(token), logprob, alternatives))
     return out
 
