@@ -543,3 +543,32 @@ def test_parallel_tool_calls_false_ends_an_auto_answer_after_its_first_call(tok)
     after_one_of_many = allowed_next("tool_auto")
     assert tok.eos_token_id in after_one_of_many
     assert tok.encode("<", add_special_tokens=False)[0] in after_one_of_many  # another call
+
+
+async def test_a_preempted_constrained_sequence_replays_its_grammar(tok, tiny):
+    """A preempted sequence is recomputed from its prompt and the tokens it made, and its
+    matcher replayed from them: its answer is the one it makes alone."""
+    spec = GrammarSpec("json_schema", json.dumps(Pet.model_json_schema()))
+    prompts = [" ".join([word] * 40) for word in ("cat", "bird", "dog", "park", "hand", "mat")]
+    longest = max(len(tok.encode(p)) for p in prompts)
+    most = 160  # room for the whole answer
+
+    def engine_of(kv_bytes: int) -> Engine:
+        generator = lambda device: CausalLM(tiny, tok, device, kv_cache_bytes=kv_bytes)  # noqa: E731
+        spec = ModelSpec(name="llm", version="1", generator=generator, devices="cpu")
+        return Engine(Config(step_tokens=16, timeout_ms=600_000.0), models=[spec])
+
+    async def answer(engine: Engine, prompt: str) -> str:
+        asked = Prompt(prompt, max_tokens=most, constraint=Constraint(spec, "x"))
+        async with engine.generate(asked) as gen:
+            return await gen.result()
+
+    async with engine_of(2**20) as roomy:
+        alone = [await answer(roomy, p) for p in prompts]
+    async with engine_of(512 * 2 * (longest + most)) as tight:  # room for about two
+        together = await asyncio.gather(*(answer(tight, p) for p in prompts))
+        assert tight.metrics is not None
+        (row,) = tight.metrics.snapshot()["generation"]
+    assert row["preemptions"] > 0
+    assert list(together) == alone
+    assert all(Pet.model_validate_json(text) for text in alone)
