@@ -22,7 +22,7 @@ from batchserve.config import Config
 from batchserve.engine.core import Engine
 from batchserve.errors import NotReady, StartupError
 
-from .conftest import ROOT, real_server
+from .conftest import HANG_GUARD_S, ROOT, real_server
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -190,14 +190,14 @@ async def test_real_process_serves_then_drains_on_sigterm(tmp_path):
             answer = await in_flight
             assert answer.status == 200
             assert (await answer.json())["output"] == "cba"
-        assert await asyncio.wait_for(process.wait(), 30) == 0
+        assert await asyncio.wait_for(process.wait(), HANG_GUARD_S) == 0
 
 
 async def test_real_process_exits_on_sigterm_while_a_device_is_hung():
     """A wedged call's thread cannot be killed; it must not keep the process alive."""
     async with real_server(
         "--devices", "sim:2", "--sim-latency-ms", "1", "--sim-hang-ms", "600000",
-        "--batch-timeout-ms", "200",
+        "--batch-timeout-ms", "2000",  # the retry's 1 ms call never reaches it, loaded or not
     ) as (process, _, url):  # fmt: skip
         async with aiohttp.ClientSession(url) as session:
             answer = await session.post("/api/inference", json={"input": "x!hang!"})
@@ -205,7 +205,7 @@ async def test_real_process_exits_on_sigterm_while_a_device_is_hung():
             devices = (await (await session.get("/readyz")).json())["devices"]
             assert sorted(devices.values()) == ["hung", "idle"]
         process.send_signal(signal.SIGTERM)
-        assert await asyncio.wait_for(process.wait(), 30) == 0
+        assert await asyncio.wait_for(process.wait(), HANG_GUARD_S) == 0
 
 
 async def _log_line(process: asyncio.subprocess.Process, text: str) -> str:

@@ -178,6 +178,24 @@ async def test_a_ticket_goes_queued_running_completed(gated):
         assert (first.status, second.status) == ("completed", "completed")
 
 
+async def test_a_waiter_on_the_state_sees_the_request_whose_arrival_changed_it(gated):
+    """The batcher announces a change once it holds the request: by then the request is
+    counted as pending, or a waiter for it would see the old count and sleep on."""
+    async with running(gated, FakeClock()) as engine:
+        first = engine.submit("first")
+        await reach(engine, lambda s: s.in_flight == 1)
+        waiter = asyncio.ensure_future(engine.view.wait_until(lambda s: s.pending == 2))
+        await asyncio.sleep(0)  # it waits: one pending
+        assert not waiter.done()
+        second = engine.submit("second")  # queued behind the gate: only it changes the state
+        await asyncio.sleep(0)  # the woken waiter's turn
+        seen = waiter.done()
+        waiter.cancel()
+        gated.gate.set()
+        await asyncio.gather(first, second)
+    assert seen
+
+
 async def test_a_drain_that_does_not_refuse_serves_what_still_arrives(gated):
     """drain(refuse_new=False), a server's whose doors are already closed: readiness is
     off, and a request its open connections still bring is run and answered; the drain

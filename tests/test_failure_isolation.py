@@ -555,7 +555,9 @@ async def test_a_rescue_group_does_not_ride_back_to_the_device_it_just_failed_on
     would sink them all again): they wait for sim:1, and every request gets its answer."""
     steps = PerDeviceSteps(["sim:0", "sim:1"])
     clock = FakeClock()
-    config = Config(max_batch_size=20)
+    # A hang budget the test's virtual time never reaches: each `until` may advance up to
+    # 500 ms while a thread is slow to return, and "busy" spans several of them.
+    config = Config(max_batch_size=20, batch_timeout_ms=600_000)
     async with Engine(config, fn_per_device=steps, devices="sim:2", clock=clock) as engine:
         for n in range(3):  # three fresh batches that succeed: rides pay
             steps.permits["sim:0"].release()

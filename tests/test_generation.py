@@ -397,6 +397,7 @@ async def test_a_hung_step_hands_its_sequences_to_another_device_mid_stream(reco
         assert other.steps == [["moved"]] * (len(prompt) + 1 - 3)
         stuck.release_seen.clear()
         hang.release.set()  # the late step returns: dropped, and its sequence released
+        await idle(engine, free)  # the ended sequence's release there has a budget too
         await probed_back(engine, clock, hang.device)  # once a probe has answered
         while "moved" not in stuck.released:  # the probe's own release may come first
             assert await asyncio.to_thread(stuck.release_seen.wait, HANG_GUARD_S)

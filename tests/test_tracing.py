@@ -353,7 +353,7 @@ async def test_the_real_server_with_trace_on_sends_its_spans_by_otlp_when_it_dra
                 )
                 assert [a.status for a in answers] == [200] * 20
             process.send_signal(signal.SIGTERM)
-            assert await asyncio.wait_for(process.wait(), 30) == 0
+            assert await asyncio.wait_for(process.wait(), HANG_GUARD_S) == 0
     finally:
         await runner.cleanup()
     spans = [

@@ -386,9 +386,15 @@ class Engine:
         if tenant is not None:
             request.tenant, request.tier_rank = tenant.name, tenant.rank
             request.tenant_weight = tenant.weight
-        self._batcher.submit(request)
         request.part = part
+        # Pending before the batcher hears of it: whoever waits on the state it announces
+        # (draining, `wait_until`) sees this request counted.
         self._intake.pending[flight_key] = request
+        try:
+            self._batcher.submit(request)
+        except BaseException:
+            del self._intake.pending[flight_key]
+            raise
         # Its deadline fails the future, rather than asyncio.timeout_at: the hot path then
         # needs no Timeout object and no task-cancel round trip.
         return request, self._deadlines.add(request)
