@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import threading
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -19,10 +20,12 @@ from batchserve.config import Config
 from batchserve.engine.core import Engine
 from batchserve.engine.requests import Prompt
 from batchserve.errors import InvalidInput
-from batchserve.generation.grammars import Grammars
+from batchserve.generation.grammars import MAX_OVERDUE, Grammars
 from batchserve.models.grammar import Compiled, Constraint, GrammarError, GrammarSpec
 from batchserve.models.specs import ModelSpec
 from batchserve.server import create_app
+
+from .conftest import HANG_GUARD_S
 
 pytest.importorskip("torch")
 pytest.importorskip("xgrammar")
@@ -309,6 +312,41 @@ async def test_grammars_compile_once_are_cached_bounded_and_refused_past_the_bou
     await grammars.compiled(a, "f")
     assert spy.calls == [a, b, bad, c, a]
     grammars.close()
+
+
+async def test_a_compile_past_its_bound_holds_up_no_other_and_few_hold_threads():
+    """One client's pathological grammar (its compile never ends here) is refused at the
+    bound, and the grammars asked for after it compile beside it; at most `MAX_OVERDUE`
+    overdue compiles hold threads, then the next waits for one of them to end."""
+    clock = FakeClock()
+    release = threading.Event()
+
+    def compile_one(spec: GrammarSpec) -> Compiled:
+        if spec.text.startswith("slow"):
+            release.wait(HANG_GUARD_S)
+        return Compiled(None, spec, [])
+
+    grammars = Grammars(compile_one, clock, label="llm", cache_size=8, timeout_s=5.0)
+    slow = [GrammarSpec("regex", f"slow{n}") for n in range(MAX_OVERDUE + 1)]
+    try:
+        for spec in slow:
+            refused = asyncio.ensure_future(grammars.compiled(spec, "f"))
+            await asyncio.sleep(0)
+            clock.advance(5.0)
+            with pytest.raises(InvalidInput, match="was not compiled within 5000 ms"):
+                await refused
+            if spec is slow[0]:  # one overdue: the next grammar compiles beside it
+                fast = grammars.compiled(GrammarSpec("regex", "fast"), "g")
+                assert await asyncio.wait_for(fast, HANG_GUARD_S)
+                assert not release.is_set()
+        waiting = asyncio.ensure_future(grammars.compiled(GrammarSpec("regex", "later"), "g"))
+        await asyncio.sleep(0)
+        assert list(grammars._queued) == [GrammarSpec("regex", "later")]  # every thread held
+        release.set()
+        assert await asyncio.wait_for(waiting, HANG_GUARD_S)
+    finally:
+        release.set()
+        grammars.close()
 
 
 def test_a_length_bounded_string_holds_no_control_character(tok):
