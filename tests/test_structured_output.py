@@ -141,6 +141,23 @@ async def test_a_cut_answer_says_length_and_is_a_start_of_a_valid_one(served):
     text = cut.choices[0].message.content or ""
     assert text
     assert '{"name": "'.startswith(text), text  # the schema's start, cut
+    async with client_of(server) as ai:
+        for stream in (False, True):
+            answer = await ai.chat.completions.create(
+                model="llm", messages=CHAT, max_tokens=3, tools=[WEATHER_TOOL],  # type: ignore[arg-type,list-item]
+                tool_choice="required", stream=stream,
+            )  # fmt: skip
+            if stream:
+                chunks = [chunk.choices[0] async for chunk in answer if chunk.choices]  # type: ignore[union-attr]
+                reason = chunks[-1].finish_reason
+                said = "".join(c.delta.content or "" for c in chunks)
+                calls = [call for c in chunks for call in c.delta.tool_calls or []]
+            else:
+                (choice,) = answer.choices  # type: ignore[union-attr]
+                reason, said = choice.finish_reason, choice.message.content or ""
+                calls = choice.message.tool_calls or []
+            # Cut inside the call's tags, before its name: neither a call nor text.
+            assert (reason, said, calls) == ("length", "", []), stream
 
 
 async def test_the_openai_client_parses_a_pydantic_model(served):

@@ -196,7 +196,8 @@ class _Shape:
         until it is known not to open a call sends nothing yet, its log-probabilities going
         with the next delta); at its end, what was held, then the finish reason."""
         index, calls = event.choice, self._calls[event.choice]
-        deltas = calls.flush() if ended else calls.feed(event.text or "")
+        cut = gen.finish_reason == "length"
+        deltas = calls.flush(cut=cut) if ended else calls.feed(event.text or "")
         if ended:
             deltas.append({})
         chunks = []

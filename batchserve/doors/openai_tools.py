@@ -34,8 +34,9 @@ class ChatShape:
             return [{"content": text}] if text else []
         return self._stream.feed(text)
 
-    def flush(self) -> list[dict[str, Any]]:
-        return [] if self._stream is None else self._stream.flush()
+    def flush(self, *, cut: bool) -> list[dict[str, Any]]:
+        """What is held back, at the end (`cut`: by `max_tokens`)."""
+        return [] if self._stream is None else self._stream.flush(cut=cut)
 
     def finish_reason(self, reason: str | None) -> str | None:
         """OpenAI's `tool_calls` where the model ended after calling."""
@@ -49,7 +50,7 @@ class ChatShape:
             message: dict[str, Any] = {"role": "assistant", "content": output}
         else:
             self._stream.feed(output)
-            self._stream.flush()
+            self._stream.flush(cut=reason == "length")
             calls = self._stream.calls
             content = self._stream.content
             message = {"role": "assistant", "content": content or (None if calls else "")}

@@ -142,17 +142,20 @@ class ToolStream:
             elif state == (self._in_call, self._named, len(self._text)):
                 return deltas
 
-    def flush(self) -> list[dict[str, Any]]:
-        """What is held back, at the end: a call cut short keeps the arguments it has."""
+    def flush(self, *, cut: bool = False) -> list[dict[str, Any]]:
+        """What is held back, at the end: a call cut short keeps the arguments it has. Where
+        `max_tokens` cut the answer (`cut`), the start of a call's tags is dropped, named or
+        not yet: the grammar's tags are not the model's text."""
         rest, self._text = self._text, ""
         if not rest:
             return []
         if not self._in_call:
+            if cut and TOOL_CALL_OPEN.startswith(rest):
+                return []
             self.content += rest
             return [{"content": rest}]
         if not self._named:
-            self.content += TOOL_CALL_OPEN + rest
-            return [{"content": TOOL_CALL_OPEN + rest}]
+            return []
         return [self._arguments(rest)]
 
     def _content_delta(self) -> dict[str, Any] | None:
