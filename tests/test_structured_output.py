@@ -19,8 +19,8 @@ from batchserve.clock import FakeClock
 from batchserve.config import Config
 from batchserve.engine.core import Engine
 from batchserve.engine.requests import Prompt
-from batchserve.errors import InvalidInput
-from batchserve.generation.grammars import MAX_OVERDUE, Grammars
+from batchserve.errors import InvalidInput, NotReady
+from batchserve.generation.grammars import MAX_SLOW, SLOW_COMPILE_S, Grammars
 from batchserve.models.grammar import Compiled, Constraint, GrammarError, GrammarSpec
 from batchserve.models.specs import ModelSpec
 from batchserve.server import create_app
@@ -331,10 +331,10 @@ async def test_grammars_compile_once_are_cached_bounded_and_refused_past_the_bou
     grammars.close()
 
 
-async def test_a_compile_past_its_bound_holds_up_no_other_and_few_hold_threads():
-    """One client's pathological grammar (its compile never ends here) is refused at the
-    bound, and the grammars asked for after it compile beside it; at most `MAX_OVERDUE`
-    overdue compiles hold threads, then the next waits for one of them to end."""
+async def test_a_slow_compile_holds_up_no_other_and_few_hold_threads():
+    """One client's pathological grammar (its compile never ends here) does not hold up the
+    grammars asked for beside it; at most `MAX_SLOW` slow compiles hold threads, then the
+    next waits, and is dropped once nobody waits for it."""
     clock = FakeClock()
     release = threading.Event()
 
@@ -344,23 +344,33 @@ async def test_a_compile_past_its_bound_holds_up_no_other_and_few_hold_threads()
         return Compiled(None, spec, [])
 
     grammars = Grammars(compile_one, clock, label="llm", cache_size=8, timeout_s=5.0)
-    slow = [GrammarSpec("regex", f"slow{n}") for n in range(MAX_OVERDUE + 1)]
+
+    def ask(text: str) -> asyncio.Future[Compiled]:
+        return asyncio.ensure_future(grammars.compiled(GrammarSpec("regex", text), "f"))
+
     try:
-        for spec in slow:
-            refused = asyncio.ensure_future(grammars.compiled(spec, "f"))
-            await asyncio.sleep(0)
-            clock.advance(5.0)
-            with pytest.raises(InvalidInput, match="was not compiled within 5000 ms"):
-                await refused
-            if spec is slow[0]:  # one overdue: the next grammar compiles beside it
-                fast = grammars.compiled(GrammarSpec("regex", "fast"), "g")
-                assert await asyncio.wait_for(fast, HANG_GUARD_S)
-                assert not release.is_set()
-        waiting = asyncio.ensure_future(grammars.compiled(GrammarSpec("regex", "later"), "g"))
+        slow = [ask("slow0")]
+        fast = ask("fast")  # queued behind slow0, well within its own bound
         await asyncio.sleep(0)
-        assert list(grammars._queued) == [GrammarSpec("regex", "later")]  # every thread held
-        release.set()
-        assert await asyncio.wait_for(waiting, HANG_GUARD_S)
+        clock.advance(SLOW_COMPILE_S)  # slow0 is slow: fast starts beside it
+        assert await asyncio.wait_for(fast, HANG_GUARD_S)
+        for n in range(1, MAX_SLOW):
+            slow.append(ask(f"slow{n}"))
+            await asyncio.sleep(0)
+            clock.advance(SLOW_COMPILE_S)
+        given_up = ask("given-up")  # every thread is held by a slow compile: it waits
+        await asyncio.sleep(0)
+        assert list(grammars._queued) == [GrammarSpec("regex", "given-up")]
+        clock.advance(5.0)  # past every request's bound
+        for request in [*slow, given_up]:
+            with pytest.raises(InvalidInput, match="was not compiled within 5000 ms"):
+                await request
+        assert not grammars._queued  # nobody waits for it any more: dropped, not compiled
+        closing = ask("closing")
+        await asyncio.sleep(0)
+        grammars.close()
+        with pytest.raises(NotReady, match="shutting down"):
+            await closing
     finally:
         release.set()
         grammars.close()
@@ -627,3 +637,23 @@ async def test_a_preempted_constrained_sequence_replays_its_grammar(tok, tiny):
     assert row["preemptions"] > 0
     assert list(together) == alone
     assert all(Pet.model_validate_json(text) for text in alone)
+
+
+def test_a_call_cut_anywhere_keeps_only_the_start_of_its_arguments():
+    """Read in pieces and cut by `max_tokens` at every place: the call's arguments are the
+    start of its JSON (never the closing tags' start), and the tags never become text."""
+    from batchserve.doors.tool_calls import ToolStream
+
+    arguments = '{"city": "Oslo", "unit": "c"}'
+    written = f'<tool_call>\n{{"name": "get_weather", "arguments": {arguments}}}\n</tool_call>'
+    for end in range(len(written) + 1):
+        stream = ToolStream()
+        deltas = [d for piece in range(0, end, 3) for d in stream.feed(written[piece:end][:3])]
+        deltas += stream.flush(cut=True)
+        said = "".join(d.get("content", "") for d in deltas)
+        got = "".join(call["function"].get("arguments", "") for d in deltas
+                      for call in d.get("tool_calls", []))  # fmt: skip
+        assert said == "", end
+        assert arguments.startswith(got), (end, got)
+        if end == len(written):
+            assert got == arguments

@@ -156,7 +156,9 @@ class ToolStream:
             return [{"content": rest}]
         if not self._named:
             return []
-        return [self._arguments(rest)]
+        # Cut inside the closing tags: their start is not the arguments'.
+        args = rest[: len(rest) - _prefix_kept(rest, self._TAIL)]
+        return [self._arguments(args)] if args else []
 
     def _content_delta(self) -> dict[str, Any] | None:
         opening = self._text.find(TOOL_CALL_OPEN)

@@ -1,5 +1,5 @@
 """One generation model's compiled grammars (structured output, forced tool calls): compiled
-on a worker thread of their own, never on the event loop nor inside a step, and cached by
+on worker threads of their own, never on the event loop nor inside a step, and cached by
 their canonical text, so that the thousandth request with a schema pays a dictionary look-up.
 
 A grammar is compiled before its request is queued: one that does not compile, or is not
@@ -10,29 +10,32 @@ again is refused at once. Requests that ask for a grammar being compiled wait fo
 compile. A compile past the bound runs on to its end (the engine cannot be interrupted) and
 its outcome is cached; the bound counts the wait behind other compiles.
 
-Compiles run one at a time (each takes CPU the steps may want), except that a compile past
-its bound no longer holds the others up: the next one starts on another thread beside it,
-so one client's pathological grammar does not time out everyone else's. At most
-`MAX_OVERDUE` overdue compiles hold threads at once; past that, new ones wait.
+Compiles run one at a time (each takes CPU the steps may want), except that one running
+longer than `SLOW_COMPILE_S` no longer holds the others up: the next starts on another
+thread beside it, so one client's pathological grammar does not time out everyone else's.
+At most `MAX_SLOW` slow compiles hold threads at once; then new ones wait for one of them
+to end. A queued grammar whose requests have all given up is dropped, not compiled.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from ..clock import Clock, Timer
-from ..errors import InvalidInput
+from ..errors import InvalidInput, NotReady
 from ..models.grammar import Compiled, GrammarError, GrammarSpec
 
 MAX_GRAMMAR_CHARS = 200_000
 """The longest canonical text a grammar may have: a bound on what one compile may cost."""
 
-MAX_OVERDUE = 2
-"""Compiles past their bound that may hold a thread while the next runs beside them."""
+SLOW_COMPILE_S = 1.0
+"""A compile running longer lets the next one start beside it (most take 1-150 ms)."""
+MAX_SLOW = 3
+"""Slow compiles that may hold threads at once: the threads there are."""
 
 Compile = Callable[[GrammarSpec], Compiled]
 _Outcome = Compiled | GrammarError
@@ -56,10 +59,11 @@ class Grammars:
         self._cache: OrderedDict[GrammarSpec, _Outcome] = OrderedDict()
         self._compiling: dict[GrammarSpec, asyncio.Future[_Outcome]] = {}
         """Each grammar asked for and not yet compiled, and what its requests wait on."""
+        self._waiters: Counter[GrammarSpec] = Counter()
         self._queued: deque[GrammarSpec] = deque()
         self._running: dict[GrammarSpec, Timer] = {}
-        """Compiles on a thread, and the timer that marks each overdue at its bound."""
-        self._overdue: set[GrammarSpec] = set()
+        """Compiles on a thread, and the timer that marks each slow."""
+        self._slow: set[GrammarSpec] = set()
         self._threads: ThreadPoolExecutor | None = None
         self.compiles = 0
         """Grammars compiled (not found in the cache)."""
@@ -68,7 +72,7 @@ class Grammars:
         return len(self._cache)
 
     async def compiled(self, spec: GrammarSpec, field: str) -> Compiled:
-        """`spec` compiled, from the cache or the compile thread; InvalidInput (400) naming
+        """`spec` compiled, from the cache or a compile thread; InvalidInput (400) naming
         `field` where it cannot be."""
         if self._compile is None:
             raise InvalidInput(
@@ -90,12 +94,15 @@ class Grammars:
         late = asyncio.Event()
         timer = self._clock.call_at(self._clock.time() + self._timeout_s, late.set)
         waiting = asyncio.ensure_future(late.wait())
+        self._waiters[spec] += 1
         try:
             await asyncio.wait((future, waiting), return_when=asyncio.FIRST_COMPLETED)
         finally:
             timer.cancel()
             waiting.cancel()
-        if not future.done():
+            in_time = future.done()
+            self._left(spec)
+        if not in_time:
             raise InvalidInput(
                 f'"{field}" was not compiled within {self._timeout_s * 1e3:.0f} ms'
                 " (--grammar-compile-timeout-ms): simplify it"
@@ -103,10 +110,12 @@ class Grammars:
         return _checked(future.result(), field)
 
     def close(self) -> None:
+        """Answers what still waits (503), and leaves running compiles to end on their own."""
         for timer in self._running.values():
             timer.cancel()
         for future in self._compiling.values():
-            future.cancel()
+            if not future.done():
+                future.set_exception(NotReady(f"model {self._label} is shutting down"))
         if self._threads is not None:
             self._threads.shutdown(wait=False, cancel_futures=True)
 
@@ -116,31 +125,37 @@ class Grammars:
         self._run_next()
         return future
 
+    def _left(self, spec: GrammarSpec) -> None:
+        """One request stopped waiting for `spec`: a queued spec nobody waits for is dropped."""
+        self._waiters[spec] -= 1
+        if self._waiters[spec] > 0:
+            return
+        del self._waiters[spec]
+        if spec in self._queued:
+            self._queued.remove(spec)
+            self._compiling.pop(spec).cancel()
+
     def _run_next(self) -> None:
-        """Starts queued compiles while none is running within its bound, and overdue ones
-        leave a thread free."""
-        while (
-            self._queued
-            and len(self._running) == len(self._overdue)
-            and len(self._overdue) <= MAX_OVERDUE
-        ):
+        """Starts a queued compile where none runs but slow ones, and fewer than `MAX_SLOW`
+        of those hold threads."""
+        while self._queued and len(self._running) == len(self._slow) < MAX_SLOW:
             spec = self._queued.popleft()
             if self._threads is None:
                 label = f"batchserve-grammars-{self._label}"
-                self._threads = ThreadPoolExecutor(1 + MAX_OVERDUE, label)
+                self._threads = ThreadPoolExecutor(MAX_SLOW, label)
             loop = asyncio.get_running_loop()
             running = loop.run_in_executor(self._threads, self._compile_one, spec)
-            due = self._clock.time() + self._timeout_s
-            self._running[spec] = self._clock.call_at(due, self._past_bound, spec)
+            due = self._clock.time() + min(SLOW_COMPILE_S, self._timeout_s)
+            self._running[spec] = self._clock.call_at(due, self._is_slow, spec)
             running.add_done_callback(functools.partial(self._finished, spec))
 
-    def _past_bound(self, spec: GrammarSpec) -> None:
-        self._overdue.add(spec)
+    def _is_slow(self, spec: GrammarSpec) -> None:
+        self._slow.add(spec)
         self._run_next()
 
     def _finished(self, spec: GrammarSpec, running: asyncio.Future[_Outcome]) -> None:
         self._running.pop(spec).cancel()
-        self._overdue.discard(spec)
+        self._slow.discard(spec)
         future = self._compiling.pop(spec)
         if future.done():  # closed meanwhile
             return

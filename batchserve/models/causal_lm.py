@@ -30,6 +30,7 @@ chunks beside decodes) is not `generate`'s:
 from __future__ import annotations
 
 import importlib
+import threading
 from collections.abc import Set
 from dataclasses import replace
 from typing import Any
@@ -121,6 +122,7 @@ class CausalLM:
         """Token ids of a prompt given as ids are below it."""
         self._token_bytes = byte_decoder(tokenizer)
         self._grammars: GrammarCompiler | None = None
+        self._grammars_made = threading.Lock()
         self.progress = 0
         """Layers run, bumped on the device's thread: the watchdog gives a step that is
         still advancing another budget (a busy CPU's slow step is not a hang)."""
@@ -139,11 +141,12 @@ class CausalLM:
         return templated_chat(self.tokenizer, messages, tools)
 
     def compile_grammar(self, spec: GrammarSpec) -> Compiled:
-        """`spec` compiled for this tokenizer (on the model's compile thread, never a step's;
-        the compiled grammar serves every device)."""
-        if self._grammars is None:
-            vocab = self.model.lm_head.weight.shape[0]
-            self._grammars = GrammarCompiler(self.tokenizer, vocab, self._eos)
+        """`spec` compiled for this tokenizer (on a compile thread, never a step's; the
+        compiled grammar serves every device)."""
+        with self._grammars_made:  # a slow compile lets another start beside it
+            if self._grammars is None:
+                vocab = self.model.lm_head.weight.shape[0]
+                self._grammars = GrammarCompiler(self.tokenizer, vocab, self._eos)
         return self._grammars.compile(spec)
 
     def step(self, seqs: list[Seq]) -> list[Made]:

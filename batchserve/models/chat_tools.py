@@ -43,7 +43,7 @@ def templated_chat(
     template = getattr(tokenizer, "chat_template", None)
     if template is None:
         return plain_chat_prompt(messages, tools)
-    from jinja2 import TemplateError  # transformers renders templates with jinja2
+    from jinja2 import TemplateError, TemplateSyntaxError  # transformers renders with jinja2
 
     with_tools = bool(tools) and "tools" in template
     turns = template_messages(messages) if with_tools else fallback_messages(messages, tools)
@@ -51,6 +51,8 @@ def templated_chat(
         text: str = tokenizer.apply_chat_template(
             turns, tools=tools if with_tools else None, tokenize=False, add_generation_prompt=True
         )
+    except TemplateSyntaxError:
+        raise  # the template itself is broken: the server's fault, not the messages'
     except TemplateError as exc:
         raise InvalidInput(f"the model's chat template refused these messages: {exc}") from None
     return text

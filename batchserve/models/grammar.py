@@ -107,8 +107,8 @@ class GrammarCompiler:
         info = xgr.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=vocab_size, stop_token_ids=self._stop_ids
         )
-        # One thread: compiles run on one worker thread already. batchserve caches compiled
-        # grammars itself (bounded, generation/grammars.py).
+        # One thread: each compile runs on a worker thread already. batchserve caches
+        # compiled grammars itself (bounded, generation/grammars.py).
         self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
 
     def compile(self, spec: GrammarSpec) -> Compiled:
