@@ -657,3 +657,26 @@ def test_a_call_cut_anywhere_keeps_only_the_start_of_its_arguments():
         assert arguments.startswith(got), (end, got)
         if end == len(written):
             assert got == arguments
+
+
+def test_auto_text_and_two_calls_read_in_pieces_are_content_and_two_tool_calls():
+    from batchserve.doors.tool_calls import ToolStream
+
+    calls = [("get_weather", '{"city": "Oslo", "unit": "c"}'), ("take_note", '{"name": "x<"}')]
+    written = "I will look <b>twice</b>. " + "".join(
+        f'<tool_call>\n{{"name": "{name}", "arguments": {args}}}\n</tool_call>'
+        for name, args in calls
+    )
+    for size in (1, 3, 7, len(written)):
+        stream = ToolStream()
+        deltas = [
+            d for at in range(0, len(written), size) for d in stream.feed(written[at : at + size])
+        ]
+        deltas += stream.flush()
+        assert "".join(d.get("content", "") for d in deltas) == "I will look <b>twice</b>. "
+        read = [(c["function"]["name"], c["function"]["arguments"]) for c in stream.calls]
+        streamed = [c for d in deltas for c in d.get("tool_calls", [])]
+        arguments = ["".join(c["function"].get("arguments", "") for c in streamed
+                             if c["index"] == index) for index in range(2)]  # fmt: skip
+        assert [name for name, _ in read] == [name for name, _ in calls]
+        assert arguments == [args for _, args in calls], size
