@@ -34,6 +34,7 @@ from collections.abc import Callable
 from .batching.faults import BatchFailure, RetryBudget
 from .batching.idle import IdleLines
 from .batching.lanes import Lane
+from .batching.online_wait import OnlineWait
 from .batching.request import QueuedRequest
 from .batching.rescue import LaneView, Rescue, still_waiting
 from .batching.shedding import Shedding, refuse_too_short
@@ -104,6 +105,7 @@ class Batcher:
         self._wakeup = asyncio.Event()
         self._tasks = TaskSet(on_crash)
         self._watchers = Watchers(self.stats)
+        self._online_wait = OnlineWait()
         self._batches = 0
         self._completed = 0
         self._throughput = Throughput(pool, clock)
@@ -160,7 +162,7 @@ class Batcher:
             batch_sizes=dict(self.batch_sizes),
             batch_fill=dict(self.batch_fill),
             recoveries=dict(self.recoveries),
-            idle=self.idle.counts(),
+            idle=self.idle.counts(self._online_wait.seconds),
         )
 
     def queued_for(self, version: ModelVersion) -> int:
@@ -187,6 +189,7 @@ class Batcher:
             self.idle.push(request)
             if not self._wakeup.is_set() and self.pool.free_count:
                 self._wakeup.set()
+            self._changed()
             return
         if self._queued >= self.max_queue:
             raise Overloaded(
@@ -217,7 +220,7 @@ class Batcher:
         request.key.version.senders.heard(request.tenant, request.arrival)
         if not self._wakeup.is_set() and self.pool.free_count:
             self._wakeup.set()
-        self._watchers.changed()
+        self._changed()
 
     def discard(self, request: QueuedRequest) -> None:
         """Forgets a request its handler is done with; it may have been answered while queued
@@ -231,7 +234,7 @@ class Batcher:
             self._queued -= 1
             if not lane.queue:
                 del self._lanes[lane.key]
-        self._watchers.changed()
+        self._changed()
 
     def fail_queued(self, error: BatchserveError, version: ModelVersion | None = None) -> None:
         """Answers every waiting request (of `version`, if given) with `error`."""
@@ -246,7 +249,7 @@ class Batcher:
         self._rescue.drop(version)
         self.pool.prepared.withdraw(None if version is None else {version})
         self.idle.fail(error, version)
-        self._watchers.changed()
+        self._changed()
 
     # The pool's callbacks: it tells what happened to a batch or a device.
 
@@ -259,7 +262,7 @@ class Batcher:
         self._completed += answered
         self._drain_rate.add(finished, answered)
         self._wakeup.set()
-        self._watchers.changed()
+        self._changed()
         if self._on_batch_ran is not None:
             self._on_batch_ran(batch, started, finished)
 
@@ -271,7 +274,7 @@ class Batcher:
             self.pool.prepared.withdraw(self.pool.sharing(key.version))
         self._rescue.batch_failed(batch, key, failure)
         self._wakeup.set()
-        self._watchers.changed()
+        self._changed()
 
     def health_changed(self) -> None:
         """Fails what no healthy device is left to run."""
@@ -284,11 +287,19 @@ class Batcher:
                     NotReady(f"no healthy device is left to run {version.spec.label}"), version
                 )
         self._wakeup.set()
-        self._watchers.changed()
+        self._changed()
 
     async def wait_until(self, predicate: Callable[[BatcherStats], bool]) -> None:
         """Returns once `predicate(stats())` holds: for draining, and for tests."""
         await self._watchers.wait_until(predicate)
+
+    def _changed(self) -> None:
+        """Counts online waiting (only where lines wait), then tells the waiters."""
+        if self.idle or self._online_wait.open:
+            online = self._queued + self._rescue.retrying()
+            waiting = bool(self.idle) and online > 0 and self.pool.free_count > 0
+            self._online_wait.update(self._clock.time(), waiting)
+        self._watchers.changed()
 
     def arrival_rps(self, now: float) -> float:
         return self._arrival_rate.at(now)
@@ -377,7 +388,7 @@ class Batcher:
             self.pool.dispatch(batch, self._count(key, batch), key, reason)
             if idle:
                 self._prepare_idle()
-        self._watchers.changed()
+        self._changed()
 
     def _count(self, key: Key, batch: list[QueuedRequest]) -> int:
         """Counts a batch sent; its id."""

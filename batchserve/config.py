@@ -188,7 +188,7 @@ class Config:
     grammar_compile_timeout_ms: float = setting(
         10_000.0,
         help="how long a request waits for its grammar to compile (on the model's compile"
-        " thread, never in a step) before it is refused with 400",
+        " threads, never in a step) before it is refused with 400",
     )
     policy: PolicyName = setting(
         "adaptive",

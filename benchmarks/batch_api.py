@@ -9,7 +9,11 @@ second); then the same open-loop online load at 70 % of it runs twice on the sam
 alone and beside a 10,000-line `/v1/embeddings` batch created as its window starts (the
 window order alternates between repeats). The server is pinned to core 0, loadgen.py to
 core 1. Reported: the online p99 of both windows, and in the batch's window the device
-seconds its lines used over the device time online calls left idle.
+seconds its lines used over the device time online calls left idle: the window less the
+online calls' device time, and less the time the device stood free while online requests
+waited for it (`batchserve_online_wait_seconds`: the batcher's pass between calls, a policy
+lingering; lines never run then). The share over the window less the online calls alone
+(what earlier runs reported) is printed beside it.
 
 `restart`: `kill -9` of the server during a 2,000-line batch, a restart on the same
 `--batch-db`, and the batch's completion. `replicas`: two replicas behind Debian's nginx
@@ -139,14 +143,15 @@ def ended(batch: dict[str, Any]) -> bool:
 
 async def device_seconds(
     session: aiohttp.ClientSession, url: str
-) -> tuple[float, float, float, int, int]:
+) -> tuple[float, float, float, int, int, float]:
     """(time, the devices' busy seconds, the batch lines' device seconds, lines done, the
-    embedder's calls), from /api/stats."""
+    embedder's calls, seconds online requests waited for a free device), from /api/stats."""
     stats = await get(session, f"{url}/api/stats")
     busy = sum(device["busy_seconds"] for device in stats["devices"])
     [calls] = [model["batches"] for model in stats["models"] if model["model"] == "embed"]
     lines = stats["batch_api"]
-    return time.monotonic(), busy, lines["device_s"], lines["done"], calls
+    return (time.monotonic(), busy, lines["device_s"], lines["done"], calls,
+            lines["online_wait_s"])  # fmt: skip
 
 
 async def batch_window(rate: float, seconds: float, seed: int, lines: int) -> dict[str, Any]:
@@ -154,14 +159,16 @@ async def batch_window(rate: float, seconds: float, seed: int, lines: int) -> di
     url = f"http://127.0.0.1:{PORT}"
     async with aiohttp.ClientSession() as session:
         batch_id = await create_batch(session, url, embedding_lines(lines))
-        start, busy0, lines0, done0, calls0 = await device_seconds(session, url)
+        start, busy0, lines0, done0, calls0, wait0 = await device_seconds(session, url)
         online = await asyncio.to_thread(run_loadgen, rate, seconds, seed, ONLINE)
-        end, busy1, lines1, done1, calls1 = await device_seconds(session, url)
+        end, busy1, lines1, done1, calls1, wait1 = await device_seconds(session, url)
         running = (await get(session, f"{url}/v1/batches/{batch_id}"))["status"] == "in_progress"
         batch = await until(session, url, batch_id, ended)
     lines_s = lines1 - lines0
-    idle_s = (end - start) - (busy1 - busy0 - lines_s)  # one device
-    return {"online": online, "share": lines_s / idle_s, "still_running": running,
+    left_s = (end - start) - (busy1 - busy0 - lines_s)  # one device
+    idle_s = left_s - (wait1 - wait0)
+    return {"online": online, "share": lines_s / idle_s, "share_of_left": lines_s / left_s,
+            "online_wait_share": (wait1 - wait0) / left_s, "still_running": running,
             "completed": batch["request_counts"]["completed"],
             "per_call": (done1 - done0) / max(1, calls1 - calls0)}  # fmt: skip
 
@@ -332,7 +339,9 @@ def main() -> None:
                     f" {run['alone']['p99_ms']:.1f} ms, with the batch"
                     f" {run['online']['p99_ms']:.1f} ms"
                     f" ({run['online']['p99_ms'] / run['alone']['p99_ms']:.2f}x), idle share"
-                    f" {run['share']:.1%}, {run['per_call']:.2f} lines a call"
+                    f" {run['share']:.1%} (of all the online calls left {run['share_of_left']:.1%};"
+                    f" online waiting {run['online_wait_share']:.1%} of it),"
+                    f" {run['per_call']:.2f} lines a call"
                 )
             alone = median([r["alone"]["p99_ms"] for r in runs])
             beside = median([r["online"]["p99_ms"] for r in runs])
@@ -343,7 +352,8 @@ def main() -> None:
                   f"| {median([r['capacity_rps'] for r in runs]):.0f} |"
                   f" {median([r['rate'] for r in runs]):.0f} | {alone:.1f} | {beside:.1f} |"
                   f" {median([r['online']['p99_ms'] / r['alone']['p99_ms'] for r in runs]):.2f}x |"
-                  f" {median([r['share'] for r in runs]):.1%} |"
+                  f" {median([r['share'] for r in runs]):.1%}"
+                  f" ({median([r['share_of_left'] for r in runs]):.1%} of all the calls left) |"
                   f" {median([r['per_call'] for r in runs]):.2f} |"
                   f" {sum(r['still_running'] for r in runs)} of {len(runs)} |"
                   f" {min(r['completed'] for r in runs)} |",

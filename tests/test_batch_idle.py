@@ -173,3 +173,27 @@ async def test_only_a_deadline_that_passed_as_the_line_waited_is_tried_again(err
     assert recorded is not None
     assert recorded.failed
     assert orjson.loads(recorded.line)["response"]["body"]["error"]["code"] == error.code
+
+
+async def test_a_free_device_held_for_waiting_online_requests_is_not_idle_time(gated):
+    """A policy lingering for a fuller batch keeps the device free while an online request
+    waits; lines wait too (they never run then), and that time is counted apart from the
+    idle time they could have used: 50 ms of virtual linger here, nothing once it left."""
+    clock = FakeClock()
+    config = Config(policy="fixed", max_linger_ms=50, max_batch_size=8)
+    async with Engine(config, fn_per_device=gated, devices="sim:1", clock=clock) as engine:
+        assert engine.metrics is not None
+        gated.gate.set()
+        online = asyncio.ensure_future(engine.infer("online"))
+        line = asyncio.ensure_future(engine.infer("line", LINE))
+        await reach(engine, lambda s: s.queued == 1)
+        await asyncio.sleep(0)
+        assert not gated.calls  # the device stays free: the online request lingers
+        clock.advance(0.050)  # its linger ends: it leaves, then the line runs
+        assert (await online).output == "enilno"
+        assert (await line).output == "enil"
+        waited = engine.metrics.snapshot()["batch_api"]["online_wait_s"]
+        clock.advance(1.0)  # nothing waits: no more is counted
+        assert engine.metrics.snapshot()["batch_api"]["online_wait_s"] == waited
+    assert waited == pytest.approx(0.050)
+    assert calls(gated) == [["online"], ["line"]]

@@ -38,6 +38,9 @@ class IdleCounts(NamedTuple):
     done: int
     device_s: float
     """Device seconds the lines' batch calls took, in all."""
+    online_wait_s: float
+    """Seconds a free device stood while online requests (and lines) waited for it: not
+    idle capacity (`batching/online_wait.py`)."""
 
 
 class Limits(Protocol):
@@ -85,8 +88,10 @@ class IdleLines:
     def __repr__(self) -> str:
         return f"<IdleLines waiting={len(self)} running={self.running} done={self.done}>"
 
-    def counts(self) -> IdleCounts:
-        return IdleCounts(len(self) + self.held, self.running, self.done, self.device_s)
+    def counts(self, online_wait_s: float) -> IdleCounts:
+        return IdleCounts(
+            len(self) + self.held, self.running, self.done, self.device_s, online_wait_s
+        )
 
     def versions(self) -> set[ModelVersion]:
         return {key.version for key in itertools.chain(self._waiting, (k for k, _ in self._again))}

@@ -361,6 +361,11 @@ _BATCH_API_GAUGES = Gauges(
             "Device seconds the Batch API's calls took since start: its rate over the devices"
             " is the share of device time batches used.",
         ),
+        (
+            "batchserve_online_wait_seconds",
+            "Seconds since start a free device stood while online requests waited for it (the"
+            " batcher's pass, a policy lingering) and Batch API lines waited: not idle capacity.",
+        ),
     ]
 )
 _BATCH_BOUNDS = (*map(str, BATCH_BUCKETS), "+Inf")
