@@ -81,6 +81,11 @@ class IdleLines:
         self.done = 0
         self.device_s = 0.0
 
+    def __bool__(self) -> bool:
+        """Whether lines wait: cheaper than counting them, and the batcher asks at every
+        change of its state."""
+        return bool(self._waiting) or bool(self._again)
+
     def __len__(self) -> int:
         fresh = sum(len(waiting) for waiting in self._waiting.values())
         return fresh + sum(len(group) for _, group in self._again)
