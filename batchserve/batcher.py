@@ -228,6 +228,7 @@ class Batcher:
         if request.tier_rank == IDLE_RANK:
             if not request.running:
                 self.idle.discard(request)
+                self._changed()  # the last line gone: online waiting is no longer counted
             return
         lane = None if request.running else self._lanes.get(request.key)  # ran: not queued
         if lane is not None and lane.queue.discard(request):

@@ -193,8 +193,8 @@ async def test_a_cancelled_batch_keeps_what_ran_and_cannot_be_cancelled_once_end
     start_server, gated, tmp_path
 ):
     client, _engine = await start_server(gated, batch_db=str(tmp_path / "b.db"),
-                                        batch_lines_in_flight=1)  # fmt: skip
-    _, file = await upload(client, jsonl(*(line(n) for n in range(4))))
+                                        batch_lines_in_flight=2)  # fmt: skip
+    _, file = await upload(client, jsonl(*(line(n) for n in range(20))))
     _, batch = await create(client, file["id"])
     await gated.entered("sim:0")  # the first line is on the device; the rest wait
     cancelling = await (await client.post(f"/v1/batches/{batch['id']}/cancel")).json()
@@ -204,7 +204,8 @@ async def test_a_cancelled_batch_keeps_what_ran_and_cannot_be_cancelled_once_end
     batch = await ended(client, batch["id"])
     assert batch["status"] == "cancelled"
     assert batch["cancelled_at"]
-    assert batch["request_counts"]["completed"] < 4
+    # Cancelled here, the runner here took no line after it: only the two it held ran.
+    assert batch["request_counts"]["completed"] == 2
     answer = await client.post(f"/v1/batches/{batch['id']}/cancel")
     assert answer.status == 200  # cancelled: as it is
     listed = await (await client.get("/v1/batches?limit=1")).json()
@@ -354,3 +355,16 @@ async def test_the_openai_client_runs_an_embeddings_batch_and_cancels_one(aiohtt
         assert batch.output_file_id is not None  # what ran is kept
         text = (await ai.files.content(batch.output_file_id)).text
         await each_as_online(ai, [orjson.loads(raw) for raw in text.splitlines()])
+
+
+async def test_files_listed_by_purpose_fill_their_page(served):
+    """A batch's output file is newer than its input: a page of one `batch` file must still
+    hold the input, the filter applied before the page is cut, not after."""
+    _, file = await upload(served, jsonl(line(0)))
+    for _ in range(2):  # two output files, newer than the input
+        _, batch = await create(served, file["id"])
+        done = await ended(served, batch["id"])
+    page = await (await served.get("/v1/files?purpose=batch&limit=1")).json()
+    assert ([f["id"] for f in page["data"]], page["has_more"]) == ([file["id"]], False)
+    outputs = await (await served.get("/v1/files?purpose=batch_output&limit=1")).json()
+    assert [f["id"] for f in outputs["data"]] == [done["output_file_id"]]

@@ -197,3 +197,23 @@ async def test_a_free_device_held_for_waiting_online_requests_is_not_idle_time(g
         assert engine.metrics.snapshot()["batch_api"]["online_wait_s"] == waited
     assert waited == pytest.approx(0.050)
     assert calls(gated) == [["online"], ["line"]]
+
+
+async def test_online_waiting_stops_counting_when_the_last_line_leaves(gated):
+    clock = FakeClock()
+    config = Config(policy="fixed", max_linger_ms=50, max_batch_size=8)
+    async with Engine(config, fn_per_device=gated, devices="sim:1", clock=clock) as engine:
+        assert engine.metrics is not None
+        gated.gate.set()
+        online = asyncio.ensure_future(engine.infer("online"))
+        line = asyncio.ensure_future(engine.infer("line", LINE))
+        await reach(engine, lambda s: s.queued == 1)
+        await asyncio.sleep(0)
+        clock.advance(0.010)
+        line.cancel()  # its handler leaves: nothing is left to use idle time
+        with pytest.raises(asyncio.CancelledError):
+            await line
+        clock.advance(0.040)  # the linger ends
+        assert (await online).output == "enilno"
+        waited = engine.metrics.snapshot()["batch_api"]["online_wait_s"]
+    assert waited == pytest.approx(0.010)

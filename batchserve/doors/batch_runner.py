@@ -65,6 +65,10 @@ class BatchRunner:
         self.holder = holder or f"{socket.gethostname()}:{os.getpid()}:{new_request_id()[:8]}"
         """This replica's name on the leases it holds."""
         self._running: dict[str, asyncio.Task[None]] = {}
+        self._wakes: dict[str, asyncio.Event] = {}
+        """Each batch running here: what wakes its task."""
+        self._to_read: set[str] = set()
+        """Batches whose status changed here: their task reads it at once."""
         self._tasks = TaskSet(self._crashed)
         self._poked = asyncio.Event()
 
@@ -88,6 +92,14 @@ class BatchRunner:
     def poke(self) -> None:
         """A batch was created here: take it now rather than at the next renewal."""
         self._poked.set()
+
+    def status_changed(self, batch_id: str) -> None:
+        """A batch was cancelled through this replica: if it runs here, it reads its status
+        now and takes no more lines, rather than at its next check (others see it then)."""
+        wake = self._wakes.get(batch_id)
+        if wake is not None:
+            self._to_read.add(batch_id)
+            wake.set()
 
     async def _hold(self) -> None:
         while True:
@@ -140,11 +152,11 @@ class BatchRunner:
         """Tries that ended past their deadline, by line: of lines running or in `retry`."""
         cursor = -1
         checked = self._clock.time()
-        wake = asyncio.Event()
+        wake = self._wakes[batch_id] = asyncio.Event()
         try:
             while batch["status"] == "in_progress" and now_s() < batch["expires_at"]:
                 wake.clear()  # before the store is read: a line ending meanwhile wakes it
-                while len(running) < self._in_flight:
+                while len(running) < self._in_flight and batch_id not in self._to_read:
                     if not retry:
                         fresh = await store.pending(batch_id, cursor, self._in_flight)
                         if not fresh:
@@ -160,7 +172,8 @@ class BatchRunner:
                 alarm = self._clock.call_at(self._clock.time() + CHECK_S, wake.set)
                 await wake.wait()
                 alarm.cancel()
-                if self._clock.time() >= checked + CHECK_S:
+                if batch_id in self._to_read or self._clock.time() >= checked + CHECK_S:
+                    self._to_read.discard(batch_id)
                     checked = self._clock.time()
                     batch = await store.update(batch_id, _unchanged) or batch
             if running:  # cancelled, or expired: what runs still counts
@@ -169,6 +182,9 @@ class BatchRunner:
             for task in running:
                 task.cancel()
             raise
+        finally:
+            del self._wakes[batch_id]
+            self._to_read.discard(batch_id)
         await self._finish(held.owner, batch_id)
 
     async def _line(

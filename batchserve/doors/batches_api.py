@@ -110,6 +110,7 @@ class BatchesApi:
             assert batch is not None  # batches are never deleted
             if batch["status"] not in ("cancelling", "cancelled"):
                 raise Conflict(f"Cannot cancel a batch with status {batch['status']}.")
+            self._runner.status_changed(batch_id)
         except BatchserveError as error:
             return error_response(error, request_id, openai_shape=True)
         return json_response(200, batch, {"X-Request-Id": request_id})

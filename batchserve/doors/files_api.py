@@ -114,12 +114,9 @@ class FilesApi:
         try:
             owner = owner_of(self._tenant_of(request))
             after, limit = PAGE.read(request)
-            files = await self._store.files(owner, after, limit + 1)
+            files = await _files(self._store, owner, after, limit + 1, request.query.get("purpose"))
         except BatchserveError as error:
             return error_response(error, request_id, openai_shape=True)
-        purpose = request.query.get("purpose")
-        if purpose is not None:
-            files = [file for file in files if file["purpose"] == purpose]
         return json_response(200, list_page(files, limit))
 
     async def retrieve(self, request: web.Request) -> web.Response:
@@ -219,6 +216,21 @@ class FilesApi:
                 )
         if not count:
             raise InvalidInput("the file is empty: a batch needs one request a line")
+
+
+async def _files(
+    store: BatchStore, owner: str, after: str | None, count: int, purpose: str | None
+) -> list[dict[str, Any]]:
+    """`count` of the owner's files after `after`, of `purpose` if given: filtered as the
+    store's pages are read, so a page is never cut short by the filter."""
+    found: list[dict[str, Any]] = []
+    while len(found) < count:
+        page = await store.files(owner, after, count)
+        found += [file for file in page if purpose in (None, file["purpose"])]
+        if len(page) < count:
+            break
+        after = page[-1]["id"]
+    return found[:count]
 
 
 FILE = {
