@@ -156,8 +156,23 @@ async def test_a_file_over_either_cap_is_413(start_server, gated, tmp_path):
         gated, batch_db=str(tmp_path / "b.db"), batch_file_bytes=200, batch_file_lines=2
     )
     assert (await upload(client, jsonl(line(0), line(1), line(2))))[0] == 413
-    assert (await upload(client, jsonl(*(line(n, input="x" * 50) for n in range(2)))))[0] == 413
+    status, refused = await upload(client, jsonl(*(line(n, input="x" * 50) for n in range(2))))
+    assert (status, refused["error"]["message"]) == (
+        413,
+        "the file is over the limit of 200 bytes (--batch-file-bytes)",
+    )
     assert (await upload(client, jsonl(line(0), line(1))))[0] == 200
+
+
+async def test_a_file_over_the_body_limit_names_the_flag_that_sets_it(
+    start_server, gated, tmp_path
+):
+    client, _ = await start_server(gated, batch_db=str(tmp_path / "b.db"), max_input_bytes=100)
+    status, refused = await upload(client, jsonl(*(line(n, input="x" * 90) for n in range(60))))
+    assert status == 413
+    assert refused["error"]["message"] == (
+        "the file is over the limit of 4696 bytes (--max-input-bytes: the body limit is 6x it)"
+    )
 
 
 async def test_a_tenant_sees_and_uses_only_its_own_files_and_batches(start_server, gated, tmp_path):

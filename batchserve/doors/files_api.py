@@ -89,6 +89,12 @@ class FilesApi:
         self._store = store
         self._tenant_of = tenant_of
         self._max_bytes = min(config.batch_file_bytes, config.max_body_bytes)
+        self._bytes_flag = (
+            "--batch-file-bytes"
+            if config.batch_file_bytes <= config.max_body_bytes
+            else "--max-input-bytes: the body limit is 6x it"
+        )
+        """The flag whose limit an upload meets first: the one to name in a refusal."""
         self._max_lines = config.batch_file_lines
 
     def mount(self, add: Callable[[str, str, Any, Operation], None]) -> None:
@@ -192,7 +198,7 @@ class FilesApi:
             size += len(chunk)
             if size > self._max_bytes:
                 raise InputTooLarge(f"the file is over the limit of {self._max_bytes} bytes"
-                                    " (--batch-file-bytes)")  # fmt: skip
+                                    f" ({self._bytes_flag})")  # fmt: skip
             chunks.append(chunk)
         return b"".join(chunks)
 
