@@ -11,6 +11,7 @@ copied its lines when it was created. Errors carry OpenAI's body shape.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -174,7 +175,7 @@ class FilesApi:
             raise InvalidInput('"purpose" must be "batch": this server takes files for batches')
         if content is None or filename is None:
             raise InvalidInput('the form needs a "file" part')
-        self._check_lines(content)
+        await asyncio.to_thread(self._check_lines, content)  # off the loop, as a batch's are
         return purpose, filename, content
 
     async def _parts(self, reader: MultipartReader) -> tuple[str | None, str | None, bytes | None]:
