@@ -111,10 +111,14 @@ OPENAI_ERROR: Schema = {
     "properties": {
         "error": {
             "type": "object",
-            "required": ["message", "type", "code"],
+            "required": ["message", "type", "param", "code"],
             "properties": {
                 "message": {"type": "string"},
-                "type": {"type": "string", "description": "the code in lower case"},
+                "type": {
+                    "enum": ["invalid_request_error", "requests", "server_error"],
+                    "description": "OpenAI's type: requests for 429, server_error for 5xx",
+                },
+                "param": {"type": "null"},
                 "code": {"type": "string", "description": "the code, e.g. INVALID_INPUT"},
             },
         },

@@ -338,14 +338,13 @@ def error_response(
     shape: ErrorShape | None = None,
 ) -> web.Response:
     """The error's status, body and headers; `openai_shape` nests the body as OpenAI's API
-    does ({"error": {"message", "type", "code"}}), which its client libraries parse;
-    `shape` makes another protocol's body (`error_body`'s by default)."""
+    does ({"error": {"message", "type", "param", "code"}}, its type one of OpenAI's), which
+    its client libraries parse; `shape` makes another protocol's body (`error_body`'s by
+    default)."""
     body = error_body(error, request_id) if shape is None else shape(error, request_id)
     if openai_shape:
-        body = {
-            "error": {"message": str(error), "type": error.code.lower(), "code": error.code},
-            "request_id": request_id,
-        }
+        nested = {"message": str(error), "type": _openai_type(error.status), "param": None}
+        body = {"error": nested | {"code": error.code}, "request_id": request_id}
     headers = {"X-Request-Id": request_id}
     if isinstance(error, Overloaded | RateLimited | NotReady) and error.retry_after_s:
         body["retry_after_ms"] = max(1, round(error.retry_after_s * 1e3))
@@ -394,3 +393,12 @@ INFERENCE_ANSWER = {
     },
 }  # fmt: skip
 """`answer_body`, for the OpenAPI document."""
+
+
+def _openai_type(status: int) -> str:
+    """OpenAI's error type for a status: what its clients and dashboards group errors by."""
+    if status == 429:
+        return "requests"  # OpenAI's type for a request-rate limit
+    if status >= 500:
+        return "server_error"
+    return "invalid_request_error"
