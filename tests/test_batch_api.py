@@ -383,3 +383,27 @@ async def test_files_listed_by_purpose_fill_their_page(served):
     assert ([f["id"] for f in page["data"]], page["has_more"]) == ([file["id"]], False)
     outputs = await (await served.get("/v1/files?purpose=batch_output&limit=1")).json()
     assert [f["id"] for f in outputs["data"]] == [done["output_file_id"]]
+
+
+async def test_a_batch_past_its_window_expires_and_its_unrun_lines_say_so(
+    start_server, gated, tmp_path, monkeypatch
+):
+    """Its window (24h) ends while two of its lines are held: those two are answered, the
+    rest go to the error file as `batch_expired`, and the batch is `expired`."""
+    from batchserve.doors import batch_runner
+
+    client, _ = await start_server(gated, batch_db=str(tmp_path / "b.db"),
+                                   batch_lines_in_flight=2)  # fmt: skip
+    _, file = await upload(client, jsonl(*(line(n) for n in range(6))))
+    _, batch = await create(client, file["id"])
+    await gated.entered("sim:0")
+    later = batch["expires_at"] + 1
+    monkeypatch.setattr(batch_runner, "now_s", lambda: later)  # the day has passed
+    gated.gate.set()
+    done = await ended(client, batch["id"])
+    assert (done["status"], done["expired_at"]) == ("expired", later)
+    assert done["request_counts"] == {"total": 6, "completed": 2, "failed": 4}
+    errors = await lines_of(client, done["error_file_id"])
+    assert sorted(e["custom_id"] for e in errors) == [f"r{n}" for n in range(2, 6)]
+    assert {e["error"]["code"] for e in errors} == {"batch_expired"}
+    assert len(await lines_of(client, done["output_file_id"])) == 2
