@@ -110,8 +110,7 @@ async def test_a_batch_runs_every_line_once_and_a_failing_line_goes_to_the_error
     [
         ([line(0), line(0)], "duplicate_custom_id", "custom_id"),
         ([line(0), line(1, url="/v1/embeddings")], "url_mismatch", "url"),
-        ([line(0, input="a", model="a"), line(1, input="b", model="b")], "model_mismatch",
-         "body.model"),
+        ([line(0, model="default"), line(1, model="nope")], "model_not_found", "body.model"),
     ],
 )  # fmt: skip
 async def test_lines_that_make_no_batch_fail_it_with_openais_validation_errors(
@@ -125,6 +124,16 @@ async def test_lines_that_make_no_batch_fail_it_with_openais_validation_errors(
     assert batch["errors"]["data"][0]["line"] == 2
     assert batch["failed_at"]
     assert batch["output_file_id"] is None
+
+
+def test_lines_of_two_served_models_are_a_model_mismatch():
+    from batchserve.doors.batch_lines import check_lines
+
+    lines = [line(0, input="a", model="a"), line(1, input="b", model="b")]
+    checked = check_lines(jsonl(*lines), "/api/inference", {"a", "b"})
+    assert [(e["code"], e["param"], e["line"]) for e in checked.errors] == [
+        ("model_mismatch", "body.model", 2)
+    ]
 
 
 async def test_bad_uploads_and_bodies_get_openais_error_shape(served, tmp_path):

@@ -60,5 +60,9 @@ def mount_batches(
     on_start(runner.lifespan)
     tenant_of = functools.partial(caller_tenant, reception=engine)
     FilesApi(store, tenant_of, config).mount(add)
-    BatchesApi(store, runner, tenant_of, config).mount(add)
+
+    def served() -> list[str]:
+        return [model["name"] for model in engine.view.models()]
+
+    BatchesApi(store, runner, tenant_of, config, served).mount(add)
     return runner

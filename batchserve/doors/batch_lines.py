@@ -20,7 +20,7 @@ spending none of its rate.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, NamedTuple, cast
 
@@ -68,9 +68,9 @@ class Checked(NamedTuple):
     """OpenAI's validation errors (`errors.data`); none: the lines make a batch."""
 
 
-def check_lines(content: bytes, endpoint: str) -> Checked:
-    """The file's lines, or why they do not make a batch for `endpoint` (the first few
-    reasons, as OpenAI lists them)."""
+def check_lines(content: bytes, endpoint: str, served: Collection[str]) -> Checked:
+    """The file's lines, or why they do not make a batch for `endpoint` of the `served`
+    models (the first few reasons, as OpenAI lists them)."""
     lines: list[bytes] = []
     errors: list[dict[str, Any]] = []
     seen: set[str] = set()
@@ -78,7 +78,7 @@ def check_lines(content: bytes, endpoint: str) -> Checked:
     for number, raw in enumerate(content.splitlines(), start=1):
         if not raw.strip():
             continue
-        problem = _line_problem(raw, endpoint, seen, models)
+        problem = _line_problem(raw, endpoint, seen, models, served)
         if problem is not None:
             code, message, param = problem
             errors.append({"code": code, "message": message, "param": param, "line": number})
@@ -95,7 +95,7 @@ MAX_ERRORS = 10
 
 
 def _line_problem(
-    raw: bytes, endpoint: str, seen: set[str], models: set[str]
+    raw: bytes, endpoint: str, seen: set[str], models: set[str], served: Collection[str]
 ) -> tuple[str, str, str | None] | None:
     try:
         line = orjson.loads(raw)
@@ -127,6 +127,13 @@ def _line_problem(
         return "missing_required_parameter", "Missing required parameter: body.", "body"
     model = body.get("model")
     if isinstance(model, str):
+        if model not in served:
+            return (
+                "model_not_found",
+                f"The provided model {model[:64]!r} is not served here (GET /v1/models lists"
+                " them).",
+                "body.model",
+            )
         models.add(model)
         if len(models) > 1:
             return (

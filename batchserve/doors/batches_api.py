@@ -11,7 +11,7 @@ cancels only its own batches, and makes them only from its own files.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 from aiohttp import web
@@ -38,9 +38,16 @@ BODY_LIKE = (
 
 class BatchesApi:
     def __init__(
-        self, store: BatchStore, runner: BatchRunner, tenant_of: TenantOf, config: Config
+        self,
+        store: BatchStore,
+        runner: BatchRunner,
+        tenant_of: TenantOf,
+        config: Config,
+        served: Callable[[], Collection[str]],
     ) -> None:
         self._store = store
+        self._served = served
+        """The models served now, by name: a line naming another is a validation error."""
         self._runner = runner
         self._tenant_of = tenant_of
         self._body_limit = config.max_body_bytes
@@ -66,7 +73,8 @@ class BatchesApi:
                 raise NotFound(f"No such File object: {file_id[:64]}")
             # Off the loop: 50,000 lines take tens of ms to parse, which online requests
             # would otherwise wait out.
-            checked = await asyncio.to_thread(check_lines, content, endpoint)
+            served = frozenset(self._served())  # read on the loop, checked off it
+            checked = await asyncio.to_thread(check_lines, content, endpoint, served)
             batch = _new_batch(file_id, endpoint, metadata, len(checked.lines))
             if checked.errors:
                 batch |= {"status": "failed", "failed_at": batch["created_at"],
