@@ -297,8 +297,11 @@ class Batcher:
     def _changed(self) -> None:
         """Counts online waiting (only where lines wait), then tells the waiters."""
         if self.idle or self._online_wait.open:
-            online = self._queued + self._rescue.retrying()
-            waiting = bool(self.idle) and online > 0 and self.pool.free_count > 0
+            waiting = (
+                bool(self.idle)
+                and self.pool.free_count > 0
+                and (self._queued > 0 or self._rescue.retrying() > 0)
+            )
             self._online_wait.update(self._clock.time(), waiting)
         self._watchers.changed()
 

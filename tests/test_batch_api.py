@@ -98,7 +98,12 @@ async def test_a_batch_runs_every_line_once_and_a_failing_line_goes_to_the_error
     (error,) = await lines_of(served, batch["error_file_id"])
     assert error["custom_id"] == "r5"
     assert error["response"]["status_code"] == 400
-    assert error["response"]["body"]["error"]["code"] == "INVALID_INPUT"
+    refused = error["response"]["body"]["error"]
+    assert (refused["type"], refused["param"], refused["code"]) == (
+        "invalid_request_error",
+        None,
+        "INVALID_INPUT",
+    )  # OpenAI's error object, as the same request online gets
     listed = await (await served.get("/v1/files")).json()
     assert {f["purpose"] for f in listed["data"]} == {"batch", "batch_output"}
     assert len(listed["data"]) == 3
@@ -143,6 +148,7 @@ async def test_bad_uploads_and_bodies_get_openais_error_shape(served, tmp_path):
     status, body = await create(served, file["id"], url="/v1/images")
     assert status == 400
     assert set(body["error"]) >= {"message", "type", "code"}
+    assert (body["error"]["type"], body["error"]["param"]) == ("invalid_request_error", None)
     assert (await create(served, "file-unknown"))[0] == 404
     answer = await served.post(f"/v1/batches/{'batch_unknown'}/cancel")
     assert answer.status == 404
@@ -180,7 +186,8 @@ async def test_a_file_over_the_body_limit_names_the_flag_that_sets_it(
     status, refused = await upload(client, jsonl(*(line(n, input="x" * 90) for n in range(60))))
     assert status == 413
     assert refused["error"]["message"] == (
-        "the file is over the limit of 4696 bytes (--max-input-bytes: the body limit is 6x it)"
+        "the file is over the limit of 4696 bytes"
+        " (--max-input-bytes: the body limit is 6x it plus 4096)"
     )
 
 

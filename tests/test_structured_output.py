@@ -371,6 +371,8 @@ async def test_a_slow_compile_holds_up_no_other_and_few_hold_threads():
         grammars.close()
         with pytest.raises(NotReady, match="shutting down"):
             await closing
+        with pytest.raises(NotReady, match="shutting down"):  # and what comes after
+            await grammars.compiled(GrammarSpec("regex", "after"), "f")
     finally:
         release.set()
         grammars.close()

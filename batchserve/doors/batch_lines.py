@@ -46,7 +46,7 @@ from .batch_store import Outcome
 from .openai_api import embeddings_answer, embeddings_request
 from .openai_choices import choice_params
 from .openai_completions import read_line, whole_answer
-from .wire import answer_body, parse_input
+from .wire import answer_body, openai_error, parse_input
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/api/inference")
 ROUTE = "batch"
@@ -226,7 +226,7 @@ def _outcome(custom_id: str, request_id: str, status: int, body: dict[str, Any])
 
 
 def _error_body(error: BatchserveError) -> dict[str, Any]:
-    return {"error": {"message": str(error), "type": error.code.lower(), "code": error.code}}
+    return {"error": openai_error(error)}
 
 
 def expired_line(raw: bytes, code: str, message: str) -> bytes:

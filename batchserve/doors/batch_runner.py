@@ -138,6 +138,15 @@ class BatchRunner:
                           batch_id, task.exception())  # fmt: skip
 
     async def _run(self, held: Held) -> None:
+        batch_id = held.batch_id
+        wake = self._wakes[batch_id] = asyncio.Event()  # before any wait: a cancel finds it
+        try:
+            await self._run_lines(held, wake)
+        finally:
+            del self._wakes[batch_id]
+            self._to_read.discard(batch_id)
+
+    async def _run_lines(self, held: Held, wake: asyncio.Event) -> None:
         store, batch_id = self._store, held.batch_id
         batch = await store.update(batch_id, _started)
         if batch is None:
@@ -152,7 +161,6 @@ class BatchRunner:
         """Tries that ended past their deadline, by line: of lines running or in `retry`."""
         cursor = -1
         checked = self._clock.time()
-        wake = self._wakes[batch_id] = asyncio.Event()
         try:
             while batch["status"] == "in_progress" and now_s() < batch["expires_at"]:
                 wake.clear()  # before the store is read: a line ending meanwhile wakes it
@@ -163,15 +171,17 @@ class BatchRunner:
                             break
                         cursor = fresh[-1].position
                         retry.extend(fresh)
+                        continue  # a cancel may have come meanwhile
                     line = retry.popleft()
                     task = asyncio.create_task(self._line(batch, line, tenant, (retry, late), wake))
                     running.add(task)
                     task.add_done_callback(running.discard)
                 if not running and not retry:
                     break
-                alarm = self._clock.call_at(self._clock.time() + CHECK_S, wake.set)
-                await wake.wait()
-                alarm.cancel()
+                if batch_id not in self._to_read:  # else its status is to be read now
+                    alarm = self._clock.call_at(self._clock.time() + CHECK_S, wake.set)
+                    await wake.wait()
+                    alarm.cancel()
                 if batch_id in self._to_read or self._clock.time() >= checked + CHECK_S:
                     self._to_read.discard(batch_id)
                     checked = self._clock.time()
@@ -182,9 +192,6 @@ class BatchRunner:
             for task in running:
                 task.cancel()
             raise
-        finally:
-            del self._wakes[batch_id]
-            self._to_read.discard(batch_id)
         await self._finish(held.owner, batch_id)
 
     async def _line(

@@ -93,7 +93,7 @@ class FilesApi:
         self._bytes_flag = (
             "--batch-file-bytes"
             if config.batch_file_bytes <= config.max_body_bytes
-            else "--max-input-bytes: the body limit is 6x it"
+            else "--max-input-bytes: the body limit is 6x it plus 4096"
         )
         """The flag whose limit an upload meets first: the one to name in a refusal."""
         self._max_lines = config.batch_file_lines
@@ -231,13 +231,18 @@ async def _files(
     """`count` of the owner's files after `after`, of `purpose` if given: filtered as the
     store's pages are read, so a page is never cut short by the filter."""
     found: list[dict[str, Any]] = []
+    size = count if purpose is None else max(count, FILTERED_PAGE)
     while len(found) < count:
-        page = await store.files(owner, after, count)
+        page = await store.files(owner, after, size)
         found += [file for file in page if purpose in (None, file["purpose"])]
-        if len(page) < count:
+        if len(page) < size:
             break
         after = page[-1]["id"]
     return found[:count]
+
+
+FILTERED_PAGE = 500
+"""Files read from the store at a time while a filter leaves some out: few round trips."""
 
 
 FILE = {

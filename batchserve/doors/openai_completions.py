@@ -55,7 +55,7 @@ from .openai_tools import CHAT_SCHEMAS, MESSAGE, ChatShape, one_constraint
 from .openapi import REQUEST_ID, TIMEOUT, Answer, ModelName, Operation, errors
 from .structured import STRUCTURED_SCHEMAS, constraint_of
 from .tool_calls import Tools, read_messages, read_tools
-from .wire import CACHE_SALT_SCHEMA, cache_salt_of, read_call, timeout_ms_of
+from .wire import CACHE_SALT_SCHEMA, cache_salt_of, openai_error, read_call, timeout_ms_of
 
 
 class Completion(NamedTuple):
@@ -230,9 +230,7 @@ class _Shape:
         return data_event(self._chunk_head() | {"choices": [], "usage": _usage(gens)})
 
     def failure(self, error: BatchserveError) -> bytes:
-        return data_event(
-            {"error": {"message": str(error), "type": error.code.lower(), "code": error.code}}
-        )
+        return data_event({"error": openai_error(error)})
 
     def _chat_logprobs(self, entries: list[TokenLogprob]) -> dict[str, Any] | None:
         return None if self._choices.logprobs is None else chat_logprobs(entries)

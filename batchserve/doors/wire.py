@@ -343,8 +343,7 @@ def error_response(
     default)."""
     body = error_body(error, request_id) if shape is None else shape(error, request_id)
     if openai_shape:
-        nested = {"message": str(error), "type": _openai_type(error.status), "param": None}
-        body = {"error": nested | {"code": error.code}, "request_id": request_id}
+        body = {"error": openai_error(error), "request_id": request_id}
     headers = {"X-Request-Id": request_id}
     if isinstance(error, Overloaded | RateLimited | NotReady) and error.retry_after_s:
         body["retry_after_ms"] = max(1, round(error.retry_after_s * 1e3))
@@ -393,6 +392,13 @@ INFERENCE_ANSWER = {
     },
 }  # fmt: skip
 """`answer_body`, for the OpenAPI document."""
+
+
+def openai_error(error: BatchserveError) -> dict[str, Any]:
+    """OpenAI's error object for `error`: every OpenAI-shaped answer, stream event and batch
+    line's body uses this one."""
+    return {"message": str(error), "type": _openai_type(error.status), "param": None,
+            "code": error.code}  # fmt: skip
 
 
 def _openai_type(status: int) -> str:

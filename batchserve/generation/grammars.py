@@ -11,10 +11,11 @@ compile. A compile past the bound runs on to its end (the engine cannot be inter
 its outcome is cached; the bound counts the wait behind other compiles.
 
 Compiles run one at a time (each takes CPU the steps may want), except that one running
-longer than `SLOW_COMPILE_S` no longer holds the others up: the next starts on another
-thread beside it, so one client's pathological grammar does not time out everyone else's.
-At most `MAX_SLOW` slow compiles hold threads at once; then new ones wait for one of them
-to end. A queued grammar whose requests have all given up is dropped, not compiled.
+longer than `SLOW_COMPILE_S` (or the bound, if shorter) no longer holds the others up: the
+next starts on another thread beside it, so one client's pathological grammar does not time
+out everyone else's. At most `MAX_SLOW` slow compiles hold threads at once; then new ones
+wait for one of them to end. A queued grammar whose requests have all given up is dropped,
+not compiled.
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ class Grammars:
         """Compiles on a thread, and the timer that marks each slow."""
         self._slow: set[GrammarSpec] = set()
         self._threads: ThreadPoolExecutor | None = None
+        self._closed = False
         self.compiles = 0
         """Grammars compiled (not found in the cache)."""
 
@@ -74,6 +76,8 @@ class Grammars:
     async def compiled(self, spec: GrammarSpec, field: str) -> Compiled:
         """`spec` compiled, from the cache or a compile thread; InvalidInput (400) naming
         `field` where it cannot be."""
+        if self._closed:
+            raise NotReady(f"model {self._label} is shutting down")
         if self._compile is None:
             raise InvalidInput(
                 f'"{field}": model {self._label} cannot constrain its output (its generator'
@@ -110,12 +114,18 @@ class Grammars:
         return _checked(future.result(), field)
 
     def close(self) -> None:
-        """Answers what still waits (503), and leaves running compiles to end on their own."""
+        """Answers what still waits (503), refuses what comes after, and leaves running
+        compiles to end on their own."""
+        self._closed = True
         for timer in self._running.values():
             timer.cancel()
-        for future in self._compiling.values():
-            if not future.done():
+        for spec, future in self._compiling.items():
+            if future.done():
+                continue
+            if spec in self._waiters:
                 future.set_exception(NotReady(f"model {self._label} is shutting down"))
+            else:  # nobody to tell (an unheard exception would be logged as an error)
+                future.cancel()
         if self._threads is not None:
             self._threads.shutdown(wait=False, cancel_futures=True)
 
