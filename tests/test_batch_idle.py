@@ -175,45 +175,51 @@ async def test_only_a_deadline_that_passed_as_the_line_waited_is_tried_again(err
     assert orjson.loads(recorded.line)["response"]["body"]["error"]["code"] == error.code
 
 
-async def test_a_free_device_held_for_waiting_online_requests_is_not_idle_time(gated):
-    """A policy lingering for a fuller batch keeps the device free while an online request
-    waits; lines wait too (they never run then), and that time is counted apart from the
-    idle time they could have used: 50 ms of virtual linger here, nothing once it left."""
-    clock = FakeClock()
-    config = Config(policy="fixed", max_linger_ms=50, max_batch_size=8)
-    async with Engine(config, fn_per_device=gated, devices="sim:1", clock=clock) as engine:
-        assert engine.metrics is not None
+@asynccontextmanager
+async def lingering_beside_a_line(
+    gated: GatedBackend,
+) -> AsyncIterator[tuple[Engine, FakeClock, asyncio.Future[Result], asyncio.Future[Result]]]:
+    """One free device and a fixed policy lingering 50 ms of virtual time: an online request
+    waits on it, and a Batch API line waits below it (lines never run while online waits)."""
+    async with running(gated, policy="fixed", max_linger_ms=50, max_batch_size=8) as engine:
+        clock = engine.clock
+        assert isinstance(clock, FakeClock)
         gated.gate.set()
         online = asyncio.ensure_future(engine.infer("online"))
         line = asyncio.ensure_future(engine.infer("line", LINE))
         await reach(engine, lambda s: s.queued == 1)
         await asyncio.sleep(0)
+        yield engine, clock, online, line
+
+
+def online_wait_s(engine: Engine) -> float:
+    assert engine.metrics is not None
+    return engine.metrics.snapshot()["batch_api"]["online_wait_s"]
+
+
+async def test_a_free_device_held_for_waiting_online_requests_is_not_idle_time(gated):
+    """A policy lingering for a fuller batch keeps the device free while an online request
+    waits; lines wait too (they never run then), and that time is counted apart from the
+    idle time they could have used: 50 ms of virtual linger here, nothing once it left."""
+    async with lingering_beside_a_line(gated) as (engine, clock, online, line):
         assert not gated.calls  # the device stays free: the online request lingers
         clock.advance(0.050)  # its linger ends: it leaves, then the line runs
         assert (await online).output == "enilno"
         assert (await line).output == "enil"
-        waited = engine.metrics.snapshot()["batch_api"]["online_wait_s"]
+        waited = online_wait_s(engine)
         clock.advance(1.0)  # nothing waits: no more is counted
-        assert engine.metrics.snapshot()["batch_api"]["online_wait_s"] == waited
+        assert online_wait_s(engine) == waited
     assert waited == pytest.approx(0.050)
     assert calls(gated) == [["online"], ["line"]]
 
 
 async def test_online_waiting_stops_counting_when_the_last_line_leaves(gated):
-    clock = FakeClock()
-    config = Config(policy="fixed", max_linger_ms=50, max_batch_size=8)
-    async with Engine(config, fn_per_device=gated, devices="sim:1", clock=clock) as engine:
-        assert engine.metrics is not None
-        gated.gate.set()
-        online = asyncio.ensure_future(engine.infer("online"))
-        line = asyncio.ensure_future(engine.infer("line", LINE))
-        await reach(engine, lambda s: s.queued == 1)
-        await asyncio.sleep(0)
+    async with lingering_beside_a_line(gated) as (engine, clock, online, line):
         clock.advance(0.010)
         line.cancel()  # its handler leaves: nothing is left to use idle time
         with pytest.raises(asyncio.CancelledError):
             await line
         clock.advance(0.040)  # the linger ends
         assert (await online).output == "enilno"
-        waited = engine.metrics.snapshot()["batch_api"]["online_wait_s"]
+        waited = online_wait_s(engine)
     assert waited == pytest.approx(0.010)

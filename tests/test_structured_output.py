@@ -21,7 +21,7 @@ from batchserve.engine.core import Engine
 from batchserve.engine.requests import Prompt
 from batchserve.errors import InvalidInput, NotReady
 from batchserve.generation.grammars import MAX_SLOW, SLOW_COMPILE_S, Grammars
-from batchserve.models.grammar import Compiled, Constraint, GrammarError, GrammarSpec
+from batchserve.models.grammar import Compiled, Constraint, GrammarError, GrammarSpec, Matcher
 from batchserve.models.specs import ModelSpec
 from batchserve.server import create_app
 
@@ -378,22 +378,27 @@ async def test_a_slow_compile_holds_up_no_other_and_few_hold_threads():
         grammars.close()
 
 
-def test_a_length_bounded_string_holds_no_control_character(tok):
-    """xgrammar 0.2 lets a string with maxLength hold control characters (JSON forbids
-    them, and pydantic refuses them): the rule is rewritten."""
+def allowed_next(matcher: Matcher, vocab: int) -> list[int]:
+    """The token ids `matcher` allows next, as xgrammar's own kernel masks them."""
     import torch
     import xgrammar as xgr
 
+    bitmask = xgr.allocate_token_bitmask(1, vocab)
+    matcher.fill(bitmask, 0)
+    logits = torch.zeros(1, vocab)
+    xgr.apply_token_bitmask_inplace(logits, bitmask)
+    return torch.nonzero(logits[0] == 0).flatten().tolist()
+
+
+def test_a_length_bounded_string_holds_no_control_character(tok):
+    """xgrammar 0.2 lets a string with maxLength hold control characters (JSON forbids
+    them, and pydantic refuses them): the rule is rewritten."""
     from batchserve.models.grammar import GrammarCompiler
 
     compiler = GrammarCompiler(tok, len(tok), {tok.eos_token_id})
     matcher = compiler.compile(GrammarSpec("json_schema", json.dumps(Weather.model_json_schema())))
     step = matcher.matcher(tok.encode('{"city": "a'))
-    bitmask = xgr.allocate_token_bitmask(1, len(tok))
-    step.fill(bitmask, 0)
-    logits = torch.zeros(1, len(tok))
-    xgr.apply_token_bitmask_inplace(logits, bitmask)
-    allowed = [tok.decode([i]) for i in torch.nonzero(logits[0] == 0).flatten().tolist()]
+    allowed = [tok.decode([i]) for i in allowed_next(step, len(tok))]
     assert allowed
     assert not [t for t in allowed if t and ord(t[0]) < 0x20]
 
@@ -588,9 +593,6 @@ TOOLS_TEMPLATE = (
 
 
 def test_parallel_tool_calls_false_ends_an_auto_answer_after_its_first_call(tok):
-    import torch
-    import xgrammar as xgr
-
     from batchserve.models.grammar import GrammarCompiler
 
     compiler = GrammarCompiler(tok, len(tok), {tok.eos_token_id})
@@ -598,16 +600,11 @@ def test_parallel_tool_calls_false_ends_an_auto_answer_after_its_first_call(tok)
     call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}'
     made = tok.encode("Let me look. " + call + "\n</tool_call>", add_special_tokens=False)
 
-    def allowed_next(kind: Literal["tool_auto", "tool_auto_one"]) -> set[int]:
-        matcher = compiler.compile(GrammarSpec(kind, tools)).matcher(made)
-        bitmask = xgr.allocate_token_bitmask(1, len(tok))
-        matcher.fill(bitmask, 0)
-        logits = torch.zeros(1, len(tok))
-        xgr.apply_token_bitmask_inplace(logits, bitmask)
-        return set(torch.nonzero(logits[0] == 0).flatten().tolist())
+    def after_the_call(kind: Literal["tool_auto", "tool_auto_one"]) -> set[int]:
+        return set(allowed_next(compiler.compile(GrammarSpec(kind, tools)).matcher(made), len(tok)))
 
-    assert allowed_next("tool_auto_one") == {tok.eos_token_id}
-    after_one_of_many = allowed_next("tool_auto")
+    assert after_the_call("tool_auto_one") == {tok.eos_token_id}
+    after_one_of_many = after_the_call("tool_auto")
     assert tok.eos_token_id in after_one_of_many
     assert tok.encode("<", add_special_tokens=False)[0] in after_one_of_many  # another call
 
