@@ -195,14 +195,20 @@ async def reach(engine: Engine, predicate: Callable[[EngineStats], bool]) -> Non
         pytest.fail(f"the engine never reached the state; it is {engine.stats()}")
 
 
+async def until(holds: Callable[[], bool]) -> None:
+    """Waits until `holds()`, checked on every loop pass: for a state that follows a
+    thread's work, which nothing on the loop announces. Bounded by the hang guard (then
+    TimeoutError), not by a count of loop passes, which a slow machine can run through
+    before the thread is done."""
+    async with asyncio.timeout(HANG_GUARD_S):
+        while not holds():  # noqa: ASYNC110
+            await asyncio.sleep(0)
+
+
 async def polled(engine: Engine, holds: Callable[[], bool], what: str) -> None:
-    """Waits until `holds()`, checked on every loop pass: for a state that follows a device
-    thread's return, which nothing on the loop announces. Bounded by the hang guard, not by
-    a count of loop passes, which a slow machine can run through before the thread returns."""
+    """`until(holds)`, failing with the devices' states if it never holds."""
     try:
-        async with asyncio.timeout(HANG_GUARD_S):
-            while not holds():  # noqa: ASYNC110
-                await asyncio.sleep(0)
+        await until(holds)
     except TimeoutError:
         pytest.fail(f"never {what}; the devices are {engine.device_states()}")
 

@@ -22,7 +22,7 @@ from batchserve.doors.connections import ConnectionServer, body_due
 from batchserve.models.backends import simulated_factory
 
 from . import raw_http
-from .conftest import HANG_GUARD_S
+from .conftest import HANG_GUARD_S, until
 
 DAY = 86_400.0
 LONG = {
@@ -45,13 +45,6 @@ def connections(client: TestClient) -> ConnectionServer:
     server = client.server.runner.server  # type: ignore[union-attr]
     assert isinstance(server, ConnectionServer)
     return server
-
-
-async def until(holds: Callable[[], bool]) -> None:
-    """Waits for a state of the server that no event announces, bounded by the hang guard."""
-    async with asyncio.timeout(HANG_GUARD_S):
-        while not holds():  # noqa: ASYNC110
-            await asyncio.sleep(0)
 
 
 async def closed_unanswered(reader: asyncio.StreamReader) -> bool:

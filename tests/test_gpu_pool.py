@@ -20,7 +20,7 @@ from batchserve.models.backends import POISON_MARKER
 from batchserve.models.registry import Key
 from batchserve.models.specs import BatchFn
 
-from .conftest import HANG_GUARD_S, Factory, GatedBackend, sim_version
+from .conftest import HANG_GUARD_S, Factory, GatedBackend, sim_version, until
 
 
 @dataclass
@@ -255,10 +255,8 @@ async def test_a_live_added_versions_warm_up_waits_for_the_devices_turn(pool_of,
     added = sim_version(gated, devices="sim:1")
     loading = asyncio.ensure_future(pool.load(added, beside_serving=True))
     [device] = pool.devices
-    async with asyncio.timeout(HANG_GUARD_S):
-        # Polled: the load runs its factory on a thread, which nothing on the loop announces.
-        while not getattr(device, "turns", ()) and len(gated.calls) < 2:  # noqa: ASYNC110
-            await asyncio.sleep(0)
+    # Polled: the load runs its factory on a thread, which nothing on the loop announces.
+    await until(lambda: bool(getattr(device, "turns", ())) or len(gated.calls) >= 2)
     calls_meanwhile = list(gated.calls)
     gated.gate.set()  # before any assertion: a failed test must not leave a thread blocked
     assert await loading == []

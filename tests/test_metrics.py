@@ -21,7 +21,7 @@ from batchserve.observability.metrics import desired_replicas
 from batchserve.observability.window import WINDOW_S, RecentWindow, window_numbers
 
 from . import raw_http
-from .conftest import HANG_GUARD_S, hold_one_and_queue_one, reach
+from .conftest import hold_one_and_queue_one, reach, until
 
 
 async def scrape(client: TestClient) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -199,9 +199,7 @@ async def test_a_batch_client_that_leaves_is_logged_and_counted_499(
     await gated.entered("sim:0")
     writer.close()
     await writer.wait_closed()
-    async with asyncio.timeout(HANG_GUARD_S):  # the server learns of it on its loop
-        while engine.stats().pending:  # noqa: ASYNC110
-            await asyncio.sleep(0)
+    await until(lambda: not engine.stats().pending)  # the server learns of it on its loop
     [line] = [json.loads(r.getMessage()) for r in caplog.records if r.name == "batchserve.access"]
     assert (line["route"], line["request_id"]) == (route, "left")
     assert (line["status"], line["error"]) == (499, "CLIENT_CLOSED")

@@ -19,7 +19,7 @@ from batchserve.errors import BackendError, NotReady
 from batchserve.models.generators import Seq
 from batchserve.models.specs import ModelSpec
 
-from .conftest import HANG_GUARD_S, polled, recovering
+from .conftest import HANG_GUARD_S, polled, recovering, until
 from .test_generation import HANG_AT_3, OneHang, RecordingGenerator, generate
 
 
@@ -103,10 +103,8 @@ async def test_a_batch_and_a_step_on_one_device_never_overlap_under_load(hang):
         calls.gate.clear()
         held = asyncio.ensure_future(engine.infer(Ask("held", model="embed")))
         streamed = asyncio.ensure_future(generate(engine, "abc", model="writer"))
-        async with asyncio.timeout(HANG_GUARD_S):
-            # Polled: either the step waits its turn, or (two owners) it entered beside the batch.
-            while not device.turns and not calls.overlaps:  # noqa: ASYNC110
-                await asyncio.sleep(0)
+        # Polled: either the step waits its turn, or (two owners) it entered beside the batch.
+        await until(lambda: bool(device.turns) or bool(calls.overlaps))
         overlapped = list(calls.overlaps)
         calls.gate.set()
         assert overlapped == []
