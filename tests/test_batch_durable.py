@@ -9,6 +9,8 @@ import logging
 import os
 import shutil
 import signal
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +18,8 @@ import aiohttp
 import orjson
 import pytest
 
+from batchserve.doors.batch_runner import file_object
+from batchserve.doors.batch_store import BatchStore, SqliteBatches
 from batchserve.doors.batch_store_redis import RedisBatches
 from batchserve.errors import StoreUnavailable
 from batchserve.models.backends import simulate
@@ -100,6 +104,81 @@ async def test_a_replica_takes_over_the_batch_of_one_that_died(tmp_path: Path) -
             os.kill(pid, signal.SIGKILL)
             await dying.process.wait()
             await each_line_once(session, living.url, batch_id)
+
+
+@asynccontextmanager
+async def batch_store(
+    kind: str, tmp_path: Path
+) -> AsyncIterator[tuple[BatchStore, Callable[[], Awaitable[None]]]]:
+    """A store of `kind` and a way to let every lease in it lapse (as when the replica
+    holding it stalls: a pause, a swap storm) without waiting for it."""
+    if kind == "sqlite":
+        wall = [1_000.0]
+
+        async def lapse_sqlite() -> None:
+            wall[0] += 3_600
+
+        yield SqliteBatches(str(tmp_path / "batches.db"), wall=lambda: wall[0]), lapse_sqlite
+        return
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed")
+    (redis_port,) = free_ports(1)
+    with redis_server(redis_port, tmp_path):
+        async with redis_client(redis_port) as redis:
+            store = RedisBatches(f"redis://127.0.0.1:{redis_port}/0")
+            await store.start()
+
+            async def lapse_redis() -> None:
+                await redis.delete(*await redis.keys("batchserve:batches:lease:*"))
+
+            try:
+                yield store, lapse_redis
+            finally:
+                await store.close()
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "redis"])
+async def test_a_replica_that_stalled_past_its_lease_cannot_end_the_batch(
+    kind: str, tmp_path: Path
+) -> None:
+    """Both replicas reach the end of a batch: the one that stalled and lost its lease, and
+    the one that took it over. Only the holder writes: else the tenant would find two output
+    files, and the batch's output_file_id would change under it."""
+    async with batch_store(kind, tmp_path) as (store, lapse):
+        batch = {"id": "batch_1", "object": "batch", "status": "in_progress"}
+        await store.add_batch("tenant", None, batch, [b"{}"])
+        assert [held.batch_id for held in await store.claim("stalled", 60)] == ["batch_1"]
+        await lapse()
+        assert [held.batch_id for held in await store.claim("taker", 60)] == ["batch_1"]
+
+        def completed(batch: dict[str, Any]) -> dict[str, Any]:
+            return batch | {"status": "completed"}
+
+        def output(file_id: str) -> list[tuple[dict[str, Any], bytes]]:
+            return [(file_object(file_id, "out.jsonl", "batch_output", 3), b"{}\n")]
+
+        assert (
+            await store.finish(
+                "tenant", "batch_1", output("file-stalled"), completed, holder="stalled"
+            )
+            is None
+        )
+        assert await store.files("tenant", None, 10) == []
+        assert (await store.batch("tenant", "batch_1") or {})["status"] == "in_progress"
+        ended = await store.finish(
+            "tenant", "batch_1", output("file-taker"), completed, holder="taker"
+        )
+        assert ended is not None
+        assert ended["status"] == "completed"
+        assert [file["id"] for file in await store.files("tenant", None, 10)] == ["file-taker"]
+        assert await store.claim("stalled", 60) == []
+        assert (
+            await store.finish(
+                "tenant", "batch_1", output("file-late"), completed, holder="stalled"
+            )
+            is None
+        )
+        assert len(await store.files("tenant", None, 10)) == 1
 
 
 @pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed")

@@ -258,7 +258,10 @@ class BatchRunner:
                 "error_file_id": files["error"][0]["id"] if "error" in files else None,
             }
 
-        await store.finish(owner, batch_id, list(files.values()), ended)
+        if await store.finish(owner, batch_id, list(files.values()), ended,
+                              holder=self.holder) is None:  # fmt: skip
+            log.warning("lost the lease on %s before ending it: its holder ends it", batch_id)
+            return
         log.info("batch %s %s: %d lines answered, %d failed", batch_id, ending,
                  len(outputs), len(errors))  # fmt: skip
 

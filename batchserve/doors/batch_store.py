@@ -105,8 +105,12 @@ class BatchStore(Protocol):
         batch_id: str,
         files: list[tuple[dict[str, Any], bytes]],
         change: Change,
+        *,
+        holder: str,
     ) -> dict[str, Any] | None:
-        """Adds the output and error files and applies `change`, all at once."""
+        """Adds the output and error files and applies `change`, all at once, if `holder`
+        still holds the batch's lease; else writes nothing and returns None. A replica that
+        stalled past its lease must not end a batch that another has taken over."""
 
 
 def now_s() -> int:
@@ -287,8 +291,13 @@ class SqliteBatches:
         batch_id: str,
         files: list[tuple[dict[str, Any], bytes]],
         change: Change,
+        *,
+        holder: str,
     ) -> dict[str, Any] | None:
         def write(db: sqlite3.Connection) -> dict[str, Any] | None:
+            row = db.execute("SELECT holder FROM batches WHERE id = ?", (batch_id,)).fetchone()
+            if row is None or row[0] != holder:
+                return None
             for file, content in files:
                 _put_file(db, owner, file, content)
             return _update(db, batch_id, change)

@@ -159,7 +159,7 @@ class RedisBatches:
         return [await self._counted(batch) for batch in page]
 
     async def update(self, batch_id: str, change: Change) -> dict[str, Any] | None:
-        return await self.finish("", batch_id, [], change, owner_known=False)
+        return await self._write(None, batch_id, [], change, None)
 
     async def finish(
         self,
@@ -168,14 +168,28 @@ class RedisBatches:
         files: list[tuple[dict[str, Any], bytes]],
         change: Change,
         *,
-        owner_known: bool = True,
+        holder: str,
     ) -> dict[str, Any] | None:
-        key = P + f"batch:{batch_id}"
+        return await self._write(owner, batch_id, files, change, holder)
+
+    async def _write(
+        self,
+        owner: str | None,
+        batch_id: str,
+        files: list[tuple[dict[str, Any], bytes]],
+        change: Change,
+        holder: str | None,
+    ) -> dict[str, Any] | None:
+        """Applies `change` and adds `files` in one transaction; with a `holder`, only
+        while it holds the lease (watched, so a takeover meanwhile retries the check)."""
+        key, lease = P + f"batch:{batch_id}", P + f"lease:{batch_id}"
         seqs = [await self._client.run(self._redis.incr(P + "seq")) for _ in files]
 
         async def write(pipe: Any) -> dict[str, Any] | None:
             data = await pipe.get(key)
             if data is None:
+                return None
+            if holder is not None and await pipe.get(lease) != holder.encode():
                 return None
             stored = orjson.loads(data)
             changed = change(stored["object"])
@@ -183,16 +197,16 @@ class RedisBatches:
                 return stored["object"]  # type: ignore[no-any-return]
             pipe.multi()
             for (file, content), seq in zip(files, seqs, strict=True):
-                self._put_file(pipe, stored["owner"] if not owner_known else owner, file,
+                self._put_file(pipe, stored["owner"] if owner is None else owner, file,
                                content, seq)  # fmt: skip
             pipe.set(key, orjson.dumps(stored | {"object": changed}))
             if changed["status"] not in ACTIVE:
                 pipe.srem(P + "active", batch_id)
-                pipe.delete(P + f"lease:{batch_id}")
+                pipe.delete(lease)
             return changed
 
         found = await self._client.run(
-            self._redis.transaction(write, key, value_from_callable=True)
+            self._redis.transaction(write, key, lease, value_from_callable=True)
         )
         return None if found is None else await self._counted(found)
 
