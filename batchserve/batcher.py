@@ -295,14 +295,9 @@ class Batcher:
         await self._watchers.wait_until(predicate)
 
     def _changed(self) -> None:
-        """Counts online waiting (only where lines wait), then tells the waiters."""
-        if self.idle or self._online_wait.open:
-            waiting = (
-                bool(self.idle)
-                and self.pool.free_count > 0
-                and (self._queued > 0 or self._rescue.retrying() > 0)
-            )
-            self._online_wait.update(self._clock.time(), waiting)
+        """Counts online waiting, then tells the waiters."""
+        waiting = (self._queued > 0 or self._rescue.any_waiting) and self.pool.free_count > 0
+        self._online_wait.update(waiting, self._clock.time)
         self._watchers.changed()
 
     def arrival_rps(self, now: float) -> float:

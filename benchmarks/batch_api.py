@@ -13,7 +13,9 @@ seconds its lines used over the device time online calls left idle: the window l
 online calls' device time, and less the time the device stood free while online requests
 waited for it (`batchserve_online_wait_seconds`: the batcher's pass between calls, a policy
 lingering; lines never run then). The share over the window less the online calls alone
-(what earlier runs reported) is printed beside it.
+(what earlier runs reported) is printed beside it. The control: the same online waiting,
+measured in the window without the batch, as a share of the time online calls left there;
+if the batch lengthened it, the two shares would part.
 
 `restart`: `kill -9` of the server during a 2,000-line batch, a restart on the same
 `--batch-db`, and the batch's completion. `replicas`: two replicas behind Debian's nginx
@@ -173,6 +175,18 @@ async def batch_window(rate: float, seconds: float, seed: int, lines: int) -> di
             "per_call": (done1 - done0) / max(1, calls1 - calls0)}  # fmt: skip
 
 
+async def alone_window(rate: float, seconds: float, seed: int) -> dict[str, Any]:
+    """Online load alone; the control: how much of the time its calls left a free device
+    was held for waiting online requests, with no batch on the server."""
+    url = f"http://127.0.0.1:{PORT}"
+    async with aiohttp.ClientSession() as session:
+        start, busy0, _, _, _, wait0 = await device_seconds(session, url)
+        online = await asyncio.to_thread(run_loadgen, rate, seconds, seed, ONLINE)
+        end, busy1, _, _, _, wait1 = await device_seconds(session, url)
+    left_s = (end - start) - (busy1 - busy0)
+    return {"alone": online, "online_wait_share_alone": (wait1 - wait0) / left_s}
+
+
 def idle_repeat(
     scratch: Path, seed: int, lines: int, seconds: float, line_batch: int, *flags: str
 ) -> dict[str, Any]:
@@ -184,10 +198,9 @@ def idle_repeat(
         rate = LOAD_SHARE * capacity
         result: dict[str, Any] = {"capacity_rps": capacity, "rate": rate}
         for window in ("alone", "batch") if seed % 2 else ("batch", "alone"):
-            if window == "alone":
-                result["alone"] = run_loadgen(rate, seconds, seed, ONLINE)
-            else:
-                result |= asyncio.run(batch_window(rate, seconds, seed, lines))
+            window_run = alone_window(rate, seconds, seed) if window == "alone" else (
+                batch_window(rate, seconds, seed, lines))  # fmt: skip
+            result |= asyncio.run(window_run)
         return result
     finally:
         stop_server(server)
@@ -340,20 +353,24 @@ def main() -> None:
                     f" {run['online']['p99_ms']:.1f} ms"
                     f" ({run['online']['p99_ms'] / run['alone']['p99_ms']:.2f}x), idle share"
                     f" {run['share']:.1%} (of all the online calls left {run['share_of_left']:.1%};"
-                    f" online waiting {run['online_wait_share']:.1%} of it),"
+                    f" online waiting {run['online_wait_share']:.1%} of it, alone"
+                    f" {run['online_wait_share_alone']:.1%}),"
                     f" {run['per_call']:.2f} lines a call"
                 )
             alone = median([r["alone"]["p99_ms"] for r in runs])
             beside = median([r["online"]["p99_ms"] for r in runs])
             print(f"| capacity (rps) | offered (rps) | p99 alone (ms) | p99 with the batch (ms) |"
-                  f" ratio | idle device time the batch used | lines a call | batch still running"
-                  f" at the window's end | lines completed |\n"
-                  f"|---|---|---|---|---|---|---|---|---|\n"
+                  f" ratio | idle device time the batch used | online waiting, of the time"
+                  f" online calls left: alone / with the batch | lines a call | batch still"
+                  f" running at the window's end | lines completed |\n"
+                  f"|---|---|---|---|---|---|---|---|---|---|\n"
                   f"| {median([r['capacity_rps'] for r in runs]):.0f} |"
                   f" {median([r['rate'] for r in runs]):.0f} | {alone:.1f} | {beside:.1f} |"
                   f" {median([r['online']['p99_ms'] / r['alone']['p99_ms'] for r in runs]):.2f}x |"
                   f" {median([r['share'] for r in runs]):.1%}"
                   f" ({median([r['share_of_left'] for r in runs]):.1%} of all the calls left) |"
+                  f" {median([r['online_wait_share_alone'] for r in runs]):.1%} /"
+                  f" {median([r['online_wait_share'] for r in runs]):.1%} |"
                   f" {median([r['per_call'] for r in runs]):.2f} |"
                   f" {sum(r['still_running'] for r in runs)} of {len(runs)} |"
                   f" {min(r['completed'] for r in runs)} |",

@@ -213,13 +213,22 @@ async def test_a_free_device_held_for_waiting_online_requests_is_not_idle_time(g
     assert calls(gated) == [["online"], ["line"]]
 
 
-async def test_online_waiting_stops_counting_when_the_last_line_leaves(gated):
+async def test_online_waiting_is_counted_without_lines_too(gated):
+    """The control the Batch API's benchmark reads in its window without a batch: a line
+    that leaves, or none at all, does not stop the count."""
     async with lingering_beside_a_line(gated) as (engine, clock, online, line):
         clock.advance(0.010)
-        line.cancel()  # its handler leaves: nothing is left to use idle time
+        line.cancel()
         with pytest.raises(asyncio.CancelledError):
             await line
         clock.advance(0.040)  # the linger ends
         assert (await online).output == "enilno"
-        waited = online_wait_s(engine)
-    assert waited == pytest.approx(0.010)
+        after_one = online_wait_s(engine)
+        alone = asyncio.ensure_future(engine.infer("alone"))
+        await reach(engine, lambda s: s.queued == 1)
+        clock.advance(0.050)
+        assert (await alone).output == "enola"
+        after_two = online_wait_s(engine)
+    assert after_one == pytest.approx(0.050)
+    assert after_two == pytest.approx(0.100)
+    assert calls(gated) == [["online"], ["alone"]]

@@ -39,8 +39,8 @@ class IdleCounts(NamedTuple):
     device_s: float
     """Device seconds the lines' batch calls took, in all."""
     online_wait_s: float
-    """Seconds a free device stood while online requests (and lines) waited for it: not
-    idle capacity (`batching/online_wait.py`)."""
+    """Seconds a free device stood while online requests waited for it: not idle capacity
+    (`batching/online_wait.py`)."""
 
 
 class Limits(Protocol):

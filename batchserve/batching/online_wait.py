@@ -2,26 +2,30 @@
 online requests waited for it (the batcher's pass between two calls, a policy lingering for
 a fuller batch). The Batch API's lines never run then (they go only where no online request
 waits), so the share of idle time they used is measured against the rest
-(`benchmarks/batch_api.py`). Counted only while lines wait: otherwise nothing could use it.
+(`benchmarks/batch_api.py`). Counted with lines or without: a window without them is the
+control that tells whether lines lengthen it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 
 class OnlineWait:
-    """Seconds during which a free device and waiting online requests (and lines) met."""
+    """Seconds during which a free device and waiting online requests met."""
 
     def __init__(self) -> None:
         self.seconds = 0.0
         self._since: float | None = None
 
-    @property
-    def open(self) -> bool:
-        return self._since is not None
-
-    def update(self, now: float, waiting: bool) -> None:
-        """The state at `now`, read at each change: the interval since the last is counted
-        if online requests waited for a free device through it."""
-        if self._since is not None:
+    def update(self, waiting: bool, clock: Callable[[], float]) -> None:
+        """The state at one of the batcher's changes: the clock is read only where it flips,
+        since this runs at every change of every request."""
+        if waiting == (self._since is not None):
+            return
+        now = clock()
+        if self._since is None:
+            self._since = now
+        else:
             self.seconds += now - self._since
-        self._since = now if waiting else None
+            self._since = None

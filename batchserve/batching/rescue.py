@@ -126,6 +126,11 @@ class Rescue:
     def spare_waiting(self) -> bool:
         return bool(self._rescues)
 
+    @property
+    def any_waiting(self) -> bool:
+        """Whether any group waits to run again: asked at every change of the batcher."""
+        return bool(self._retries or self._rescues)
+
     def recall(self, request: QueuedRequest) -> None:
         """A new request that repeats a known poison input gets a key of its own."""
         poison = self._poison.recall(request.key, request.input, request.arrival)

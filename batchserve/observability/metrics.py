@@ -364,7 +364,7 @@ _BATCH_API_GAUGES = Gauges(
         (
             "batchserve_online_wait_seconds",
             "Seconds since start a free device stood while online requests waited for it (the"
-            " batcher's pass, a policy lingering) and Batch API lines waited: not idle capacity.",
+            " batcher's pass, a policy lingering): not idle capacity for Batch API lines.",
         ),
     ]
 )
