@@ -162,7 +162,7 @@ class Batcher:
             batch_sizes=dict(self.batch_sizes),
             batch_fill=dict(self.batch_fill),
             recoveries=dict(self.recoveries),
-            idle=self.idle.counts(self._online_wait.seconds),
+            idle=self.idle.counts(self._online_wait.seconds_at(now)),
         )
 
     def queued_for(self, version: ModelVersion) -> int:

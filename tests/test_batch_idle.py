@@ -203,12 +203,15 @@ async def test_a_free_device_held_for_waiting_online_requests_is_not_idle_time(g
     idle time they could have used: 50 ms of virtual linger here, nothing once it left."""
     async with lingering_beside_a_line(gated) as (engine, clock, online, line):
         assert not gated.calls  # the device stays free: the online request lingers
-        clock.advance(0.050)  # its linger ends: it leaves, then the line runs
+        clock.advance(0.030)
+        mid_linger = online_wait_s(engine)  # a scrape mid-linger sees the wait so far
+        clock.advance(0.020)  # its linger ends: it leaves, then the line runs
         assert (await online).output == "enilno"
         assert (await line).output == "enil"
         waited = online_wait_s(engine)
         clock.advance(1.0)  # nothing waits: no more is counted
         assert online_wait_s(engine) == waited
+    assert mid_linger == pytest.approx(0.030)
     assert waited == pytest.approx(0.050)
     assert calls(gated) == [["online"], ["line"]]
 

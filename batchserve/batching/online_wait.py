@@ -18,6 +18,11 @@ class OnlineWait:
         self.seconds = 0.0
         self._since: float | None = None
 
+    def seconds_at(self, now: float) -> float:
+        """The seconds counted, with the wait still open at `now`: a scrape mid-linger
+        sees it."""
+        return self.seconds + (0.0 if self._since is None else now - self._since)
+
     def update(self, waiting: bool, clock: Callable[[], float]) -> None:
         """The state at one of the batcher's changes: the clock is read only where it flips,
         since this runs at every change of every request."""
