@@ -172,7 +172,8 @@ async def batch_window(rate: float, seconds: float, seed: int, lines: int) -> di
     return {"online": online, "share": lines_s / idle_s, "share_of_left": lines_s / left_s,
             "online_wait_share": (wait1 - wait0) / left_s, "still_running": running,
             "completed": batch["request_counts"]["completed"],
-            "per_call": (done1 - done0) / max(1, calls1 - calls0)}  # fmt: skip
+            "per_call": (done1 - done0) / max(1, calls1 - calls0),
+            "call_ms": 1e3 * lines_s / max(1, calls1 - calls0)}  # fmt: skip
 
 
 async def alone_window(rate: float, seconds: float, seed: int) -> dict[str, Any]:
@@ -355,15 +356,15 @@ def main() -> None:
                     f" {run['share']:.1%} (of all the online calls left {run['share_of_left']:.1%};"
                     f" online waiting {run['online_wait_share']:.1%} of it, alone"
                     f" {run['online_wait_share_alone']:.1%}),"
-                    f" {run['per_call']:.2f} lines a call"
+                    f" {run['per_call']:.2f} lines a call of {run['call_ms']:.2f} ms"
                 )
             alone = median([r["alone"]["p99_ms"] for r in runs])
             beside = median([r["online"]["p99_ms"] for r in runs])
             print(f"| capacity (rps) | offered (rps) | p99 alone (ms) | p99 with the batch (ms) |"
                   f" ratio | idle device time the batch used | online waiting, of the time"
-                  f" online calls left: alone / with the batch | lines a call | batch still"
-                  f" running at the window's end | lines completed |\n"
-                  f"|---|---|---|---|---|---|---|---|---|---|\n"
+                  f" online calls left: alone / with the batch | lines a call | ms a line call |"
+                  f" batch still running at the window's end | lines completed |\n"
+                  f"|---|---|---|---|---|---|---|---|---|---|---|\n"
                   f"| {median([r['capacity_rps'] for r in runs]):.0f} |"
                   f" {median([r['rate'] for r in runs]):.0f} | {alone:.1f} | {beside:.1f} |"
                   f" {median([r['online']['p99_ms'] / r['alone']['p99_ms'] for r in runs]):.2f}x |"
@@ -372,6 +373,7 @@ def main() -> None:
                   f" {median([r['online_wait_share_alone'] for r in runs]):.1%} /"
                   f" {median([r['online_wait_share'] for r in runs]):.1%} |"
                   f" {median([r['per_call'] for r in runs]):.2f} |"
+                  f" {median([r['call_ms'] for r in runs]):.2f} |"
                   f" {sum(r['still_running'] for r in runs)} of {len(runs)} |"
                   f" {min(r['completed'] for r in runs)} |",
                   flush=True)  # fmt: skip
