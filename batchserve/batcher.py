@@ -228,7 +228,7 @@ class Batcher:
         if request.tier_rank == IDLE_RANK:
             if not request.running:
                 self.idle.discard(request)
-                self._changed()  # the last line gone: online waiting is no longer counted
+                self._changed()  # the lines waiting changed: their waiters hear of it
             return
         lane = None if request.running else self._lanes.get(request.key)  # ran: not queued
         if lane is not None and lane.queue.discard(request):
@@ -296,9 +296,16 @@ class Batcher:
 
     def _changed(self) -> None:
         """Counts online waiting, then tells the waiters."""
-        waiting = (self._queued > 0 or self._rescue.any_waiting) and self.pool.free_count > 0
-        self._online_wait.update(waiting, self._clock.time)
+        self._online_wait.update(self._online_waits_on_a_free_device(), self._clock.time)
         self._watchers.changed()
+
+    def _online_waits_on_a_free_device(self) -> bool:
+        """Whether an online request waits though a device that could run it is free: the
+        cheap questions first, since this is asked at every change."""
+        if not (self._queued > 0 or self._rescue.any_waiting) or self.pool.free_count == 0:
+            return False
+        waiting = itertools.chain(self._lanes, (key for key, _ in self._rescue.groups()))
+        return any(self.pool.free_for(key.version) for key in waiting)
 
     def arrival_rps(self, now: float) -> float:
         return self._arrival_rate.at(now)

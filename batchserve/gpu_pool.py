@@ -190,13 +190,14 @@ class GpuPool:
         what failed."""
         devices = [d for d in self.devices if d.name in version.device_names and d.state in HEALTHY]
         problems = await loading.load(
-            devices, version, beside_serving=beside_serving, freed=self._fleet.changed
+            devices, version, beside_serving=beside_serving, changed=self._fleet.changed
         )
         self._sharing.clear()
         return problems
 
     def device_changed(self, device: Device | None) -> None:
-        """One of the devices left service, came back or freed (None: any, at start)."""
+        """One of the devices left service, came back, freed or was taken by a call not the
+        batcher's (None: any, at start)."""
         if device is None or device.name in self._names:
             self.healthy = sum(d.state in HEALTHY for d in self.devices)
             if device is not None:

@@ -6,6 +6,7 @@ whose deadline cannot be met ends in the error file rather than waiting out its 
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -20,6 +21,7 @@ from batchserve.doors.batch_lines import Late, LineEngine, LineRunner
 from batchserve.doors.batch_runner import LATE_TRIES, RETRY_S
 from batchserve.errors import BackendError, DeadlineExceeded, DeadlineTooShort, PrefillTooLong
 from batchserve.models.backends import simulate
+from batchserve.models.specs import ModelSpec
 from batchserve.rules.tenants import Tenant
 from batchserve.server import create_app
 
@@ -235,3 +237,31 @@ async def test_online_waiting_is_counted_without_lines_too(gated):
     assert after_one == pytest.approx(0.050)
     assert after_two == pytest.approx(0.100)
     assert calls(gated) == [["online"], ["alone"]]
+
+
+async def test_a_free_device_that_cannot_run_the_waiting_request_is_not_counted():
+    """Model "a" has only sim:0, busy with its first request, and its second waits; sim:1
+    is free but holds only "b". No device that could run the waiting request stands free,
+    so nothing is counted: lines of "b" may use sim:1 meanwhile."""
+    gate = threading.Event()
+
+    def held(inputs: list[str]) -> list[str]:
+        assert gate.wait(HANG_GUARD_S), "the test never opened the gate"
+        return [text[::-1] for text in inputs]
+
+    models = [
+        ModelSpec(name="a", version="1", fn=held, devices="sim:1", max_linger_ms=0),
+        ModelSpec(name="b", version="1", fn=held, devices="sim:2", max_linger_ms=0),
+    ]
+    async with Engine(Config(), models=models, clock=FakeClock()) as engine:
+        clock = engine.clock
+        assert isinstance(clock, FakeClock)
+        first = asyncio.ensure_future(engine.infer(Ask("first", model="a")))
+        await reach(engine, lambda s: s.in_flight == 1)
+        second = asyncio.ensure_future(engine.infer(Ask("second", model="a")))
+        await reach(engine, lambda s: s.queued == 1)
+        clock.advance(0.040)
+        counted = online_wait_s(engine)
+        gate.set()
+        assert [(await first).output, (await second).output] == ["tsrif", "dnoces"]
+    assert counted == 0.0

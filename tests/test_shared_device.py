@@ -19,7 +19,8 @@ from batchserve.errors import BackendError, NotReady
 from batchserve.models.generators import Seq
 from batchserve.models.specs import ModelSpec
 
-from .conftest import HANG_GUARD_S, polled, recovering, until
+from .conftest import HANG_GUARD_S, polled, reach, recovering, until
+from .test_batch_idle import online_wait_s
 from .test_generation import HANG_AT_3, OneHang, RecordingGenerator, generate
 
 
@@ -84,15 +85,19 @@ def hang() -> Iterator[OneHang]:
     hang.release.set()
 
 
-def shared_engine(calls: Calls, hang: OneHang) -> tuple[Engine, FakeClock]:
-    """A batch model ("embed") and a generation model ("writer") on the one device sim:0;
-    calls may take 1 s of the fake clock before the device counts as hung."""
+def shared_engine(calls: Calls, hang: OneHang, linger_ms: int = 0) -> tuple[Engine, FakeClock]:
+    """A batch model ("embed", whose batches linger `linger_ms`) and a generation model
+    ("writer") on the one device sim:0; calls may take 1 s of the fake clock before the
+    device counts as hung."""
     clock = FakeClock()
     models = [
-        ModelSpec(name="embed", version="1", fn=calls.batch_fn, devices="sim:1", max_linger_ms=0),
+        ModelSpec(
+            name="embed", version="1", fn=calls.batch_fn, devices="sim:1", max_linger_ms=linger_ms
+        ),
         ModelSpec(name="writer", version="1", generator=calls.generator(hang), devices="sim:1"),
     ]
-    return Engine(Config(batch_timeout_ms=1000), models=models, clock=clock), clock
+    config = Config(batch_timeout_ms=1000, policy="fixed")
+    return Engine(config, models=models, clock=clock), clock
 
 
 async def test_a_batch_and_a_step_on_one_device_never_overlap_under_load(hang):
@@ -145,6 +150,31 @@ async def test_a_hung_step_goes_through_the_device_health_machine(hang):
         assert engine.faults["device_recovered"] == 1
         assert (await engine.infer(Ask("again", model="embed"))).output == "niaga"
     assert calls.overlaps == []
+
+
+async def test_a_step_holding_the_device_is_not_counted_as_online_waiting(hang):
+    """A batch request lingers on the free device, then a step takes the device through its
+    runner, not the batcher. From then no device is free: the request waits for the step,
+    and the count of time a free device was held for online requests (the Batch API's idle
+    share leaves it out) stops."""
+    calls = Calls()
+    engine, clock = shared_engine(calls, hang, linger_ms=50)
+    async with engine:
+        online = asyncio.ensure_future(engine.infer(Ask("online", model="embed")))
+        await reach(engine, lambda s: s.queued == 1)
+        streamed = asyncio.ensure_future(generate(engine, f"abcdef{HANG_AT_3}", model="writer"))
+        assert await asyncio.to_thread(hang.entered.wait, HANG_GUARD_S)
+        clock.advance(0.040)  # the step holds the device
+        held_by_the_step = online_wait_s(engine)
+        hang.release.set()
+        assert (await streamed)[0] == f"abcdef{HANG_AT_3}"[::-1]
+        await polled(engine, lambda: engine.device_states()["sim:0"] == "idle",
+                     "sim:0 was free after the stream's release")  # fmt: skip
+        clock.advance(0.010)  # the device free again, the linger ends
+        assert (await online).output == "enilno"
+        in_all = online_wait_s(engine)
+    assert held_by_the_step == 0.0
+    assert in_all == pytest.approx(0.010)
 
 
 class Broken(RecordingGenerator):

@@ -84,8 +84,8 @@ class Devices:
     def __init__(
         self, *, clock: Clock, on_crash: CrashHandler, changed: Callable[[Device], None]
     ) -> None:
-        """`changed` hears of every device that leaves service, comes back, or frees (the
-        pool, which tells the batcher)."""
+        """`changed` hears of every device that leaves service, comes back, frees, or is
+        taken by a call that is not the batcher's (the pool, which tells the batcher)."""
         self._clock = clock
         self._by_name: dict[str, Device] = {}
         self._changed = changed
@@ -208,6 +208,8 @@ class Devices:
         machine, failed or succeeded; one without is not."""
         if not await device.take_turn():
             raise OutOfService(f"{device.name} is {device.state.value}", ran=False)
+        if device.fns:  # the batcher counts free devices: one taken is no longer free
+            self.changed(device)
         device.busy_since = started = self._clock.time()
         done = self.watch(device, fn, arg, budget_s, on_hung, progress)
         try:

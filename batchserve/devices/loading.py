@@ -23,16 +23,17 @@ async def load(
     version: ModelVersion,
     *,
     beside_serving: bool,
-    freed: Callable[[Device], None],
+    changed: Callable[[Device], None],
 ) -> list[str]:
     """Calls `version`'s factory for each of `devices`; returns what failed. At start-up
     each load runs on its device's thread. `beside_serving` (a version added while serving)
     loads on a thread of its own, so that the versions already on the device keep serving
     meanwhile, then runs a warm-up batch of one input on the device's own thread, in its
-    turn (`_warm_up`, which calls `freed` when it leaves the device idle); a device whose
-    warm-up fails does not take the version."""
+    turn (`_warm_up`, which calls `changed` as it takes the device and as it leaves it
+    idle: the batcher counts free devices); a device whose warm-up fails does not take the
+    version."""
     loads: list[Awaitable[BatchFn]] = [
-        _load_beside(version, d, freed)
+        _load_beside(version, d, changed)
         if beside_serving
         else d.thread.submit(version.factory, d.name)
         for d in devices
@@ -70,20 +71,21 @@ async def reload(device: Device) -> str | None:
 
 
 async def _load_beside(
-    version: ModelVersion, device: Device, freed: Callable[[Device], None]
+    version: ModelVersion, device: Device, changed: Callable[[Device], None]
 ) -> BatchFn:
     fn = await asyncio.to_thread(version.factory, device.name)
-    await _warm_up(device, fn, freed)
+    await _warm_up(device, fn, changed)
     return fn
 
 
-async def _warm_up(device: Device, fn: BatchFn, freed: Callable[[Device], None]) -> None:
+async def _warm_up(device: Device, fn: BatchFn, changed: Callable[[Device], None]) -> None:
     """One input through `fn` on the device's own thread, once the device is free and
     taken for it: never beside a batch (the backend contract is one call at a time), and
     never queued on the thread ahead of a batch whose budget would then run out. Raises
     StartupError if the call fails or the device leaves service first."""
     if not await device.take_turn():
         raise StartupError("the device left service before its warm-up batch")
+    changed(device)
     try:
         run = functools.partial(run_checked, fn, None)
         await device.thread.submit(run, [WARM_UP_INPUT])
@@ -92,4 +94,4 @@ async def _warm_up(device: Device, fn: BatchFn, freed: Callable[[Device], None])
     finally:
         if not device.hand_turn():
             device.state = DeviceState.IDLE
-            freed(device)
+            changed(device)
