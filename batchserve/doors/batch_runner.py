@@ -260,7 +260,7 @@ class BatchRunner:
 
         if await store.finish(owner, batch_id, list(files.values()), ended,
                               holder=self.holder) is None:  # fmt: skip
-            log.warning("lost the lease on %s before ending it: its holder ends it", batch_id)
+            log.warning("lost the lease on %s before ending it: its next holder ends it", batch_id)
             return
         log.info("batch %s %s: %d lines answered, %d failed", batch_id, ending,
                  len(outputs), len(errors))  # fmt: skip
