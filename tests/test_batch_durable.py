@@ -118,7 +118,11 @@ async def batch_store(
         async def lapse_sqlite() -> None:
             wall[0] += 3_600
 
-        yield SqliteBatches(str(tmp_path / "batches.db"), wall=lambda: wall[0]), lapse_sqlite
+        sqlite = SqliteBatches(str(tmp_path / "batches.db"), wall=lambda: wall[0])
+        try:
+            yield sqlite, lapse_sqlite
+        finally:
+            await sqlite.close()
         return
     if shutil.which("redis-server") is None:
         pytest.skip("redis-server is not installed")
