@@ -300,12 +300,12 @@ class Batcher:
         self._watchers.changed()
 
     def _online_waits_on_a_free_device(self) -> bool:
-        """Whether an online request waits though a device that could run it is free: the
-        cheap questions first, since this is asked at every change."""
+        """Whether a device stands free that idle lines may not use, since online requests
+        wait for its versions (`_idle_batch`'s rule): the cheap questions first, since this
+        is asked at every change."""
         if not (self._queued > 0 or self._rescue.any_waiting) or self.pool.free_count == 0:
             return False
-        waiting = itertools.chain(self._lanes, (key for key, _ in self._rescue.groups()))
-        return any(self.pool.free_for(key.version) for key in waiting)
+        return self.pool.free_only_for(self._busy_online())
 
     def arrival_rps(self, now: float) -> float:
         return self._arrival_rate.at(now)

@@ -116,6 +116,13 @@ class GpuPool:
         # Counted in a list, not summed over a generator: the batcher asks at every arrival.
         return [device.state for device in self.devices].count(DeviceState.IDLE)
 
+    def free_only_for(self, versions: set[ModelVersion]) -> bool:
+        """Whether a free device holds only `versions` (the batcher's: those idle lines may
+        not use while online requests wait)."""
+        return any(
+            d.state is DeviceState.IDLE and d.fns and d.fns.keys() <= versions for d in self.devices
+        )
+
     def free_for(self, version: ModelVersion, avoid: tuple[str, ...] = ()) -> int:
         """Free devices that can run `version`, other than those named in `avoid`."""
         if not avoid:  # the batcher's question at every decision

@@ -25,7 +25,7 @@ from batchserve.models.specs import ModelSpec
 from batchserve.rules.tenants import Tenant
 from batchserve.server import create_app
 
-from .conftest import HANG_GUARD_S, BatchserveTestServer, GatedBackend, reach
+from .conftest import HANG_GUARD_S, BatchserveTestServer, GatedBackend, reach, until
 from .test_batch_api import IDLE, create, ended, jsonl, line, lines_of, upload
 
 LINE = Caller(tenant=IDLE)
@@ -199,6 +199,11 @@ def online_wait_s(engine: Engine) -> float:
     return engine.metrics.snapshot()["batch_api"]["online_wait_s"]
 
 
+def lines_waiting(engine: Engine) -> int:
+    assert engine.metrics is not None
+    return engine.metrics.snapshot()["batch_api"]["waiting"]
+
+
 async def test_a_free_device_held_for_waiting_online_requests_is_not_idle_time(gated):
     """A policy lingering for a fuller batch keeps the device free while an online request
     waits; lines wait too (they never run then), and that time is counted apart from the
@@ -239,10 +244,12 @@ async def test_online_waiting_is_counted_without_lines_too(gated):
     assert calls(gated) == [["online"], ["alone"]]
 
 
-async def test_a_free_device_that_cannot_run_the_waiting_request_is_not_counted():
-    """Model "a" has only sim:0, busy with its first request, and its second waits; sim:1
-    is free but holds only "b". No device that could run the waiting request stands free,
-    so nothing is counted: lines of "b" may use sim:1 meanwhile."""
+async def test_a_free_device_barred_to_lines_by_waiting_online_requests_is_counted():
+    """Model "a" has only sim:0, busy with its first request, and its second waits; sim:1 is
+    free and holds only "b", which shares sim:0 with "a". Lines of "b" may not run anywhere
+    while "a" waits (`_idle_batch`), so sim:1's free time is online waiting, not idle
+    capacity: a line offered meanwhile runs only once "a" is done. (Simulated devices cannot
+    place "b" apart from "a": `sim:N` is always sim:0 onwards.)"""
     gate = threading.Event()
 
     def held(inputs: list[str]) -> list[str]:
@@ -260,8 +267,13 @@ async def test_a_free_device_that_cannot_run_the_waiting_request_is_not_counted(
         await reach(engine, lambda s: s.in_flight == 1)
         second = asyncio.ensure_future(engine.infer(Ask("second", model="a")))
         await reach(engine, lambda s: s.queued == 1)
+        line = asyncio.ensure_future(engine.infer(Ask("line", model="b"), LINE))
+        await until(lambda: lines_waiting(engine) == 1)
         clock.advance(0.040)
         counted = online_wait_s(engine)
+        line_waited = not line.done()
         gate.set()
-        assert [(await first).output, (await second).output] == ["tsrif", "dnoces"]
-    assert counted == 0.0
+        outputs = [(await request).output for request in (first, second, line)]
+    assert outputs == ["tsrif", "dnoces", "enil"]
+    assert line_waited
+    assert counted == pytest.approx(0.040)
