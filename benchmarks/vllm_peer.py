@@ -298,7 +298,9 @@ def main() -> None:
     parser.add_argument("--ours", default="", help="extra batchserve flags, space-separated")
     parser.add_argument("--peer", default="", help="extra vLLM flags, space-separated")
     args = parser.parse_args()
-    if not PEER_PYTHON.exists() or not (WEIGHTS / "config.json").exists():
+    if not PEER_PYTHON.exists() or not all(
+        (WEIGHTS / name).exists() for name in ("config.json", "tokenizer.json")
+    ):
         raise SystemExit("run benchmarks/vllm_setup.sh first")
     started = time.monotonic()
     run(args)
