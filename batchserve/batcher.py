@@ -106,6 +106,7 @@ class Batcher:
         self._tasks = TaskSet(on_crash)
         self._watchers = Watchers(self.stats)
         self._online_wait = OnlineWait()
+        self._count_online_wait = config.count_online_wait
         self._batches = 0
         self._completed = 0
         self._throughput = Throughput(pool, clock)
@@ -228,7 +229,7 @@ class Batcher:
         if request.tier_rank == IDLE_RANK:
             if not request.running:
                 self.idle.discard(request)
-                self._changed()  # the lines waiting changed: their waiters hear of it
+                self._changed()  # the last line gone: online waiting may stop counting
             return
         lane = None if request.running else self._lanes.get(request.key)  # ran: not queued
         if lane is not None and lane.queue.discard(request):
@@ -295,8 +296,12 @@ class Batcher:
         await self._watchers.wait_until(predicate)
 
     def _changed(self) -> None:
-        """Counts online waiting, then tells the waiters."""
-        self._online_wait.update(self._online_waits_on_a_free_device(), self._clock.time)
+        """Counts online waiting (while lines wait, or always where asked: it costs every
+        change), then tells the waiters."""
+        counting = bool(self.idle) or self._count_online_wait
+        if counting or self._online_wait.open:
+            waiting = counting and self._online_waits_on_a_free_device()
+            self._online_wait.update(waiting, self._clock.time)
         self._watchers.changed()
 
     def _online_waits_on_a_free_device(self) -> bool:
@@ -305,7 +310,7 @@ class Batcher:
         is asked at every change."""
         if not (self._queued > 0 or self._rescue.any_waiting) or self.pool.free_count == 0:
             return False
-        return self.pool.free_only_for(self._busy_online())
+        return self.pool.all_shared or self.pool.free_only_for(self._busy_online())
 
     def arrival_rps(self, now: float) -> float:
         return self._arrival_rate.at(now)

@@ -101,6 +101,8 @@ class GpuPool:
         self._tasks = TaskSet(on_crash)
         self._sharing: dict[ModelVersion, frozenset[ModelVersion]] = {}
         """`sharing`'s answers, until a load or unload changes what the devices hold."""
+        self._all_shared: bool | None = None
+        """`all_shared`'s answer, until a load or unload changes what the devices hold."""
         self.faults: Counter[str] = self._fleet.faults
         """Faults by kind, the devices' (shared), counted in the logs and on /metrics."""
         self.healthy = 0
@@ -140,6 +142,15 @@ class GpuPool:
     def healthy_versions(self) -> Iterator[Collection[ModelVersion]]:
         """The versions on each device in service."""
         return (device.fns.keys() for device in self.devices if device.state in HEALTHY)
+
+    @property
+    def all_shared(self) -> bool:
+        """Whether every version shares a device with every other (one device, one model,
+        or all on all): then a request waiting for any of them bars idle lines from all."""
+        if self._all_shared is None:
+            every = frozenset(v for d in self.devices for v in d.fns)
+            self._all_shared = all(self.sharing(v) == every for v in every)
+        return self._all_shared
 
     def sharing(self, version: ModelVersion) -> frozenset[ModelVersion]:
         """The versions loaded on any device `version` is on, itself included."""
@@ -200,6 +211,7 @@ class GpuPool:
             devices, version, beside_serving=beside_serving, changed=self._fleet.changed
         )
         self._sharing.clear()
+        self._all_shared = None
         return problems
 
     def device_changed(self, device: Device | None) -> None:
@@ -215,6 +227,7 @@ class GpuPool:
         has made sure none of its batches runs."""
         loading.unload(self.devices, version)
         self._sharing.clear()
+        self._all_shared = None
 
     def running(self, version: ModelVersion) -> bool:
         """Whether a batch of `version` is inside a device now."""

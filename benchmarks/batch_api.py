@@ -14,8 +14,9 @@ online calls' device time, and less the time the device stood free while online 
 waited for it (`batchserve_online_wait_seconds`: the batcher's pass between calls, a policy
 lingering; lines never run then). The share over the window less the online calls alone
 (what earlier runs reported) is printed beside it. The control: the same online waiting,
-measured in the window without the batch, as a share of the time online calls left there;
-if the batch lengthened it, the two shares would part.
+measured in the window without the batch (the server runs with `--count-online-wait on`), as
+a share of the time online calls left there; if the batch lengthened it, the two shares
+would part.
 
 `restart`: `kill -9` of the server during a 2,000-line batch, a restart on the same
 `--batch-db`, and the batch's completion. `replicas`: two replicas behind Debian's nginx
@@ -95,7 +96,8 @@ def server_args(scratch: Path, *extra: str, line_batch: int = 8) -> list[str]:
     """The flags of every server here: the two models on one device, and `extra`."""
     models = scratch / "models.toml"
     models.write_text(MODELS.format(line_batch=line_batch))
-    return ["--log-level", "WARNING", "--models", str(models), "--sim-cost", SIM_COST, *extra]
+    return ["--log-level", "WARNING", "--models", str(models), "--sim-cost", SIM_COST,
+            "--count-online-wait", "on", *extra]  # fmt: skip
 
 
 def server_command(scratch: Path, db: str, *extra: str, line_batch: int = 8) -> list[str]:

@@ -179,11 +179,13 @@ async def test_only_a_deadline_that_passed_as_the_line_waited_is_tried_again(err
 
 @asynccontextmanager
 async def lingering_beside_a_line(
-    gated: GatedBackend,
+    gated: GatedBackend, **settings: object
 ) -> AsyncIterator[tuple[Engine, FakeClock, asyncio.Future[Result], asyncio.Future[Result]]]:
     """One free device and a fixed policy lingering 50 ms of virtual time: an online request
     waits on it, and a Batch API line waits below it (lines never run while online waits)."""
-    async with running(gated, policy="fixed", max_linger_ms=50, max_batch_size=8) as engine:
+    async with running(
+        gated, policy="fixed", max_linger_ms=50, max_batch_size=8, **settings
+    ) as engine:
         clock = engine.clock
         assert isinstance(clock, FakeClock)
         gated.gate.set()
@@ -223,10 +225,25 @@ async def test_a_free_device_held_for_waiting_online_requests_is_not_idle_time(g
     assert calls(gated) == [["online"], ["line"]]
 
 
-async def test_online_waiting_is_counted_without_lines_too(gated):
-    """The control the Batch API's benchmark reads in its window without a batch: a line
-    that leaves, or none at all, does not stop the count."""
+async def test_online_waiting_stops_counting_when_the_last_line_leaves(gated):
+    """By default it is counted only while lines wait: what they could not use. Counting at
+    every change costs the request path (`--count-online-wait`)."""
     async with lingering_beside_a_line(gated) as (engine, clock, online, line):
+        clock.advance(0.010)
+        line.cancel()  # its handler leaves: nothing is left to use idle time
+        with pytest.raises(asyncio.CancelledError):
+            await line
+        clock.advance(0.040)  # the linger ends
+        assert (await online).output == "enilno"
+        waited = online_wait_s(engine)
+    assert waited == pytest.approx(0.010)
+
+
+async def test_online_waiting_is_counted_without_lines_where_asked(gated):
+    """--count-online-wait: the control the Batch API's benchmark reads in its window
+    without a batch. A line that leaves, or none at all, does not stop the count."""
+    asked = {"count_online_wait": True}
+    async with lingering_beside_a_line(gated, **asked) as (engine, clock, online, line):
         clock.advance(0.010)
         line.cancel()
         with pytest.raises(asyncio.CancelledError):

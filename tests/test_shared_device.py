@@ -96,7 +96,11 @@ def shared_engine(calls: Calls, hang: OneHang, linger_ms: int = 0) -> tuple[Engi
         ),
         ModelSpec(name="writer", version="1", generator=calls.generator(hang), devices="sim:1"),
     ]
-    config = Config(batch_timeout_ms=1000, policy="fixed" if linger_ms else "adaptive")
+    config = Config(
+        batch_timeout_ms=1000,
+        policy="fixed" if linger_ms else "adaptive",
+        count_online_wait=bool(linger_ms),  # with no Batch API line, only where asked
+    )
     return Engine(config, models=models, clock=clock), clock
 
 

@@ -2,8 +2,9 @@
 online requests waited for it (the batcher's pass between two calls, a policy lingering for
 a fuller batch). The Batch API's lines never run then (they go only where no online request
 waits), so the share of idle time they used is measured against the rest
-(`benchmarks/batch_api.py`). Counted with lines or without: a window without them is the
-control that tells whether lines lengthen it.
+(`benchmarks/batch_api.py`). Counted while lines wait, or always with
+`--count-online-wait`: a window without lines is then the control that tells whether lines
+lengthen it.
 """
 
 from __future__ import annotations
@@ -18,6 +19,11 @@ class OnlineWait:
         self.seconds = 0.0
         self._since: float | None = None
 
+    @property
+    def open(self) -> bool:
+        """Whether a wait is being counted now."""
+        return self._since is not None
+
     def seconds_at(self, now: float) -> float:
         """The seconds counted, with the wait still open at `now`: a scrape mid-linger
         sees it."""
@@ -26,7 +32,7 @@ class OnlineWait:
     def update(self, waiting: bool, clock: Callable[[], float]) -> None:
         """The state at one of the batcher's changes: the clock is read only where it flips,
         since this runs at every change of every request."""
-        if waiting == (self._since is not None):
+        if waiting == self.open:
             return
         now = clock()
         if self._since is None:
