@@ -210,8 +210,7 @@ class GpuPool:
         problems = await loading.load(
             devices, version, beside_serving=beside_serving, changed=self._fleet.changed
         )
-        self._sharing.clear()
-        self._all_shared = None
+        self._placement_changed()
         return problems
 
     def device_changed(self, device: Device | None) -> None:
@@ -226,6 +225,10 @@ class GpuPool:
         """Drops `version`'s batch functions, so that its weights can be freed; the caller
         has made sure none of its batches runs."""
         loading.unload(self.devices, version)
+        self._placement_changed()
+
+    def _placement_changed(self) -> None:
+        """What the devices hold changed: the answers cached from it are forgotten."""
         self._sharing.clear()
         self._all_shared = None
 
