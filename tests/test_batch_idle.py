@@ -6,7 +6,6 @@ whose deadline cannot be met ends in the error file rather than waiting out its 
 from __future__ import annotations
 
 import asyncio
-import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -225,16 +224,24 @@ async def test_a_free_device_held_for_waiting_online_requests_is_not_idle_time(g
     assert calls(gated) == [["online"], ["line"]]
 
 
+async def line_leaves_mid_linger(
+    clock: FakeClock, online: asyncio.Future[Result], line: asyncio.Future[Result]
+) -> None:
+    """10 ms into the 50 ms linger the line's handler leaves; then the linger ends and the
+    online request is answered."""
+    clock.advance(0.010)
+    line.cancel()  # its handler leaves: nothing is left to use idle time
+    with pytest.raises(asyncio.CancelledError):
+        await line
+    clock.advance(0.040)  # the linger ends
+    assert (await online).output == "enilno"
+
+
 async def test_online_waiting_stops_counting_when_the_last_line_leaves(gated):
     """By default it is counted only while lines wait: what they could not use. Counting at
     every change costs the request path (`--count-online-wait`)."""
     async with lingering_beside_a_line(gated) as (engine, clock, online, line):
-        clock.advance(0.010)
-        line.cancel()  # its handler leaves: nothing is left to use idle time
-        with pytest.raises(asyncio.CancelledError):
-            await line
-        clock.advance(0.040)  # the linger ends
-        assert (await online).output == "enilno"
+        await line_leaves_mid_linger(clock, online, line)
         waited = online_wait_s(engine)
     assert waited == pytest.approx(0.010)
 
@@ -244,12 +251,7 @@ async def test_online_waiting_is_counted_without_lines_where_asked(gated):
     without a batch. A line that leaves, or none at all, does not stop the count."""
     asked = {"count_online_wait": True}
     async with lingering_beside_a_line(gated, **asked) as (engine, clock, online, line):
-        clock.advance(0.010)
-        line.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await line
-        clock.advance(0.040)  # the linger ends
-        assert (await online).output == "enilno"
+        await line_leaves_mid_linger(clock, online, line)
         after_one = online_wait_s(engine)
         alone = asyncio.ensure_future(engine.infer("alone"))
         await reach(engine, lambda s: s.queued == 1)
@@ -261,21 +263,15 @@ async def test_online_waiting_is_counted_without_lines_where_asked(gated):
     assert calls(gated) == [["online"], ["alone"]]
 
 
-async def test_a_free_device_barred_to_lines_by_waiting_online_requests_is_counted():
+async def test_a_free_device_barred_to_lines_by_waiting_online_requests_is_counted(gated):
     """Model "a" has only sim:0, busy with its first request, and its second waits; sim:1 is
     free and holds only "b", which shares sim:0 with "a". Lines of "b" may not run anywhere
     while "a" waits (`_idle_batch`), so sim:1's free time is online waiting, not idle
     capacity: a line offered meanwhile runs only once "a" is done. (Simulated devices cannot
     place "b" apart from "a": `sim:N` is always sim:0 onwards.)"""
-    gate = threading.Event()
-
-    def held(inputs: list[str]) -> list[str]:
-        assert gate.wait(HANG_GUARD_S), "the test never opened the gate"
-        return [text[::-1] for text in inputs]
-
     models = [
-        ModelSpec(name="a", version="1", fn=held, devices="sim:1", max_linger_ms=0),
-        ModelSpec(name="b", version="1", fn=held, devices="sim:2", max_linger_ms=0),
+        ModelSpec(name="a", version="1", fn_per_device=gated, devices="sim:1", max_linger_ms=0),
+        ModelSpec(name="b", version="1", fn_per_device=gated, devices="sim:2", max_linger_ms=0),
     ]
     async with Engine(Config(), models=models, clock=FakeClock()) as engine:
         clock = engine.clock
@@ -289,7 +285,7 @@ async def test_a_free_device_barred_to_lines_by_waiting_online_requests_is_count
         clock.advance(0.040)
         counted = online_wait_s(engine)
         line_waited = not line.done()
-        gate.set()
+        gated.gate.set()
         outputs = [(await request).output for request in (first, second, line)]
     assert outputs == ["tsrif", "dnoces", "enil"]
     assert line_waited
