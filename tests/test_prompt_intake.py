@@ -6,15 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 
+from batchserve.clock import FakeClock
 from batchserve.config import Config
 from batchserve.engine.core import Engine
 from batchserve.engine.requests import Prompt
 from batchserve.errors import DuplicateRequestId, InputTooLarge
-from batchserve.generation.models import INLINE_CHARS
+from batchserve.generation.models import GATHER_S, INLINE_CHARS
 from batchserve.models.specs import ModelSpec
 
 from . import tiny_llama
@@ -135,3 +136,63 @@ async def test_a_drain_waits_for_a_prompt_being_tokenized():
         counter.go.set()
         assert (await running)[0].startswith("deniard")
         await drained
+
+
+class LongPromptCounter(SlowCounter):
+    """Counts a long prompt (on the tokenizer thread) only once the test lets it; a short
+    one (on the loop) at once."""
+
+    made: ClassVar[list[LongPromptCounter]] = []
+
+    def __init__(self, device: str) -> None:
+        super().__init__(device)
+        self.made.append(self)
+
+    def count_tokens(self, text: str) -> int:
+        return super().count_tokens(text) if len(text) > INLINE_CHARS else len(text)
+
+
+def gathering_engine(clock: FakeClock | None = None) -> tuple[Engine, type[LongPromptCounter]]:
+    class Counter(LongPromptCounter):
+        counting = threading.Event()
+        go = threading.Event()
+        made: ClassVar[list[LongPromptCounter]] = []
+
+    spec = ModelSpec(name="writer", version="1", generator=Counter, devices="sim:1")  # type: ignore[arg-type]
+    return Engine(Config(), models=[spec], clock=clock), Counter
+
+
+async def test_an_idle_device_waits_for_a_prompt_still_being_tokenized_beside_the_first():
+    # A burst: the long prompt is still being counted when the short one joins the line;
+    # the device's first step holds both, not the short one alone first.
+    engine, counter = gathering_engine()
+    async with engine:
+        long = asyncio.ensure_future(generate(engine, "l" * (INLINE_CHARS + 1), max_tokens=2))
+        assert await asyncio.to_thread(counter.counting.wait, HANG_GUARD_S)
+        short = asyncio.ensure_future(generate(engine, "short", max_tokens=2))
+        for _ in range(100):  # loop passes enough for the device to step the short one
+            await asyncio.sleep(0)
+        (generator,) = counter.made
+        assert generator.steps == []
+        counter.go.set()
+        assert (await short)[0] == "tr"
+        assert (await long)[0] == "ll"
+        assert len(generator.steps[0]) == 2
+
+
+async def test_it_waits_no_longer_than_the_gather_bound():
+    clock = FakeClock()
+    engine, counter = gathering_engine(clock)
+    async with engine:
+        long = asyncio.ensure_future(generate(engine, "l" * (INLINE_CHARS + 1), max_tokens=2))
+        assert await asyncio.to_thread(counter.counting.wait, HANG_GUARD_S)
+        short = asyncio.ensure_future(generate(engine, "short", max_tokens=2))
+        for _ in range(100):
+            await asyncio.sleep(0)
+        assert not short.done()
+        clock.advance(GATHER_S)
+        assert (await short)[0] == "tr"  # alone: the long prompt is still being counted
+        (generator,) = counter.made
+        assert all(len(step) == 1 for step in generator.steps)
+        counter.go.set()
+        assert (await long)[0] == "ll"

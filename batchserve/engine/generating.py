@@ -27,7 +27,7 @@ from ..observability.tracing import Tracer
 from ..rules.admission import stop_strings
 from ..rules.prefill import refuse_if_late
 from ..rules.sampling_params import LOGPROBS, checked_params
-from ..rules.tenants import Tenant
+from ..rules.tenants import IDLE_RANK, Tenant
 from .intake import InFlightKey, Intake
 from .recorder import Recorder
 from .requests import Caller, Prompt
@@ -126,7 +126,7 @@ class GenerationPath:
         and one whose first token is predicted past its deadline (503, or 504 where its own
         prefill alone cannot make it: rules/prefill.py); by its bytes before the tokenizer
         runs where they say so, then by its tokens, counted off the event loop."""
-        text, max_tokens = prompt.text, prompt.max_tokens
+        text = prompt.text
         stops = stop_strings(prompt.stop)
         if stops and prompt.constraint is not None:
             raise InvalidInput(
@@ -138,6 +138,28 @@ class GenerationPath:
             self._route, prompt.model, prompt.version, text, prompt.timeout_ms, request_id,
             tenant, arrival, first_token=True,
         )  # fmt: skip
+        # An idle device waits for it to join the line; never for a Batch API line's.
+        online = tenant is None or tenant.rank != IDLE_RANK
+        with generation_model.admitting() if online else contextlib.nullcontext():
+            gen = await self._prepared(
+                generation_model, prompt, stops, request_id, tenant, arrival, deadline, in_flight
+            )
+        return generation_model, gen, in_flight
+
+    async def _prepared(
+        self,
+        generation_model: GenerationModel,
+        prompt: Prompt,
+        stops: tuple[str, ...],
+        request_id: str,
+        tenant: Tenant | None,
+        arrival: float,
+        deadline: float,
+        in_flight: InFlightKey,
+    ) -> Generation:
+        """The admitted prompt's generation: its tokens counted and checked against the
+        budget, its params and grammar, its cached prefix, its first-token forecast."""
+        text, max_tokens = prompt.text, prompt.max_tokens
         rules = self._intake.rules
         budget = generation_model.kv_budget
         params, prompt_ids = prompt.params, prompt.prompt_ids
@@ -180,7 +202,7 @@ class GenerationPath:
         if forecast is not None:
             left_s = deadline - self._clock.time()
             refuse_if_late(*forecast, deadline_s=left_s, tokens=gen.prefill_tokens)
-        return generation_model, gen, in_flight
+        return gen
 
     def _cache_key(self, tenant: Tenant | None, cache_salt: str | None) -> str:
         """Whose cached prefixes the sequence may share: its tenant's (a shared cache would

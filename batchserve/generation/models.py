@@ -11,14 +11,15 @@ with the batch models placed on them. `Generators` holds the models by name.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from ..clock import Clock
+from ..clock import Clock, wait_until
 from ..config import GenerateMode
 from ..devices.fleet import Devices
 from ..devices.health import DeviceState
@@ -50,6 +51,11 @@ from .step_loop import StepLoop
 DEAD = DeviceState.DEAD.value
 INLINE_CHARS = 1024
 """Prompts up to this long are tokenized on the loop: about a millisecond at most."""
+GATHER_S = 0.05
+"""How long an idle device, given work, waits for prompts admitted beside it and still being
+tokenized before its first step: a burst's prompts then prefill together, not one first alone
+(16 chats of ~1,000 tokens were all in line after 18 ms on one core; alone, the first one's
+step took 0.2 s before the others could start)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +124,10 @@ class GenerationModel:
         self._line_prefill = PrefillLine()
         """The prefill of every sequence in line (waiting or resumed), by tenant."""
         self._work = asyncio.Event()
+        self._admitting = 0
+        """Its prompts between admission and the line (tokenized, a grammar compiled)."""
+        self._all_admitted: asyncio.Future[None] | None = None
+        """Done once none is admitting: what an idle device given work waits for."""
         self._tasks = TaskSet(on_crash)
         self.count_tokens: Callable[[str], int] = len
         self.max_token_bytes: int | None = None
@@ -260,6 +270,19 @@ class GenerationModel:
             self._tokenizer, lambda: max(loop.cached_tokens(gen) for loop in loops)
         )
 
+    @contextlib.contextmanager
+    def admitting(self) -> Iterator[None]:
+        """Around an online prompt's admission: a device starting from idle waits up to
+        `GATHER_S` for it (`wait_for_work`), so that a burst's first step holds all of it."""
+        self._admitting += 1
+        try:
+            yield
+        finally:
+            self._admitting -= 1
+            if not self._admitting and self._all_admitted is not None:
+                self._all_admitted.set_result(None)
+                self._all_admitted = None
+
     def submit(self, gen: Generation) -> None:
         self._waiting.push(gen)
         self._enter_line(gen)
@@ -350,10 +373,16 @@ class GenerationModel:
         self._work.set()
 
     async def wait_for_work(self, device: str) -> None:
+        """Returns once there is work for `device` (idle), and then, while online prompts of
+        this model are still being admitted, once they are in line too (`GATHER_S` at most)."""
         lines = (self._waiting, self._resumed, self._resumed_lines)
         while not any(lines) and not self._forks.has(device):
             self._work.clear()
             await self._work.wait()
+        if self._admitting:
+            if self._all_admitted is None:
+                self._all_admitted = asyncio.get_running_loop().create_future()
+            await wait_until(self._clock, self._all_admitted, self._clock.time() + GATHER_S)
 
     def fail_all(self, error: BatchserveError, now: float) -> None:
         """Ends every sequence, waiting or running, with `error` (a drain that timed out)."""
