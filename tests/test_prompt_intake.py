@@ -15,7 +15,7 @@ from batchserve.config import Config
 from batchserve.engine.core import Engine
 from batchserve.engine.requests import Prompt
 from batchserve.errors import DuplicateRequestId, InputTooLarge
-from batchserve.generation.models import GATHER_S, INLINE_CHARS
+from batchserve.generation.models import GATHER_S, GATHER_SHARE, INLINE_CHARS
 from batchserve.models.specs import ModelSpec
 
 from . import tiny_llama
@@ -152,20 +152,22 @@ class LongPromptCounter(SlowCounter):
         return super().count_tokens(text) if len(text) > INLINE_CHARS else len(text)
 
 
-def gathering_engine(clock: FakeClock | None = None) -> tuple[Engine, type[LongPromptCounter]]:
+def gathering_engine(
+    clock: FakeClock, devices: str = "sim:1"
+) -> tuple[Engine, type[LongPromptCounter]]:
     class Counter(LongPromptCounter):
         counting = threading.Event()
         go = threading.Event()
         made: ClassVar[list[LongPromptCounter]] = []
 
-    spec = ModelSpec(name="writer", version="1", generator=Counter, devices="sim:1")  # type: ignore[arg-type]
+    spec = ModelSpec(name="writer", version="1", generator=Counter, devices=devices)  # type: ignore[arg-type]
     return Engine(Config(), models=[spec], clock=clock), Counter
 
 
 async def test_an_idle_device_waits_for_a_prompt_still_being_tokenized_beside_the_first():
     # A burst: the long prompt is still being counted when the short one joins the line;
     # the device's first step holds both, not the short one alone first.
-    engine, counter = gathering_engine()
+    engine, counter = gathering_engine(FakeClock())  # the clock stands still: no bound passes
     async with engine:
         long = asyncio.ensure_future(generate(engine, "l" * (INLINE_CHARS + 1), max_tokens=2))
         assert await asyncio.to_thread(counter.counting.wait, HANG_GUARD_S)
@@ -194,5 +196,36 @@ async def test_it_waits_no_longer_than_the_gather_bound():
         assert (await short)[0] == "tr"  # alone: the long prompt is still being counted
         (generator,) = counter.made
         assert all(len(step) == 1 for step in generator.steps)
+        counter.go.set()
+        assert (await long)[0] == "ll"
+
+
+async def test_a_tight_first_token_deadline_shortens_the_wait():
+    clock = FakeClock()
+    engine, counter = gathering_engine(clock)
+    async with engine:
+        long = asyncio.ensure_future(generate(engine, "l" * (INLINE_CHARS + 1), max_tokens=2))
+        assert await asyncio.to_thread(counter.counting.wait, HANG_GUARD_S)
+        # 200 ms to its first token: the wait takes a tenth of it, not the whole GATHER_S.
+        short = asyncio.ensure_future(generate(engine, "short", max_tokens=2, timeout_ms=200))
+        for _ in range(100):
+            await asyncio.sleep(0)
+        assert not short.done()
+        clock.advance(GATHER_SHARE * 0.2)
+        assert GATHER_SHARE * 0.2 < GATHER_S
+        assert (await short)[0] == "tr"
+        counter.go.set()
+        assert (await long)[0] == "ll"
+
+
+async def test_a_burst_is_not_held_back_where_another_device_is_idle_too():
+    # Two idle devices: the first prompt starts on one at once, as it did before the wait,
+    # leaving the other for the rest of the burst (one device gathering would take it all).
+    engine, counter = gathering_engine(FakeClock(), devices="sim:2")
+    async with engine:
+        long = asyncio.ensure_future(generate(engine, "l" * (INLINE_CHARS + 1), max_tokens=2))
+        assert await asyncio.to_thread(counter.counting.wait, HANG_GUARD_S)
+        short = generate(engine, "short", max_tokens=2)
+        assert (await asyncio.wait_for(short, HANG_GUARD_S))[0] == "tr"
         counter.go.set()
         assert (await long)[0] == "ll"

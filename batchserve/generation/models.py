@@ -56,6 +56,8 @@ GATHER_S = 0.05
 tokenized before its first step: a burst's prompts then prefill together, not one first alone
 (16 chats of ~1,000 tokens were all in line after 18 ms on one core; alone, the first one's
 step took 0.2 s before the others could start)."""
+GATHER_SHARE = 0.1
+"""The most of a waiting prompt's time left to its first-token deadline that the wait takes."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,8 +126,9 @@ class GenerationModel:
         self._line_prefill = PrefillLine()
         """The prefill of every sequence in line (waiting or resumed), by tenant."""
         self._work = asyncio.Event()
-        self._admitting = 0
-        """Its prompts between admission and the line (tokenized, a grammar compiled)."""
+        self._online_admitting = 0
+        """Its online prompts between admission and the line (tokenized, a grammar compiled);
+        not the engine's count of all prompts admitting, which a drain waits for."""
         self._all_admitted: asyncio.Future[None] | None = None
         """Done once none is admitting: what an idle device given work waits for."""
         self._tasks = TaskSet(on_crash)
@@ -274,12 +277,12 @@ class GenerationModel:
     def admitting(self) -> Iterator[None]:
         """Around an online prompt's admission: a device starting from idle waits up to
         `GATHER_S` for it (`wait_for_work`), so that a burst's first step holds all of it."""
-        self._admitting += 1
+        self._online_admitting += 1
         try:
             yield
         finally:
-            self._admitting -= 1
-            if not self._admitting and self._all_admitted is not None:
+            self._online_admitting -= 1
+            if not self._online_admitting and self._all_admitted is not None:
                 self._all_admitted.set_result(None)
                 self._all_admitted = None
 
@@ -374,15 +377,33 @@ class GenerationModel:
 
     async def wait_for_work(self, device: str) -> None:
         """Returns once there is work for `device` (idle), and then, while online prompts of
-        this model are still being admitted, once they are in line too (`GATHER_S` at most)."""
+        this model are still being admitted, once they are in line too (`_gather_until`)."""
         lines = (self._waiting, self._resumed, self._resumed_lines)
         while not any(lines) and not self._forks.has(device):
             self._work.clear()
             await self._work.wait()
-        if self._admitting:
+        until = self._gather_until(device)
+        if until is not None:
             if self._all_admitted is None:
                 self._all_admitted = asyncio.get_running_loop().create_future()
-            await wait_until(self._clock, self._all_admitted, self._clock.time() + GATHER_S)
+            await wait_until(self._clock, self._all_admitted, until)
+
+    def _gather_until(self, device: str) -> float | None:
+        """When an idle `device` stops waiting for prompts still in admission: `GATHER_S` from
+        now, or a tenth of the time the most urgent new prompt in line has left to its
+        first-token deadline if sooner. None (no wait) where nothing is in admission; where
+        another device of the model is idle too (the burst goes to both, as before); or where
+        the line holds streams already under way (preempted, handed back, forks)."""
+        if not self._online_admitting or self._resumed or self._resumed_lines:
+            return None
+        if self._forks.has(device) or any(
+            loop.device != device and loop.in_service and not loop.running for loop in self.loops
+        ):
+            return None
+        now = self._clock.time()
+        slack = min((gen.deadline - now for gen in self._waiting), default=GATHER_S)
+        wait = min(GATHER_S, GATHER_SHARE * slack)
+        return now + wait if wait > 0 else None
 
     def fail_all(self, error: BatchserveError, now: float) -> None:
         """Ends every sequence, waiting or running, with `error` (a drain that timed out)."""
