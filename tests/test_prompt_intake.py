@@ -16,6 +16,8 @@ from batchserve.engine.core import Engine
 from batchserve.engine.requests import Prompt
 from batchserve.errors import DuplicateRequestId, InputTooLarge
 from batchserve.generation.models import GATHER_S, GATHER_SHARE, INLINE_CHARS
+from batchserve.generation.request import Generation
+from batchserve.models.generators import Seq
 from batchserve.models.specs import ModelSpec
 
 from . import tiny_llama
@@ -227,5 +229,30 @@ async def test_a_burst_is_not_held_back_where_another_device_is_idle_too():
         assert await asyncio.to_thread(counter.counting.wait, HANG_GUARD_S)
         short = generate(engine, "short", max_tokens=2)
         assert (await asyncio.wait_for(short, HANG_GUARD_S))[0] == "tr"
+        counter.go.set()
+        assert (await long)[0] == "ll"
+
+
+async def test_a_stream_put_back_in_line_does_not_wait_for_new_prompts():
+    # A stream already under way (preempted, or handed back from a hung device) goes on at
+    # once on an idle device, even while a new prompt is still being tokenized.
+    clock = FakeClock()
+    engine, counter = gathering_engine(clock)
+    async with engine:
+        long = asyncio.ensure_future(generate(engine, "l" * (INLINE_CHARS + 1), max_tokens=2))
+        assert await asyncio.to_thread(counter.counting.wait, HANG_GUARD_S)
+        (model,) = list(engine._generators)
+        resumed = Generation(
+            Seq("resumed", "abc"),
+            prompt_tokens=3,
+            max_tokens=2,
+            stops=(),
+            arrival=clock.time(),
+            deadline=clock.time() + 60,
+            model="writer",
+            version="1",
+        )
+        model.put_back(resumed)
+        assert await asyncio.wait_for(resumed.result(), HANG_GUARD_S) == "cb"
         counter.go.set()
         assert (await long)[0] == "ll"
