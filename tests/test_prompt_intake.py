@@ -166,16 +166,29 @@ def gathering_engine(
     return Engine(Config(), models=[spec], clock=clock), Counter
 
 
+async def a_long_prompt_being_counted(
+    engine: Engine, counter: type[LongPromptCounter]
+) -> asyncio.Future[tuple[str, dict[str, object]]]:
+    """A long prompt, admitted and held in its count until the test sets `counter.go`."""
+    long = asyncio.ensure_future(generate(engine, "l" * (INLINE_CHARS + 1), max_tokens=2))
+    assert await asyncio.to_thread(counter.counting.wait, HANG_GUARD_S)
+    return long
+
+
+async def loop_passes() -> None:
+    """Enough passes of the loop for an idle device to step what is in line."""
+    for _ in range(100):
+        await asyncio.sleep(0)
+
+
 async def test_an_idle_device_waits_for_a_prompt_still_being_tokenized_beside_the_first():
     # A burst: the long prompt is still being counted when the short one joins the line;
     # the device's first step holds both, not the short one alone first.
     engine, counter = gathering_engine(FakeClock())  # the clock stands still: no bound passes
     async with engine:
-        long = asyncio.ensure_future(generate(engine, "l" * (INLINE_CHARS + 1), max_tokens=2))
-        assert await asyncio.to_thread(counter.counting.wait, HANG_GUARD_S)
+        long = await a_long_prompt_being_counted(engine, counter)
         short = asyncio.ensure_future(generate(engine, "short", max_tokens=2))
-        for _ in range(100):  # loop passes enough for the device to step the short one
-            await asyncio.sleep(0)
+        await loop_passes()
         (generator,) = counter.made
         assert generator.steps == []
         counter.go.set()
@@ -188,11 +201,9 @@ async def test_it_waits_no_longer_than_the_gather_bound():
     clock = FakeClock()
     engine, counter = gathering_engine(clock)
     async with engine:
-        long = asyncio.ensure_future(generate(engine, "l" * (INLINE_CHARS + 1), max_tokens=2))
-        assert await asyncio.to_thread(counter.counting.wait, HANG_GUARD_S)
+        long = await a_long_prompt_being_counted(engine, counter)
         short = asyncio.ensure_future(generate(engine, "short", max_tokens=2))
-        for _ in range(100):
-            await asyncio.sleep(0)
+        await loop_passes()
         assert not short.done()
         clock.advance(GATHER_S)
         assert (await short)[0] == "tr"  # alone: the long prompt is still being counted
@@ -206,12 +217,10 @@ async def test_a_tight_first_token_deadline_shortens_the_wait():
     clock = FakeClock()
     engine, counter = gathering_engine(clock)
     async with engine:
-        long = asyncio.ensure_future(generate(engine, "l" * (INLINE_CHARS + 1), max_tokens=2))
-        assert await asyncio.to_thread(counter.counting.wait, HANG_GUARD_S)
+        long = await a_long_prompt_being_counted(engine, counter)
         # 200 ms to its first token: the wait takes a tenth of it, not the whole GATHER_S.
         short = asyncio.ensure_future(generate(engine, "short", max_tokens=2, timeout_ms=200))
-        for _ in range(100):
-            await asyncio.sleep(0)
+        await loop_passes()
         assert not short.done()
         clock.advance(GATHER_SHARE * 0.2)
         assert GATHER_SHARE * 0.2 < GATHER_S
@@ -225,8 +234,7 @@ async def test_a_burst_is_not_held_back_where_another_device_is_idle_too():
     # leaving the other for the rest of the burst (one device gathering would take it all).
     engine, counter = gathering_engine(FakeClock(), devices="sim:2")
     async with engine:
-        long = asyncio.ensure_future(generate(engine, "l" * (INLINE_CHARS + 1), max_tokens=2))
-        assert await asyncio.to_thread(counter.counting.wait, HANG_GUARD_S)
+        long = await a_long_prompt_being_counted(engine, counter)
         short = generate(engine, "short", max_tokens=2)
         assert (await asyncio.wait_for(short, HANG_GUARD_S))[0] == "tr"
         counter.go.set()
@@ -239,8 +247,7 @@ async def test_a_stream_put_back_in_line_does_not_wait_for_new_prompts():
     clock = FakeClock()
     engine, counter = gathering_engine(clock)
     async with engine:
-        long = asyncio.ensure_future(generate(engine, "l" * (INLINE_CHARS + 1), max_tokens=2))
-        assert await asyncio.to_thread(counter.counting.wait, HANG_GUARD_S)
+        long = await a_long_prompt_being_counted(engine, counter)
         (model,) = list(engine._generators)
         resumed = Generation(
             Seq("resumed", "abc"),
