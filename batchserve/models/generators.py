@@ -163,6 +163,8 @@ class GeneratorSettings:
     cpu_threads: int = 0
     """A CPU device's compute threads, each pinned to a core; 0: every core but the event
     loop's (all of them on two cores or fewer)."""
+    compile_layers: bool = True
+    """On a CPU device, the pass through the layers compiled by inductor (`layer_loop.py`)."""
 
 
 class BadStep(RuntimeError):

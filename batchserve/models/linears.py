@@ -90,15 +90,6 @@ def layer_weights(torch: Any, layer: Any, products: Products) -> LayerWeights:
     return LayerWeights(products.prepare(qkv), qkv_bias, (q, k, v), o, gate_up, down)
 
 
-def mlp(layer: Any, weights: LayerWeights, products: Products, x: Any) -> Any:
-    """The layer's MLP over `x`: gate and up in one product where they are fused."""
-    if weights.gate_up is None or weights.down is None:
-        return layer.mlp(x)
-    gate, up = products(x, weights.gate_up).chunk(2, dim=-1)
-    act = layer.mlp.act_fn(gate) * up
-    return products(act, weights.down, layer.mlp.down_proj.bias)
-
-
 def _stack(torch: Any, linears: list[Any], name: str) -> Any:
     """The linears' `name` tensors stacked in one, each linear's now a view of its part."""
     joined = torch.cat([getattr(linear, name).data for linear in linears])
