@@ -119,14 +119,26 @@ def weights_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """Real generators keep their converted GGUF copies (SmolLM2's: 540 MB) in a folder of
     the test run's, removed at its end, not in the user's cache; servers started by the tests
     inherit it."""
-    folder = tmp_path_factory.mktemp("xdg-cache")
-    saved = os.environ.get("XDG_CACHE_HOME")
-    os.environ["XDG_CACHE_HOME"] = str(folder)
+    yield from run_folder(tmp_path_factory, "XDG_CACHE_HOME", "xdg-cache")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def inductor_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The compiled layers' kernels (inductor's cache) likewise: every run compiles from
+    nothing, as on a fresh machine, and leaves nothing in /tmp/torchinductor_$USER."""
+    yield from run_folder(tmp_path_factory, "TORCHINDUCTOR_CACHE_DIR", "inductor-cache")
+
+
+def run_folder(factory: pytest.TempPathFactory, variable: str, name: str) -> Iterator[Path]:
+    """A folder of the test run's named by environment `variable`, removed at its end."""
+    folder = factory.mktemp(name)
+    saved = os.environ.get(variable)
+    os.environ[variable] = str(folder)
     yield folder
     if saved is None:
-        del os.environ["XDG_CACHE_HOME"]
+        del os.environ[variable]
     else:
-        os.environ["XDG_CACHE_HOME"] = saved
+        os.environ[variable] = saved
     shutil.rmtree(folder, ignore_errors=True)
 
 
