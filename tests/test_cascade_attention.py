@@ -186,7 +186,8 @@ def chunk_layouts() -> list[tuple[list[list[int]], list[int]]]:
         scattered + turns[4],
     ]
     fed = [len(shared), 0, len(other), len(shared) + 30, 40, len(shared), len(other)]
-    return [(rows, fed), (rows[:1] + rows[3:4] + rows[5:6], [fed[0], fed[3], fed[5]])]
+    firsts = (rows[:1] + rows[5:6], [fed[0], fed[5]])  # turns of 17 and 5 after the prompt
+    return [(rows, fed), (rows[:1] + rows[3:4] + rows[5:6], [fed[0], fed[3], fed[5]]), firsts]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -266,28 +266,69 @@ def _prefill_cascade(
     )
     out_prefix = out_prefix[0].view(kv_heads, tokens, per_kv, head_dim).transpose(0, 1)
     lse_prefix = lse_prefix[0].view(kv_heads, tokens, per_kv).transpose(0, 1)
-    own_out, own_lse, start = [], [], 0
-    for view in views:
-        span = slice(start, start + view.chunk)
-        k_own, v_own = _chunk_rows(k, v, keys, values, view, span)
-        # Each query head its KV head's rows (a copy of the chunk's own few rows only).
-        out, lse = attend_with_lse(
-            torch,
-            q[span].transpose(0, 1)[None],
-            k_own.repeat_interleave(per_kv, dim=1).transpose(0, 1)[None],
-            v_own.repeat_interleave(per_kv, dim=1).transpose(0, 1)[None],
-            view.mask,
-            scale,
-            causal=view.gather is None,
-        )
-        own_out.append(out[0].transpose(0, 1))
-        own_lse.append(lse[0].transpose(0, 1))
-        start = span.stop
-    out_own = torch.cat(own_out).view(tokens, kv_heads, per_kv, head_dim)
-    lse_own = torch.cat(own_lse).view(tokens, kv_heads, per_kv)
+    if len(views) > 1 and all(view.gather is None for view in views):
+        out_own, lse_own = _first_chunks_together(torch, q, k, v, views, per_kv, scale)
+    else:
+        own_out, own_lse, start = [], [], 0
+        for view in views:
+            span = slice(start, start + view.chunk)
+            k_own, v_own = _chunk_rows(k, v, keys, values, view, span)
+            # Each query head its KV head's rows (a copy of the chunk's own few rows only).
+            out, lse = attend_with_lse(
+                torch,
+                q[span].transpose(0, 1)[None],
+                k_own.repeat_interleave(per_kv, dim=1).transpose(0, 1)[None],
+                v_own.repeat_interleave(per_kv, dim=1).transpose(0, 1)[None],
+                view.mask,
+                scale,
+                causal=view.gather is None,
+            )
+            own_out.append(out[0].transpose(0, 1))
+            own_lse.append(lse[0].transpose(0, 1))
+            start = span.stop
+        out_own, lse_own = torch.cat(own_out), torch.cat(own_lse)
+    out_own = out_own.view(tokens, kv_heads, per_kv, head_dim)
+    lse_own = lse_own.view(tokens, kv_heads, per_kv)
     weight = torch.sigmoid(lse_prefix - lse_own)[..., None]
     merged = torch.lerp(out_own.float(), out_prefix.float(), weight)
     return merged.to(q.dtype).reshape(tokens, -1)
+
+
+def _first_chunks_together(
+    torch: Any, q: Any, k: Any, v: Any, views: list[PrefillView], per_kv: int, scale: float
+) -> tuple[Any, Any]:
+    """The own part of a group whose chunks are each their sequence's first after the
+    prefix (the chats of one system prompt feeding their turns): each chunk's queries
+    against its fresh rows, causally, in one call over the chunks padded to the longest,
+    not one call a chunk (16 chats' turns: 15 calls a layer to 1). A padded row repeats its
+    chunk's last, and the causal mask keeps every real query off it; padded queries'
+    answers are dropped. `[tokens, heads, head_dim]` and the log-sum-exp `[tokens, heads]`."""
+    _, heads, head_dim = q.shape
+    longest = max(view.chunk for view in views)
+    gather: list[int] = []
+    kept: list[int] = []
+    start = 0
+    for index, view in enumerate(views):
+        gather += [start + min(i, view.chunk - 1) for i in range(longest)]
+        kept += range(index * longest, index * longest + view.chunk)
+        start += view.chunk
+    rows = torch.tensor(gather, device=q.device)
+
+    def padded(x: Any) -> Any:  # [chunks, its heads, longest, head_dim]
+        return x.index_select(0, rows).view(len(views), longest, -1, head_dim).transpose(1, 2)
+
+    out, lse = attend_with_lse(
+        torch,
+        padded(q),
+        padded(k).repeat_interleave(per_kv, dim=1),
+        padded(v).repeat_interleave(per_kv, dim=1),
+        None,
+        scale,
+        causal=True,
+    )
+    real = torch.tensor(kept, device=q.device)
+    out = out.transpose(1, 2).reshape(-1, heads, head_dim).index_select(0, real)
+    return out, lse.transpose(1, 2).reshape(-1, heads).index_select(0, real)
 
 
 def attend_with_lse(
