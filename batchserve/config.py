@@ -151,7 +151,7 @@ class Config:
         True,
         help="a real generator on a CPU device runs its layers compiled by torch.compile"
         " (inductor; needs a C++ compiler, else it runs them uncompiled and logs why):"
-        " SmolLM2's steps take 0.81-0.95 of the time; the compile costs about 35 s at the"
+        " SmolLM2's steps take 0.81-0.95 of the time; the compile costs 35-45 s at the"
         " first start and 7 s at later ones, from inductor's cache. Off: the layers run op"
         " by op",
     )
