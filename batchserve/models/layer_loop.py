@@ -71,6 +71,10 @@ class LayerLoop:
             for index, module in enumerate(self._modules)
         ]
         self._number = next(_numbers)
+        self._key = torch.tensor(self._number)
+        """The number as a tensor, an input of the graph: a model loaded again (a new version)
+        reuses the graph compiled for its predecessor, where a constant would not."""
+        self._widths = [int(weight.plain.shape[0]) for weight, _ in self._slots[0]]
         self._run: Callable[..., Any] = self._pass
         if self.compiled:
             _define_operations(torch)
@@ -105,10 +109,6 @@ class LayerLoop:
     def attend(self, q: Any, k: Any, v: Any, layer: Any) -> Any:
         return self._attend(q, k, v, int(layer))
 
-    def width(self, which: int) -> int:
-        """The columns of a product by a `which` weight (the same in every layer)."""
-        return int(self._slots[0][which][0].plain.shape[0])
-
     def _layer(self, x: Any, cos: Any, sin: Any, layer: Any, *norms: Any) -> Any:
         """One layer (`layer`: its index; `norms`: its RMSNorms' weights and epsilons)."""
         torch, tokens = self._torch, x.shape[0]
@@ -132,12 +132,13 @@ class LayerLoop:
 
     def _product(self, x: Any, layer: Any, which: int) -> Any:
         if self.compiled:
-            return self._torch.ops.batchserve.product(x, self._number, layer, which)
+            width = self._widths[which]
+            return self._torch.ops.batchserve.product(x, self._key, layer, which, width)
         return self.multiply(x, layer, which)
 
     def _attention(self, q: Any, k: Any, v: Any, layer: Any) -> Any:
         if self.compiled:
-            return self._torch.ops.batchserve.attend(q, k, v, self._number, layer)
+            return self._torch.ops.batchserve.attend(q, k, v, self._key, layer)
         return self._attend(q, k, v, layer)
 
 
@@ -196,19 +197,21 @@ def _define_operations(torch: Any) -> None:
         if _library is not None:
             return
         library = torch.library.Library("batchserve", "DEF")
-        library.define("product(Tensor x, int loop, Tensor layer, int which) -> Tensor")
-        library.define("attend(Tensor q, Tensor k, Tensor v, int loop, Tensor layer) -> Tensor")
+        library.define(
+            "product(Tensor x, Tensor loop, Tensor layer, int which, int width) -> Tensor"
+        )
+        library.define("attend(Tensor q, Tensor k, Tensor v, Tensor loop, Tensor layer) -> Tensor")
 
-        def product(x: Any, loop: int, layer: Any, which: int) -> Any:
-            return _LOOPS[loop].multiply(x, layer, which)
+        def product(x: Any, loop: Any, layer: Any, which: int, width: int) -> Any:
+            return _LOOPS[int(loop)].multiply(x, layer, which)
 
-        def attend(q: Any, k: Any, v: Any, loop: int, layer: Any) -> Any:
-            return _LOOPS[loop].attend(q, k, v, layer)
+        def attend(q: Any, k: Any, v: Any, loop: Any, layer: Any) -> Any:
+            return _LOOPS[int(loop)].attend(q, k, v, layer)
 
-        def product_shape(x: Any, loop: int, layer: Any, which: int) -> Any:
-            return x.new_empty(x.shape[0], _LOOPS[loop].width(which))
+        def product_shape(x: Any, loop: Any, layer: Any, which: int, width: int) -> Any:
+            return x.new_empty(x.shape[0], width)
 
-        def attend_shape(q: Any, k: Any, v: Any, loop: int, layer: Any) -> Any:
+        def attend_shape(q: Any, k: Any, v: Any, loop: Any, layer: Any) -> Any:
             return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
 
         library.impl("product", product, "CPU")
