@@ -110,6 +110,22 @@ def test_a_model_loaded_again_reuses_the_graph_with_its_own_weights(tok):
     assert_same(answers, expected)
 
 
+def test_an_mlp_of_another_activation_runs_uncompiled_with_its_own(tok):
+    """A Llama-shaped model whose MLP is not SiLU's is not compiled, and its layers use its
+    own activation: greedy tokens as `generate` makes them with it."""
+    from .test_causal_lm import assert_same_or_tied, reference
+
+    model = tiny_llama.model(len(tok), tok.eos_token_id)
+    for layer in model.model.layers:
+        layer.mlp.act_fn = torch.nn.GELU()
+    made = CausalLM(model, tok, "cpu", kv_cache_bytes=2**22, compiled=True)
+    assert not made._loop.compiled
+    seq = Seq("g", tiny_llama.TEACHER_PROMPT, params={"ignore_eos": True}, max_tokens=8)
+    for _ in range(8):
+        seq.token_ids.append(made.step([seq])[0].token_id)  # type: ignore[arg-type]
+    assert_same_or_tied(seq.token_ids, *reference(model, tok, tiny_llama.TEACHER_PROMPT, 8))
+
+
 def test_a_compile_that_fails_leaves_the_layers_uncompiled(tok, monkeypatch, caplog):
     def no_compiler(*args: Any, **kwargs: Any) -> Any:
         def fails(*args: Any) -> Any:

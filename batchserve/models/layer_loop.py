@@ -62,6 +62,11 @@ class LayerLoop:
         weights = [layer_weights(torch, layer, products) for layer in self._modules]
         self._slots = [_slots(layer, w) for layer, w in zip(self._modules, weights, strict=True)]
         self._fused_mlp = all(w.gate_up is not None for w in weights)
+        act = getattr(self._modules[0].mlp, "act_fn", None)  # used where the MLP is fused
+        self._act: Any = torch.nn.functional.silu if _is_silu(act) else act
+        """The MLP's activation (each layer's is the config's): SiLU as torch's function,
+        which the graph takes as it is for every load of a model (a module is guarded by
+        its identity: a graph a load)."""
         refused = _not_compilable(self._modules, weights) if compiled else ""
         if refused:
             log.info("the layers run uncompiled: %s", refused)
@@ -128,7 +133,7 @@ class LayerLoop:
         if not self._fused_mlp:  # an MLP of another shape, called as it is
             return x + self._modules[int(layer)].mlp(hidden)
         gate, up = self._product(hidden, layer, 2).chunk(2, dim=-1)
-        return x + self._product(torch.nn.functional.silu(gate) * up, layer, 3)
+        return x + self._product(self._act(gate) * up, layer, 3)
 
     def _product(self, x: Any, layer: Any, which: int) -> Any:
         if self.compiled:
@@ -182,11 +187,15 @@ def _not_compilable(layers: list[Any], weights: list[LayerWeights]) -> str:
     """Why one graph cannot serve these layers ("" where it can)."""
     if any(w.gate_up is None for w in weights):
         return "an MLP that is not Llama's"
-    if any(type(layer.mlp.act_fn).__name__ not in ("SiLU", "SiLUActivation") for layer in layers):
+    if not all(_is_silu(layer.mlp.act_fn) for layer in layers):
         return "an MLP whose activation is not SiLU"
     if len({(w.qkv_sizes, w.qkv_bias is None) for w in weights}) > 1:
         return "layers of different shapes"
     return ""
+
+
+def _is_silu(act: Any) -> bool:
+    return type(act).__name__ in ("SiLU", "SiLUActivation")
 
 
 def _define_operations(torch: Any) -> None:
