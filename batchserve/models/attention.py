@@ -157,15 +157,36 @@ def prefill_view(torch: Any, device: str, dtype: Any, rows: list[int], fed: int)
 
 
 @dataclass(frozen=True, slots=True)
+class PaddedChunks:
+    """A group's chunks padded to the `longest`, where each is its sequence's first after
+    the prefix: `gather` picks the padded rows from the chunks' (a chunk's last repeated),
+    `kept` the real rows back out of the padded ones."""
+
+    longest: int
+    gather: Any
+    kept: Any
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillGroup:
+    """Chunks that share a cached prefix (`prefix`: its rows) and attend to it once."""
+
+    count: int
+    prefix: Any
+    padded: PaddedChunks | None
+    """Where every chunk is its sequence's first after the prefix: their own rows are read
+    in one call, padded so (`_first_chunks_together`); else None, a call a chunk."""
+
+
+@dataclass(frozen=True, slots=True)
 class PrefillPlan:
     """How the step's prefill chunks read their rows. `order` (indices into the list given)
     is the order their tokens must come in: each group's chunks, then the rest's. A group
-    (`groups`: how many chunks, and the rows of the cached prefix they share) attends to its
-    prefix once, all its chunks' queries together; `views` (in `order`) are what each chunk
-    reads besides: in a group, only its rows after the prefix."""
+    attends to its prefix once, all its chunks' queries together; `views` (in `order`) are
+    what each chunk reads besides: in a group, only its rows after the prefix."""
 
     order: list[int]
-    groups: list[tuple[int, Any]]
+    groups: list[PrefillGroup]
     views: list[PrefillView]
 
 
@@ -184,11 +205,30 @@ def prefill_plan(
         prefill_view(torch, device, dtype, rows[i][skip.get(i, 0) :], fed[i] - skip.get(i, 0))
         for i in order
     ]
-    groups = [
-        (len(members), _prefix(torch, device, rows[members[0]][:shared]))
-        for members, shared in chosen
-    ]
+    groups, index = [], 0
+    for members, shared in chosen:
+        own = views[index : index + len(members)]
+        prefix = _prefix(torch, device, rows[members[0]][:shared])
+        groups.append(PrefillGroup(len(members), prefix, _padded_chunks(torch, device, own)))
+        index += len(members)
     return PrefillPlan(order, groups, views)
+
+
+def _padded_chunks(torch: Any, device: str, views: list[PrefillView]) -> PaddedChunks | None:
+    """The padding that reads a group's chunks' own rows in one call, where each is its
+    sequence's first after the prefix (None elsewhere): made once a step, not a layer."""
+    if len(views) < 2 or any(view.gather is not None for view in views):
+        return None
+    longest = max(view.chunk for view in views)
+    gather: list[int] = []
+    kept: list[int] = []
+    start = 0
+    for index, view in enumerate(views):
+        gather += [start + min(i, view.chunk - 1) for i in range(longest)]
+        kept += range(index * longest, index * longest + view.chunk)
+        start += view.chunk
+    rows = torch.tensor(gather, device=device)
+    return PaddedChunks(longest, rows, torch.tensor(kept, device=device))
 
 
 def attend_prefill(
@@ -205,13 +245,13 @@ def attend_prefill(
     order; `keys`, `values`: one layer's cache, the fresh rows already in it): a
     `[tokens, heads * head_dim]` tensor for each group, then one for each other chunk."""
     outputs, start, index = [], 0, 0
-    for count, prefix in plan.groups:
-        views = plan.views[index : index + count]
+    for group in plan.groups:
+        views = plan.views[index : index + group.count]
         span = slice(start, start + sum(view.chunk for view in views))
         outputs.append(
-            _prefill_cascade(torch, q[span], k[span], v[span], keys, values, prefix, views, scale)
+            _prefill_cascade(torch, q[span], k[span], v[span], keys, values, group, views, scale)
         )
-        start, index = span.stop, index + count
+        start, index = span.stop, index + group.count
     for view in plan.views[index:]:
         span = slice(start, start + view.chunk)
         k_seq, v_seq = _chunk_rows(k, v, keys, values, view, span)
@@ -244,7 +284,7 @@ def _prefill_cascade(
     v: Any,
     keys: Any,
     values: Any,
-    prefix: Any,
+    group: PrefillGroup,
     views: list[PrefillView],
     scale: float,
 ) -> Any:
@@ -253,7 +293,7 @@ def _prefill_cascade(
     tokens, heads, head_dim = q.shape
     kv_heads = keys.shape[1]
     per_kv = heads // kv_heads
-    k_prefix, v_prefix = _rows(keys, prefix), _rows(values, prefix)
+    k_prefix, v_prefix = _rows(keys, group.prefix), _rows(values, group.prefix)
     # Every query of the group as its KV head's rows: [1, kv_heads, tokens * per_kv, head_dim].
     shared_q = q.view(tokens, kv_heads, per_kv, head_dim).transpose(0, 1)
     out_prefix, lse_prefix = attend_with_lse(
@@ -266,8 +306,8 @@ def _prefill_cascade(
     )
     out_prefix = out_prefix[0].view(kv_heads, tokens, per_kv, head_dim).transpose(0, 1)
     lse_prefix = lse_prefix[0].view(kv_heads, tokens, per_kv).transpose(0, 1)
-    if len(views) > 1 and all(view.gather is None for view in views):
-        out_own, lse_own = _first_chunks_together(torch, q, k, v, views, per_kv, scale)
+    if group.padded is not None:
+        out_own, lse_own = _first_chunks_together(torch, q, k, v, group.padded, per_kv, scale)
     else:
         own_out, own_lse, start = [], [], 0
         for view in views:
@@ -295,7 +335,7 @@ def _prefill_cascade(
 
 
 def _first_chunks_together(
-    torch: Any, q: Any, k: Any, v: Any, views: list[PrefillView], per_kv: int, scale: float
+    torch: Any, q: Any, k: Any, v: Any, padded: PaddedChunks, per_kv: int, scale: float
 ) -> tuple[Any, Any]:
     """The own part of a group whose chunks are each their sequence's first after the
     prefix (the chats of one system prompt feeding their turns): each chunk's queries
@@ -304,31 +344,23 @@ def _first_chunks_together(
     chunk's last, and the causal mask keeps every real query off it; padded queries'
     answers are dropped. `[tokens, heads, head_dim]` and the log-sum-exp `[tokens, heads]`."""
     _, heads, head_dim = q.shape
-    longest = max(view.chunk for view in views)
-    gather: list[int] = []
-    kept: list[int] = []
-    start = 0
-    for index, view in enumerate(views):
-        gather += [start + min(i, view.chunk - 1) for i in range(longest)]
-        kept += range(index * longest, index * longest + view.chunk)
-        start += view.chunk
-    rows = torch.tensor(gather, device=q.device)
+    longest = padded.longest
 
-    def padded(x: Any) -> Any:  # [chunks, its heads, longest, head_dim]
-        return x.index_select(0, rows).view(len(views), longest, -1, head_dim).transpose(1, 2)
+    def chunks(x: Any) -> Any:  # [chunks, its heads, longest, head_dim]
+        rows = x.index_select(0, padded.gather)
+        return rows.view(-1, longest, x.shape[1], head_dim).transpose(1, 2)
 
     out, lse = attend_with_lse(
         torch,
-        padded(q),
-        padded(k).repeat_interleave(per_kv, dim=1),
-        padded(v).repeat_interleave(per_kv, dim=1),
+        chunks(q),
+        chunks(k).repeat_interleave(per_kv, dim=1),
+        chunks(v).repeat_interleave(per_kv, dim=1),
         None,
         scale,
         causal=True,
     )
-    real = torch.tensor(kept, device=q.device)
-    out = out.transpose(1, 2).reshape(-1, heads, head_dim).index_select(0, real)
-    return out, lse.transpose(1, 2).reshape(-1, heads).index_select(0, real)
+    out = out.transpose(1, 2).reshape(-1, heads, head_dim).index_select(0, padded.kept)
+    return out, lse.transpose(1, 2).reshape(-1, heads).index_select(0, padded.kept)
 
 
 def attend_with_lse(
