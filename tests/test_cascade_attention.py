@@ -217,7 +217,18 @@ def test_prefill_chunks_equal_attending_to_every_row_under_a_causal_mask(dtype, 
             tolerance = 1e-5 if dtype == torch.float32 else 2e-2
             torch.testing.assert_close(got[offset][None].float(), want, atol=tolerance, rtol=0)
             offset += 1
-    for i, view in zip(plan.order, plan.views, strict=True):
+    index = 0
+    for group in plan.groups:  # its own rows in one call: causal where all are first chunks
+        prefix = group.prefix
+        shared = prefix.stop - prefix.start if isinstance(prefix, slice) else len(prefix)
+        members, tokens = [], 0
+        while tokens < group.tokens:
+            members.append(plan.order[index])
+            tokens, index = tokens + len(rows[members[-1]]) - fed[members[-1]], index + 1
+        later = any(fed[i] > shared for i in members)
+        assert (group.padded.keys is not None) == later
+        assert (group.padded.mask is not None) == later
+    for i, view in zip(plan.order[index:], plan.views, strict=True):
         if fed[i] == 0:  # a first chunk alone
             assert view.gather is None
             assert view.mask is None
@@ -235,7 +246,7 @@ def test_chats_feeding_their_turns_after_a_cached_system_prompt_read_it_once(
     real = attention._prefill_cascade
 
     def counted(*args: Any) -> Any:
-        groups.append(len(args[-2]))
+        groups.append(len(args[-2].padded.gather) // args[-2].padded.longest)
         return real(*args)
 
     monkeypatch.setattr(attention, "_prefill_cascade", counted)

@@ -11,8 +11,9 @@ parts are merged exactly by their log-sum-exp (softmax over the union of the key
 sequences form a group, over how many blocks, is chosen where it saves more rows than its
 extra calls cost (`MIN_SAVED_ROWS`); the rest are read the plain way. Prefill chunks after
 a shared cached prefix (the chats of one system prompt, each feeding its own turn) are grouped
-the same way: every chunk's queries against the prefix in one call, each chunk against its own
-rows causally, merged alike; otherwise a chunk reads its own rows alone.
+the same way: every chunk's queries against the prefix in one call, and against their own rows
+in one more (the chunks padded to the longest), merged alike; otherwise a chunk reads its own
+rows alone.
 """
 
 from __future__ import annotations
@@ -158,32 +159,39 @@ def prefill_view(torch: Any, device: str, dtype: Any, rows: list[int], fed: int)
 
 @dataclass(frozen=True, slots=True)
 class PaddedChunks:
-    """A group's chunks padded to the `longest`, where each is its sequence's first after
-    the prefix: `gather` picks the padded rows from the chunks' (a chunk's last repeated),
-    `kept` the real rows back out of the padded ones."""
+    """A group's chunks padded to the `longest`: `gather` picks the padded rows from the
+    chunks' (a chunk's last repeated), `kept` the real rows back out of the padded ones.
+    Where every chunk is its sequence's first after the prefix, each reads its fresh rows
+    causally (`keys` None); else each reads its rows after the prefix from the layer's cache
+    (`keys`: their indices, padded to the `widest` alike) under `mask`, added to the scores
+    (`[chunks, 1, longest, widest]`: query i of a chunk that computed `fed` rows before it
+    sees the first `fed + i + 1`, a padded query what its chunk's last sees)."""
 
     longest: int
     gather: Any
     kept: Any
+    widest: int = 0
+    keys: Any = None
+    mask: Any = None
 
 
 @dataclass(frozen=True, slots=True)
 class PrefillGroup:
-    """Chunks that share a cached prefix (`prefix`: its rows) and attend to it once."""
+    """Chunks that share a cached prefix (`prefix`: its rows) and attend to it once;
+    `tokens`: theirs, all together."""
 
-    count: int
+    tokens: int
     prefix: Any
-    padded: PaddedChunks | None
-    """Where every chunk is its sequence's first after the prefix: their own rows are read
-    in one call, padded so (`_first_chunks_together`); else None, a call a chunk."""
+    padded: PaddedChunks
+    """How its chunks' own rows are read, in one call (`_chunks_together`)."""
 
 
 @dataclass(frozen=True, slots=True)
 class PrefillPlan:
     """How the step's prefill chunks read their rows. `order` (indices into the list given)
     is the order their tokens must come in: each group's chunks, then the rest's. A group
-    attends to its prefix once, all its chunks' queries together; `views` (in `order`) are
-    what each chunk reads besides: in a group, only its rows after the prefix."""
+    attends to its prefix once, all its chunks' queries together, and to their own rows in
+    one more call; `views` are what each of the rest reads, in `order`."""
 
     order: list[int]
     groups: list[PrefillGroup]
@@ -198,37 +206,48 @@ def prefill_plan(
     (the chats of one system prompt, each feeding its own turn) are grouped as decoding
     sequences are (`shared_groups`: whole blocks before each chunk's first token)."""
     chosen = shared_groups([row[: done + 1] for row, done in zip(rows, fed, strict=True)])
-    skip = {i: shared for members, shared in chosen for i in members}
     order = [i for members, _ in chosen for i in members]
-    order += [i for i in range(len(rows)) if i not in skip]
-    views = [
-        prefill_view(torch, device, dtype, rows[i][skip.get(i, 0) :], fed[i] - skip.get(i, 0))
-        for i in order
-    ]
-    groups, index = [], 0
+    rest = [i for i in range(len(rows)) if i not in set(order)]
+    groups = []
     for members, shared in chosen:
-        own = views[index : index + len(members)]
+        owns = [rows[i][shared:] for i in members]
+        done = [fed[i] - shared for i in members]
+        tokens = sum(len(own) for own in owns) - sum(done)
+        padded = _padded_chunks(torch, device, dtype, owns, done)
         prefix = _prefix(torch, device, rows[members[0]][:shared])
-        groups.append(PrefillGroup(len(members), prefix, _padded_chunks(torch, device, own)))
-        index += len(members)
-    return PrefillPlan(order, groups, views)
+        groups.append(PrefillGroup(tokens, prefix, padded))
+    views = [prefill_view(torch, device, dtype, rows[i], fed[i]) for i in rest]
+    return PrefillPlan(order + rest, groups, views)
 
 
-def _padded_chunks(torch: Any, device: str, views: list[PrefillView]) -> PaddedChunks | None:
-    """The padding that reads a group's chunks' own rows in one call, where each is its
-    sequence's first after the prefix (None elsewhere): made once a step, not a layer."""
-    if len(views) < 2 or any(view.gather is not None for view in views):
-        return None
-    longest = max(view.chunk for view in views)
+def _padded_chunks(
+    torch: Any, device: str, dtype: Any, owns: list[list[int]], fed: list[int]
+) -> PaddedChunks:
+    """The padding that reads a group's chunks' own rows (`owns`: each sequence's rows after
+    the prefix, `fed` of them computed before its chunk) in one call: made once a step, not
+    a layer."""
+    chunks = [len(own) - done for own, done in zip(owns, fed, strict=True)]
+    longest = max(chunks)
     gather: list[int] = []
     kept: list[int] = []
     start = 0
-    for index, view in enumerate(views):
-        gather += [start + min(i, view.chunk - 1) for i in range(longest)]
-        kept += range(index * longest, index * longest + view.chunk)
-        start += view.chunk
-    rows = torch.tensor(gather, device=device)
-    return PaddedChunks(longest, rows, torch.tensor(kept, device=device))
+    for index, chunk in enumerate(chunks):
+        gather += [start + min(i, chunk - 1) for i in range(longest)]
+        kept += range(index * longest, index * longest + chunk)
+        start += chunk
+    rows, back = torch.tensor(gather, device=device), torch.tensor(kept, device=device)
+    if not any(fed):
+        return PaddedChunks(longest, rows, back)
+    widest = max(map(len, owns))
+    keys = [own[min(j, len(own) - 1)] for own in owns for j in range(widest)]
+    last_seen = [
+        [done + min(i, chunk - 1) for i in range(longest)]
+        for done, chunk in zip(fed, chunks, strict=True)
+    ]
+    seen = torch.tensor(last_seen, device=device)[..., None]
+    shown = torch.arange(widest, device=device) <= seen
+    mask = _added(torch, shown, dtype)[:, None]
+    return PaddedChunks(longest, rows, back, widest, torch.tensor(keys, device=device), mask)
 
 
 def attend_prefill(
@@ -244,15 +263,14 @@ def attend_prefill(
     """Each prefill chunk's attention (`q`, `k`, `v`: the chunks' fresh rows, in the plan's
     order; `keys`, `values`: one layer's cache, the fresh rows already in it): a
     `[tokens, heads * head_dim]` tensor for each group, then one for each other chunk."""
-    outputs, start, index = [], 0, 0
+    outputs, start = [], 0
     for group in plan.groups:
-        views = plan.views[index : index + group.count]
-        span = slice(start, start + sum(view.chunk for view in views))
+        span = slice(start, start + group.tokens)
         outputs.append(
-            _prefill_cascade(torch, q[span], k[span], v[span], keys, values, group, views, scale)
+            _prefill_cascade(torch, q[span], k[span], v[span], keys, values, group, scale)
         )
-        start, index = span.stop, index + group.count
-    for view in plan.views[index:]:
+        start = span.stop
+    for view in plan.views:
         span = slice(start, start + view.chunk)
         k_seq, v_seq = _chunk_rows(k, v, keys, values, view, span)
         out = torch.nn.functional.scaled_dot_product_attention(
@@ -285,11 +303,10 @@ def _prefill_cascade(
     keys: Any,
     values: Any,
     group: PrefillGroup,
-    views: list[PrefillView],
     scale: float,
 ) -> Any:
     """One group of prefill chunks: all their queries against the shared prefix in one
-    call, each chunk's against its own rows after it (causal), merged by log-sum-exp."""
+    call, each chunk's against its own rows after it in one more, merged by log-sum-exp."""
     tokens, heads, head_dim = q.shape
     kv_heads = keys.shape[1]
     per_kv = heads // kv_heads
@@ -306,27 +323,9 @@ def _prefill_cascade(
     )
     out_prefix = out_prefix[0].view(kv_heads, tokens, per_kv, head_dim).transpose(0, 1)
     lse_prefix = lse_prefix[0].view(kv_heads, tokens, per_kv).transpose(0, 1)
-    if group.padded is not None:
-        out_own, lse_own = _first_chunks_together(torch, q, k, v, group.padded, per_kv, scale)
-    else:
-        own_out, own_lse, start = [], [], 0
-        for view in views:
-            span = slice(start, start + view.chunk)
-            k_own, v_own = _chunk_rows(k, v, keys, values, view, span)
-            # Each query head its KV head's rows (a copy of the chunk's own few rows only).
-            out, lse = attend_with_lse(
-                torch,
-                q[span].transpose(0, 1)[None],
-                k_own.repeat_interleave(per_kv, dim=1).transpose(0, 1)[None],
-                v_own.repeat_interleave(per_kv, dim=1).transpose(0, 1)[None],
-                view.mask,
-                scale,
-                causal=view.gather is None,
-            )
-            own_out.append(out[0].transpose(0, 1))
-            own_lse.append(lse[0].transpose(0, 1))
-            start = span.stop
-        out_own, lse_own = torch.cat(own_out), torch.cat(own_lse)
+    out_own, lse_own = _chunks_together(
+        torch, q, (k, v), (keys, values), group.padded, per_kv, scale
+    )
     out_own = out_own.view(tokens, kv_heads, per_kv, head_dim)
     lse_own = lse_own.view(tokens, kv_heads, per_kv)
     weight = torch.sigmoid(lse_prefix - lse_own)[..., None]
@@ -334,30 +333,40 @@ def _prefill_cascade(
     return merged.to(q.dtype).reshape(tokens, -1)
 
 
-def _first_chunks_together(
-    torch: Any, q: Any, k: Any, v: Any, padded: PaddedChunks, per_kv: int, scale: float
+def _chunks_together(
+    torch: Any,
+    q: Any,
+    fresh: tuple[Any, Any],
+    cache: tuple[Any, Any],
+    padded: PaddedChunks,
+    per_kv: int,
+    scale: float,
 ) -> tuple[Any, Any]:
-    """The own part of a group whose chunks are each their sequence's first after the
-    prefix (the chats of one system prompt feeding their turns): each chunk's queries
-    against its fresh rows, causally, in one call over the chunks padded to the longest,
-    not one call a chunk (16 chats' turns: 15 calls a layer to 1). A padded row repeats its
-    chunk's last, and the causal mask keeps every real query off it; padded queries'
-    answers are dropped. `[tokens, heads, head_dim]` and the log-sum-exp `[tokens, heads]`."""
+    """The own part of a group of chunks after their prefix (the chats of one system prompt
+    feeding their turns), in one call over the chunks padded (`padded`), not one call a
+    chunk (16 chats' turns: 15 calls a layer to 1): each chunk's queries against its fresh
+    rows causally where all are first chunks, else against its rows read from the layer's
+    `cache` under the padding's mask. A padded row repeats its chunk's last, which no real
+    query sees; padded queries' answers are dropped. `[tokens, heads, head_dim]` and the
+    log-sum-exp `[tokens, heads]`."""
     _, heads, head_dim = q.shape
+
+    def chunks(x: Any, rows: Any, length: int) -> Any:  # [chunks, its heads, length, head_dim]
+        return x.index_select(0, rows).view(-1, length, x.shape[1], head_dim).transpose(1, 2)
+
     longest = padded.longest
-
-    def chunks(x: Any) -> Any:  # [chunks, its heads, longest, head_dim]
-        rows = x.index_select(0, padded.gather)
-        return rows.view(-1, longest, x.shape[1], head_dim).transpose(1, 2)
-
+    if padded.keys is None:
+        (k, v), rows, length = fresh, padded.gather, longest
+    else:
+        (k, v), rows, length = cache, padded.keys, padded.widest
     out, lse = attend_with_lse(
         torch,
-        chunks(q),
-        chunks(k).repeat_interleave(per_kv, dim=1),
-        chunks(v).repeat_interleave(per_kv, dim=1),
-        None,
+        chunks(q, padded.gather, longest),
+        chunks(k, rows, length).repeat_interleave(per_kv, dim=1),
+        chunks(v, rows, length).repeat_interleave(per_kv, dim=1),
+        padded.mask,
         scale,
-        causal=True,
+        causal=padded.keys is None,
     )
     out = out.transpose(1, 2).reshape(-1, heads, head_dim).index_select(0, padded.kept)
     return out, lse.transpose(1, 2).reshape(-1, heads).index_select(0, padded.kept)

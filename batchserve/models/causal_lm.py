@@ -368,7 +368,7 @@ class CausalLM:
                 attend_decode(torch, q[:count], keys, values, reading, self._kv_heads, self._scale)
             )
             start = count
-        if prefill.views:
+        if prefill.order:
             outputs += attend_prefill(
                 torch, q[start:], k[start:], v[start:], keys, values, prefill, self._scale
             )
