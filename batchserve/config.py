@@ -188,6 +188,14 @@ class Config:
         " sequence's one token, then prompts in chunks of what is left, so running streams"
         " keep making tokens while a long prompt prefills",
     )
+    prefill_step_tokens: int = setting(
+        1024,
+        help="tokens a generation step processes at most while no sequence is decoding (every"
+        " one still prefilling; at least --step-tokens): no stream waits on such a step for a"
+        " token, and larger steps prefill faster a token (SmolLM2 at bf16 on 2 cores: 1,053"
+        " prompt tokens in 0.41 s in one step, 0.47 s in chunks of 256), but a prompt that"
+        " arrives meanwhile waits for the step to end",
+    )
     grammar_cache_size: int = setting(
         256,
         help="compiled grammars (structured output, forced tool calls) each generation model"
@@ -563,6 +571,7 @@ class Config:
             (self.cpu_threads >= 0, "cpu_threads must be 0 (every core but the loop's) or more"),
             (self.kv_cache_bytes >= 2**20, "kv_cache_bytes must be 1 MiB (1048576) or more"),
             (self.step_tokens >= 1, "step_tokens must be 1 or more"),
+            (self.prefill_step_tokens >= 1, "prefill_step_tokens must be 1 or more"),
             (self.grammar_cache_size >= 0, "grammar_cache_size must be 0 or more"),
             (
                 0 < self.grammar_compile_timeout_ms <= 3_600_000,
@@ -656,8 +665,8 @@ FLAG_GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
     "generation": ("generation models and the CPU they run on", (
         "generator", "generate_mode", "max_tokens", "max_tokens_cap", "model_path",
         "weights_cache", "dtype", "cpu_threads", "compile_layers", "preload", "kv_cache_bytes",
-        "prefix_caching",
-        "prefix_cache_shared", "step_tokens", "grammar_cache_size", "grammar_compile_timeout_ms",
+        "prefix_caching", "prefix_cache_shared", "step_tokens", "prefill_step_tokens",
+        "grammar_cache_size", "grammar_compile_timeout_ms",
     )),
     "store": ("the status API's results, the Batch API's files and batches", (
         "result_ttl_s", "result_store", "result_store_size", "result_store_bytes", "batch_db",

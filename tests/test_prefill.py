@@ -78,8 +78,10 @@ class ChunkedGenerator:
 
 
 def chunked_engine(generator: ChunkedGenerator, **settings: object) -> Engine:
+    """Steps of STEP_TOKENS, whether a sequence decodes or not (unless `settings` say)."""
     spec = ModelSpec(name="writer", version="1", generator=lambda d: generator, devices="sim:1")
-    return Engine(Config(step_tokens=STEP_TOKENS, **settings), models=[spec])  # type: ignore[arg-type]
+    settings = {"step_tokens": STEP_TOKENS, "prefill_step_tokens": STEP_TOKENS, **settings}
+    return Engine(Config(**settings), models=[spec])  # type: ignore[arg-type]
 
 
 async def run_to_end(
@@ -124,6 +126,23 @@ async def test_a_long_prompt_in_line_holds_short_first_tokens_only_to_their_fair
     assert all(generator.first_token_step[f"s{n}"] <= fair for n in range(3))
     assert generator.steps[1] == {"long": 4, "s0": 4, "s1": 4, "s2": 4}
     assert all(sum(step.values()) <= STEP_TOKENS for step in generator.steps)
+
+
+async def test_a_step_takes_the_prefill_budget_only_while_no_sequence_decodes():
+    """A step takes up to --prefill-step-tokens (64) while every sequence in it prefills;
+    beside a stream that decodes, --step-tokens (16): its one token, then 15 of a prompt."""
+    generator = ChunkedGenerator()
+    async with chunked_engine(generator, prefill_step_tokens=64) as engine:
+        stream = asyncio.ensure_future(run_to_end(engine, "d" * 30, "stream", max_tokens=30))
+        assert await asyncio.to_thread(generator.first_step_entered.wait, HANG_GUARD_S)
+        beside = asyncio.ensure_future(run_to_end(engine, "b" * 200, "beside", max_tokens=1))
+        await in_line(engine, 1)
+        generator.first_step_go.set()
+        assert await asyncio.gather(stream, beside) == ["d" * 30, "b"]
+        assert await run_to_end(engine, "a" * 200, "alone", max_tokens=1) == "a"
+    assert generator.steps[0] == {"stream": 30}
+    assert [step["beside"] for step in generator.steps if "beside" in step] == [15] * 13 + [5]
+    assert [step["alone"] for step in generator.steps if "alone" in step] == [64, 64, 64, 8]
 
 
 async def test_two_tenants_share_a_steps_prefill_by_weight_not_by_their_count():

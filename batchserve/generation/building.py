@@ -77,7 +77,7 @@ def build_generation_model(
         clock=clock,
         mode=config.generate_mode,
         step_budget=BatchBudget(fixed_s=config.batch_timeout_ms / 1e3 or None),
-        step_tokens=config.step_tokens,
+        step_tokens=(config.step_tokens, config.prefill_step_tokens),
         on_crash=on_crash,
         grammar_cache=(config.grammar_cache_size, config.grammar_compile_timeout_ms / 1e3),
     )

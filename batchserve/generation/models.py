@@ -97,7 +97,7 @@ class GenerationModel:
         clock: Clock,
         mode: GenerateMode,
         step_budget: BatchBudget,
-        step_tokens: int,
+        step_tokens: tuple[int, int],
         on_crash: CrashHandler,
         grammar_cache: tuple[int, float] = (256, 10.0),
     ) -> None:

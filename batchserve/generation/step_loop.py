@@ -32,8 +32,11 @@ A generator that prefills in chunks (`chunked_prefill`) is handed at most `step_
 tokens a step: every decoding sequence's one token first, then what is left shared fairly
 between the prompts still prefilling (`rules/prefill.py`: by tenant, then by prompt), so
 running streams keep making a token a step while a long prompt comes in, and short prompts
-finish their prefill beside it instead of after it. The steps that carry prefill measure the
-device's prefill cost, from which the model predicts a new request's first token.
+finish their prefill beside it instead of after it. While no sequence decodes, a step takes
+up to the larger `prefill_step_tokens`: no stream waits on it, and a larger step prefills
+faster a token (a burst of chats sharing a system prompt: the prompt in one step, then all
+their turns in one). The steps that carry prefill measure the device's prefill cost, from
+which the model predicts a new request's first token.
 
 Over 450 lines: admission, preemption, the step's bisection and the hand-back all act on the
 one list of running sequences and its budget; what is pure of them is already apart
@@ -123,7 +126,7 @@ class StepLoop:
         model: LineOwner,
         clock: Clock,
         budget: BatchBudget,
-        step_tokens: int,
+        step_tokens: tuple[int, int],
     ) -> None:
         self.device = device.name
         self._device = device
@@ -131,9 +134,10 @@ class StepLoop:
         self._model = model
         self._clock = clock
         self._budget = budget
-        self._step_tokens = step_tokens
+        self._step_tokens, self._prefill_step_tokens = step_tokens
+        """A step's tokens at most: while a sequence decodes, and while all prefill."""
         self._chunked = False
-        """The generator prefills in chunks of `step_tokens` (it said `chunked_prefill`)."""
+        """The generator prefills in chunks (it said `chunked_prefill`)."""
         self.step_cost = StepCost()
         """A step's seconds over the tokens it processes: its hang budget's prediction."""
         self.prefill_cost = PrefillCost()
@@ -186,11 +190,16 @@ class StepLoop:
         `alone`): in full steps, each leaving its decodes their token, or (whole prompts a
         step) in one; None before it has measured its steps."""
         decoding = 0 if alone else sum(1 for gen in self.running if gen.prefill_tokens == 0)
-        per_step = max(1, self._step_tokens - decoding)
+        budget = self._step_limit(decoding)
+        per_step = max(1, budget - decoding)
         if not self._chunked or tokens <= per_step:
             return self.prefill_cost.step_seconds(tokens + decoding)
-        full = self.prefill_cost.step_seconds(self._step_tokens)
+        full = self.prefill_cost.step_seconds(budget)
         return None if full is None else tokens / per_step * full
+
+    def _step_limit(self, decoding: int) -> int:
+        """A step's tokens at most, with `decoding` sequences in it."""
+        return self._step_tokens if decoding else max(self._step_tokens, self._prefill_step_tokens)
 
     async def load(self, factory: GeneratorFactory) -> Generator:
         """Loads the generator on the device's thread (started if it is not yet), where it
@@ -267,7 +276,8 @@ class StepLoop:
 
     def _plan(self) -> list[Generation]:
         """The sequences this step takes, each with its `seq.chunk`: all of them, or (chunked)
-        every decoding one first, then the prefills' fair shares of what the budget leaves."""
+        every decoding one first, then the prefills' fair shares of what the budget leaves
+        (`_step_limit`: larger while none decodes)."""
         if not self._chunked:
             for gen in self.running:
                 gen.seq.chunk = None
@@ -276,7 +286,8 @@ class StepLoop:
         for gen in decoding:
             gen.seq.chunk = 1
         prefilling = [gen for gen in self.running if gen.prefill_tokens > 0]
-        chunks = fair_split(self._step_tokens - len(decoding), [g.prefill() for g in prefilling])
+        budget = self._step_limit(len(decoding)) - len(decoding)
+        chunks = fair_split(budget, [g.prefill() for g in prefilling])
         for gen, chunk in zip(prefilling, chunks, strict=True):
             gen.seq.chunk = chunk
         return decoding + [gen for gen, chunk in zip(prefilling, chunks, strict=True) if chunk]
