@@ -10,6 +10,7 @@ import math
 import queue
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -143,6 +144,27 @@ async def test_a_step_takes_the_prefill_budget_only_while_no_sequence_decodes():
     assert generator.steps[0] == {"stream": 30}
     assert [step["beside"] for step in generator.steps if "beside" in step] == [15] * 13 + [5]
     assert [step["alone"] for step in generator.steps if "alone" in step] == [64, 64, 64, 8]
+
+
+async def test_the_prefill_forecast_counts_steps_of_the_budget_they_will_have():
+    """A device with nothing running forecasts a prompt in steps of --prefill-step-tokens;
+    with a stream decoding, in steps of --step-tokens less its token (step time 0.1 s +
+    1 ms a token, as fitted from the steps seen)."""
+    generator = ChunkedGenerator()
+    async with chunked_engine(generator, prefill_step_tokens=64) as engine:
+        (model,) = list(engine._generators)
+        loop = model.loops[0]
+        for tokens in (16, 32, 64, 16, 64):
+            loop.prefill_cost.observe(0.1 + 0.001 * tokens, tokens)
+        assert loop.prefill_seconds(50) == pytest.approx(0.15)  # one step: it fits
+        assert loop.prefill_seconds(640) == pytest.approx(10 * 0.164)  # ten steps of 64
+        loop.running = [SimpleNamespace(prefill_tokens=0)]  # a stream decoding, between steps
+        try:
+            # Steps of 16: its token and 15 of the prompt's, 0.116 s each.
+            assert loop.prefill_seconds(150) == pytest.approx(150 / 15 * 0.116)
+            assert loop.prefill_seconds(640, alone=True) == pytest.approx(10 * 0.164)
+        finally:
+            loop.running = []
 
 
 async def test_two_tenants_share_a_steps_prefill_by_weight_not_by_their_count():
