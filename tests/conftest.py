@@ -132,13 +132,9 @@ def inductor_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 def run_folder(factory: pytest.TempPathFactory, variable: str, name: str) -> Iterator[Path]:
     """A folder of the test run's named by environment `variable`, removed at its end."""
     folder = factory.mktemp(name)
-    saved = os.environ.get(variable)
-    os.environ[variable] = str(folder)
-    yield folder
-    if saved is None:
-        del os.environ[variable]
-    else:
-        os.environ[variable] = saved
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(variable, str(folder))
+        yield folder
     shutil.rmtree(folder, ignore_errors=True)
 
 

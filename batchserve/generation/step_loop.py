@@ -134,7 +134,8 @@ class StepLoop:
         self._model = model
         self._clock = clock
         self._budget = budget
-        self._step_tokens, self._prefill_step_tokens = step_tokens
+        self._step_tokens, prefill_step_tokens = step_tokens
+        self._prefill_step_tokens = max(self._step_tokens, prefill_step_tokens)
         """A step's tokens at most: while a sequence decodes, and while all prefill."""
         self._chunked = False
         """The generator prefills in chunks (it said `chunked_prefill`)."""
@@ -199,7 +200,7 @@ class StepLoop:
 
     def _step_limit(self, decoding: int) -> int:
         """A step's tokens at most, with `decoding` sequences in it."""
-        return self._step_tokens if decoding else max(self._step_tokens, self._prefill_step_tokens)
+        return self._step_tokens if decoding else self._prefill_step_tokens
 
     async def load(self, factory: GeneratorFactory) -> Generator:
         """Loads the generator on the device's thread (started if it is not yet), where it

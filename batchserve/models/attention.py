@@ -177,13 +177,16 @@ class PaddedChunks:
 
 @dataclass(frozen=True, slots=True)
 class PrefillGroup:
-    """Chunks that share a cached prefix (`prefix`: its rows) and attend to it once;
-    `tokens`: theirs, all together."""
+    """Chunks that share a cached prefix (`prefix`: its rows) and attend to it once."""
 
-    tokens: int
     prefix: Any
     padded: PaddedChunks
     """How its chunks' own rows are read, in one call (`_chunks_together`)."""
+
+    @property
+    def tokens(self) -> int:
+        """Its chunks' tokens, all together."""
+        return int(self.padded.kept.shape[0])
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,15 +210,13 @@ def prefill_plan(
     sequences are (`shared_groups`: whole blocks before each chunk's first token)."""
     chosen = shared_groups([row[: done + 1] for row, done in zip(rows, fed, strict=True)])
     order = [i for members, _ in chosen for i in members]
-    rest = [i for i in range(len(rows)) if i not in set(order)]
+    grouped = set(order)
+    rest = [i for i in range(len(rows)) if i not in grouped]
     groups = []
     for members, shared in chosen:
         owns = [rows[i][shared:] for i in members]
-        done = [fed[i] - shared for i in members]
-        tokens = sum(len(own) for own in owns) - sum(done)
-        padded = _padded_chunks(torch, device, dtype, owns, done)
-        prefix = _prefix(torch, device, rows[members[0]][:shared])
-        groups.append(PrefillGroup(tokens, prefix, padded))
+        padded = _padded_chunks(torch, device, dtype, owns, [fed[i] - shared for i in members])
+        groups.append(PrefillGroup(_prefix(torch, device, rows[members[0]][:shared]), padded))
     views = [prefill_view(torch, device, dtype, rows[i], fed[i]) for i in rest]
     return PrefillPlan(order + rest, groups, views)
 
