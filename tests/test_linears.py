@@ -1,26 +1,58 @@
 """The step's products (`models/linears.py`): a weight prepared once (packed for oneDNN on the
 CPU) multiplies like torch's own `linear` at every count of rows and dtype, including one
-float32 row, which takes the weight as it is (a matrix-vector product beats the packed
-layout there)."""
+float32 row, which takes whichever of the weight as it is (a matrix-vector product by the
+BLAS) and the packed layout was timed faster through all the weights once they were
+prepared."""
 
 from __future__ import annotations
 
 import pytest
 
-from batchserve.models.linears import Products
+from batchserve.models.linears import ROW_TRIALS, Products
 
 torch = pytest.importorskip("torch")
 
 
+class Stopwatch:
+    """A clock that moves only when a product runs, by the cost given to its path; it counts
+    the products of each path too."""
+
+    def __init__(self, *, plain: float, packed: float) -> None:
+        self.now = 0.0
+        self.costs = {"plain": plain, "packed": packed}
+        self.calls = {"plain": 0, "packed": 0}
+
+    def __call__(self) -> float:
+        return self.now
+
+    def watch(self, products: Products) -> Products:
+        """`products` with each path's product moving this clock."""
+
+        def timed(path: str, product):
+            def run(*args):
+                self.now += self.costs[path]
+                self.calls[path] += 1
+                return product(*args)
+
+            return run
+
+        products._linear = timed("plain", products._linear)
+        if products.packed:
+            products._packed_linear = timed("packed", products._packed_linear)
+        return products
+
+
+@pytest.mark.parametrize("plain_row", [True, False])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("rows", [1, 2, 16, 33])
-def test_a_prepared_weight_multiplies_as_linear_does(dtype, rows):
+def test_a_prepared_weight_multiplies_as_linear_does(dtype, rows, plain_row):
     gen = torch.Generator().manual_seed(rows)
     kind = getattr(torch, dtype)
     weight = torch.randn(96, 64, generator=gen).to(kind)
     bias = torch.randn(96, generator=gen).to(kind)
     x = torch.randn(rows, 64, generator=gen).to(kind)
     products = Products(torch, "cpu")
+    products.plain_row = plain_row
     prepared = products.prepare(weight)
     assert prepared.plain is weight
     assert (prepared.packed is not None) == products.packed
@@ -29,3 +61,22 @@ def test_a_prepared_weight_multiplies_as_linear_does(dtype, rows):
     assert got.dtype == kind
     tolerance = 1e-4 if dtype == "float32" else 0.3
     torch.testing.assert_close(got.float(), want, atol=tolerance, rtol=1e-2)
+
+
+@pytest.mark.parametrize("plain_faster", [True, False])
+def test_one_float32_row_takes_the_way_timed_faster_through_all_the_weights(plain_faster):
+    watch = Stopwatch(plain=1.0 if plain_faster else 3.0, packed=2.0)
+    products = watch.watch(Products(torch, "cpu", clock=watch))
+    if not products.packed:
+        pytest.skip("torch without oneDNN: every weight is plain")
+    weights = [products.prepare(torch.randn(96, 64)), products.prepare(torch.randn(32, 96))]
+    bf16 = products.prepare(torch.randn(8, 64).to(torch.bfloat16))  # always packed: not timed
+    products.choose_row_path([*weights, bf16])
+    assert products.plain_row == plain_faster
+    assert watch.calls == {"plain": 2 * ROW_TRIALS, "packed": 2 * ROW_TRIALS}
+    before = dict(watch.calls)
+    products(torch.randn(1, 64), weights[0])
+    products(torch.randn(2, 64), weights[0])  # more rows: always the packed layout
+    products(torch.randn(1, 64).to(torch.bfloat16), bf16)  # bf16: always packed
+    taken = {path: watch.calls[path] - before[path] for path in before}
+    assert taken == ({"plain": 1, "packed": 2} if plain_faster else {"plain": 0, "packed": 3})

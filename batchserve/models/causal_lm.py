@@ -121,6 +121,7 @@ class CausalLM:
         shape = (self._heads, self._kv_heads, self._head_dim)
         self._loop = LayerLoop(torch, model, shape, self._products, self._attend, compiled=compiled)
         self._lm_head = self._products.prepare(model.lm_head.weight)
+        self._products.choose_row_path([*self._loop.weights(), self._lm_head])
         self._empty_prompt = [
             tokenizer.bos_token_id if tokenizer.bos_token_id is not None else min(self._eos)
         ]

@@ -105,6 +105,10 @@ class LayerLoop:
         self._layers = [_Layer(int(layer.index), layer.norms) for layer in self._layers]
         _LOOPS.pop(self._number, None)
 
+    def weights(self) -> list[Prepared]:
+        """Every weight the layers multiply by, in a step's order."""
+        return [weight for slots in self._slots for weight, _ in slots]
+
     def multiply(self, x: Any, layer: Any, which: int) -> Any:
         """`x` times the layer's `which` weight: 0 q, k and v, 1 the attention's output, 2
         the MLP's gate and up, 3 its down."""

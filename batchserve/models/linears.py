@@ -9,29 +9,46 @@ On the CPU, where torch has oneDNN, every weight the step multiplies by is also 
 reordered once into oneDNN's blocked layout (`mkldnn._reorder_linear_weight`): a plain
 `linear` repacks the weight on every call, which at a decode step's few rows costs as much as
 the product. Measured here on one core at 16 rows: SmolLM2's LM head 33 ms to 14 ms, an MLP's
-gate and up 0.89 to 0.59 ms. The price is a second copy of those weights in memory. One row
-of float32 (a lone stream's decode) is the exception: torch's plain `linear` (a matrix-vector
-product) beats the blocked layout there (SmolLM2's layer 0.91 against 0.68 ms; a whole step
-7-10 % faster), so it multiplies by the weight as it is.
+gate and up 0.89 to 0.59 ms. The price is a second copy of those weights in memory.
+
+One row of float32 (a lone stream's decode) is the exception that depends on the machine:
+there torch's plain `linear` is a matrix-vector product by its BLAS (MKL), which beat the
+blocked layout on an Intel Xeon (SmolLM2's step 7-10 % faster) and lost to it by 1.8x on an
+AMD EPYC, where MKL does not take its AVX-512 code. So once the model is loaded, one row is
+timed through all its weights both ways (`choose_row_path`), and one float32 row takes the
+faster from then on.
 """
 
 from __future__ import annotations
 
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+log = logging.getLogger(__name__)
+
 ROWS_HINT = 16
 """The batch size oneDNN lays a packed weight out for; any other count of rows works."""
+ROW_TRIALS = 3
+"""Passes of one row through the weights each way; the best of each counts."""
 
 
 class Products:
     """Multiplies by weights prepared for this device: packed for oneDNN on the CPU, else as
     they are."""
 
-    def __init__(self, torch: Any, device: str) -> None:
+    def __init__(
+        self, torch: Any, device: str, *, clock: Callable[[], float] = time.perf_counter
+    ) -> None:
         self._torch = torch
         self.packed = device == "cpu" and bool(torch.backends.mkldnn.is_available())
         self._linear = torch.nn.functional.linear
+        self._clock = clock
+        self.plain_row = False
+        """Whether one float32 row multiplies by the weight as it is (`choose_row_path`)."""
         if self.packed:
             self._pack = torch.ops.mkldnn._reorder_linear_weight
             self._packed_linear = torch.ops.mkldnn._linear_pointwise
@@ -47,9 +64,38 @@ class Products:
 
     def __call__(self, x: Any, weight: Prepared, bias: Any = None) -> Any:
         packed = weight.packed
-        if packed is not None and (x.shape[0] > 1 or x.dtype != self._torch.float32):
+        if packed is not None and (
+            x.shape[0] > 1 or x.dtype != self._torch.float32 or not self.plain_row
+        ):
             return self._packed_linear(x, packed, bias, "none", [None], "")
         return self._linear(x, weight.plain, bias)
+
+    def choose_row_path(self, weights: Sequence[Prepared]) -> None:
+        """Time one float32 row through all of `weights` (a step's products, each weight
+        read from memory as in a step, not hot in a cache as one timed alone would be) by
+        each way, and keep the faster for one row from now on."""
+        timed = [
+            w for w in weights if w.packed is not None and w.plain.dtype == self._torch.float32
+        ]
+        if not timed:
+            return
+        rows = {int(w.plain.shape[1]): self._torch.randn(1, w.plain.shape[1]) for w in timed}
+        best = {True: math.inf, False: math.inf}
+        with self._torch.no_grad():
+            for _ in range(ROW_TRIALS):
+                for plain in best:
+                    self.plain_row = plain
+                    start = self._clock()
+                    for weight in timed:
+                        self(rows[int(weight.plain.shape[1])], weight)
+                    best[plain] = min(best[plain], self._clock() - start)
+        self.plain_row = best[True] < best[False]
+        log.info(
+            "one float32 row multiplies by the %s weights: %.1f ms a pass, against %.1f",
+            "plain" if self.plain_row else "packed",
+            1e3 * best[self.plain_row],
+            1e3 * best[not self.plain_row],
+        )
 
 
 @dataclass(slots=True, frozen=True)
