@@ -118,7 +118,8 @@ def main() -> None:
     parser.add_argument("--query-tokens", type=int, default=8, help="tokens a query")
     parser.add_argument("--endpoints", default=",".join(ENDPOINTS),
                         help=f"AIPerf endpoint types, of {', '.join(ENDPOINTS)}")  # fmt: skip
-    parser.add_argument("--aiperf-venv", type=Path, default=ROOT / ".venv-aiperf")
+    parser.add_argument("--aiperf-venv", type=Path, default=ROOT / ".venv-aiperf",
+                        help="AIPerf's own venv, pip installs aiperf there if missing")  # fmt: skip
     args = parser.parse_args()
     endpoints = args.endpoints.split(",")
     command = aiperf(args.aiperf_venv)

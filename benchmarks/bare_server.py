@@ -125,7 +125,7 @@ async def full_answer(request: web.Request) -> web.Response:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--port", type=int, default=8001)
+    parser.add_argument("--port", type=int, default=8001, help="port to listen on, at 127.0.0.1")
     parser.add_argument("--hold-ms", type=float, default=0.0, help="wait this long per request")
     parser.add_argument(
         "--full-answer", action="store_true", help="answer with batchserve's fields and headers"

@@ -47,7 +47,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--a", default="", help="flags of the first server (quoted)")
     parser.add_argument("--b", default="", help="flags of the second server (quoted)")
-    parser.add_argument("--setup", choices=("recommended", "same-threads"), default="recommended")
+    parser.add_argument(
+        "--setup",
+        choices=("recommended", "same-threads"),
+        default="recommended",
+        help="recommended: defaults on every core; same-threads: fp32, one thread, core 0",
+    )
     parser.add_argument("--rounds", type=int, default=2, help="times each set is launched")
     parser.add_argument("--repeats", type=int, default=2, help="cold+warm bursts a launch")
     args = parser.parse_args()

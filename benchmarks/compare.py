@@ -46,8 +46,18 @@ def load(root: Path, name: str) -> ModuleType:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--before", required=True, help="the git revision to compare with")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--seconds", type=float, default=8.0)
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="runs of every point and CPU run, each side (medians)",
+    )
+    parser.add_argument(
+        "--seconds",
+        type=float,
+        default=8.0,
+        help="length of each point and CPU run, seconds (3 or more)",
+    )
     args = parser.parse_args()
     if args.seconds < 3:
         parser.error("--seconds must be 3 or more: each point's first second is warm-up")

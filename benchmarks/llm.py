@@ -370,16 +370,30 @@ def prefill(long_tokens: int, repeats: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("part", choices=("streams", "mix", "prefill", "shared-prefix", "all"))
-    parser.add_argument("--levels", default="1,4,16,32")
-    parser.add_argument("--seconds", type=float, default=24.0)
-    parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument("--dtype", default="float32")
+    parser.add_argument(
+        "part",
+        choices=("streams", "mix", "prefill", "shared-prefix", "all"),
+        help="the table to make (all: every one)",
+    )
+    parser.add_argument(
+        "--levels", default="1,4,16,32", help="streams: concurrent streams, comma-separated"
+    )
+    parser.add_argument(
+        "--seconds", type=float, default=24.0, help="streams: one window, seconds (mix: 2.5x)"
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="runs of streams, mix and prefill (medians)"
+    )
+    parser.add_argument(
+        "--dtype", default="float32", help="streams: precision of server and baselines"
+    )
     parser.add_argument(
         "--device", default="cpu", help="streams: cpu, or a GPU (cuda:0) for server and baselines"
     )
     parser.add_argument("--rate", type=float, default=1.5, help="mix: offered requests/s")
-    parser.add_argument("--long-tokens", type=int, default=1500)
+    parser.add_argument(
+        "--long-tokens", type=int, default=1500, help="prefill: the long prompt's length, tokens"
+    )
     parser.add_argument("--chats", type=int, default=16, help="shared-prefix: chats at once")
     parser.add_argument("--system-tokens", type=int, default=1000, help="shared-prefix")
     args = parser.parse_args()

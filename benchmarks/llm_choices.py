@@ -121,9 +121,18 @@ def choices(repeats: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("part", choices=("logprobs", "n"))
-    parser.add_argument("--seconds", type=float, default=24.0)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "part",
+        choices=("logprobs", "n"),
+        help="logprobs: tokens/s with and without; n: prefill tokens, n: 4 vs 4 requests",
+    )
+    parser.add_argument("--seconds", type=float, default=24.0, help="logprobs: one window, seconds")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="logprobs: pairs of windows; n: prompts for each prefix-caching setting",
+    )
     args = parser.parse_args()
     print(describe())
     os.sched_setaffinity(0, {1})  # the load's core; the server takes core 0

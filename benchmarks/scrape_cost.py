@@ -70,8 +70,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rate", type=float, default=1000.0, help="requests a second")
     parser.add_argument("--scrapes", type=float, default=20.0, help="scrapes a second")
-    parser.add_argument("--window-s", type=float, default=8.0)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--window-s", type=float, default=8.0, help="one window's length, seconds")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="sets of three windows: none, --scrapes, 10x (medians)",
+    )
     parser.add_argument(
         "--path",
         default="/metrics",

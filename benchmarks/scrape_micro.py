@@ -144,8 +144,10 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rate", type=float, default=1000.0, help="requests a second")
     parser.add_argument("--scrapes", type=int, default=200, help="scrapes a run")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of --scrapes scrapes (median)")
+    parser.add_argument(
+        "--profile", action="store_true", help="cProfile's top entries over one run, not timings"
+    )
     parser.add_argument("--path", default="/metrics", help="/metrics or /metrics/picker")
     parser.add_argument(
         "--max-age-ms", type=float, default=Config().metrics_max_age_ms,

@@ -97,9 +97,13 @@ def simulate(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--devices", type=int, default=4)
-    parser.add_argument("--rates", default="50,200,1000,3500")
-    parser.add_argument("--seconds", type=float, default=30.0)
+    parser.add_argument("--devices", type=int, default=4, help="simulated devices (D)")
+    parser.add_argument(
+        "--rates", default="50,200,1000,3500", help="offered requests/s, comma-separated"
+    )
+    parser.add_argument(
+        "--seconds", type=float, default=30.0, help="arrivals over this long, virtual seconds"
+    )
     parser.add_argument(
         "--jitter-ms", type=float, default=0.0, help="each call takes 100 ms + uniform(0, this)"
     )

@@ -338,12 +338,26 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=1000, help="valid: chats in all")
     parser.add_argument("--window-requests", type=int, default=96, help="speed: chats a window")
     parser.add_argument("--repeats", type=int, default=4, help="speed: window pairs")
-    parser.add_argument("--ttft-pairs", type=int, default=100)
-    parser.add_argument("--compile-repeats", type=int, default=6)
+    parser.add_argument(
+        "--ttft-pairs",
+        type=int,
+        default=100,
+        help="ttft: chats with a cached schema and without, each",
+    )
+    parser.add_argument(
+        "--compile-repeats",
+        type=int,
+        default=6,
+        help="compiles: bursts of new and of compiled schemas, each",
+    )
     parser.add_argument("--only", choices=["speed", "compiles"],
                         help="the validity pass (the speed windows take their lengths from it)"
                         " and only this part")  # fmt: skip
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument(
+        "--dtype",
+        default="bfloat16",
+        help="the server's precision: auto, float32, bfloat16 or float16",
+    )
     parser.add_argument(
         "--unpinned",
         action="store_true",

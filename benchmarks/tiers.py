@@ -55,9 +55,16 @@ def mix(shares: dict[str, float]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seconds", type=float, default=20.0)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/tiers.md")
+    parser.add_argument("--seconds", type=float, default=20.0, help="length of each run, seconds")
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="runs per scenario, seeds 1.. (medians)"
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=ROOT / "benchmarks/results/tiers.md",
+        help="where the table is written",
+    )
     args = parser.parse_args()
     KEYS_FILE.parent.mkdir(parents=True, exist_ok=True)
     KEYS_FILE.write_text(KEYS)

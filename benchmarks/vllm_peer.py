@@ -305,14 +305,21 @@ def run(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--setup", choices=("same-threads", "recommended"), required=True)
+    parser.add_argument(
+        "--setup",
+        choices=("same-threads", "recommended"),
+        required=True,
+        help="same-threads: both fp32, one thread, core 0; recommended: as each's docs say",
+    )
     parser.add_argument(
         "--levels",
         default="1,16,32",
         help="concurrent streams, comma-separated (empty: the shared prefix only)",
     )
     parser.add_argument("--seconds", type=float, default=20.0, help="one streams window")
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument(
+        "--repeats", type=int, default=2, help="runs of every workload on both servers"
+    )
     parser.add_argument("--rounds", type=int, default=2, help="shared prefix: turns per chat")
     parser.add_argument("--system-tokens", type=int, default=1000, help="shared prefix's size")
     parser.add_argument("--ours", default="", help="extra batchserve flags, space-separated")
