@@ -80,3 +80,13 @@ def test_one_float32_row_takes_the_way_timed_faster_through_all_the_weights(plai
     products(torch.randn(1, 64).to(torch.bfloat16), bf16)  # bf16: always packed
     taken = {path: watch.calls[path] - before[path] for path in before}
     assert taken == ({"plain": 1, "packed": 2} if plain_faster else {"plain": 0, "packed": 3})
+
+
+def test_the_one_row_timing_stops_at_its_budget_of_bytes():
+    watch = Stopwatch(plain=1.0, packed=2.0)
+    products = watch.watch(Products(torch, "cpu", clock=watch))
+    if not products.packed:
+        pytest.skip("torch without oneDNN: every weight is plain")
+    weights = [products.prepare(torch.randn(96, 64)) for _ in range(3)]
+    products.choose_row_path(weights, budget_bytes=96 * 64 * 4 + 1)  # past the first weight
+    assert watch.calls == {"plain": 2 * ROW_TRIALS, "packed": 2 * ROW_TRIALS}

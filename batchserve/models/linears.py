@@ -15,8 +15,8 @@ One row of float32 (a lone stream's decode) is the exception that depends on the
 there torch's plain `linear` is a matrix-vector product by its BLAS (MKL), which beat the
 blocked layout on an Intel Xeon (SmolLM2's step 7-10 % faster) and lost to it by 1.8x on an
 AMD EPYC, where MKL does not take its AVX-512 code. So once the model is loaded, one row is
-timed through all its weights both ways (`choose_row_path`), and one float32 row takes the
-faster from then on.
+timed through its weights both ways (`choose_row_path`: the first 256 MiB of them, past any
+cache), and one float32 row takes the faster from then on.
 """
 
 from __future__ import annotations
@@ -34,6 +34,10 @@ ROWS_HINT = 16
 """The batch size oneDNN lays a packed weight out for; any other count of rows works."""
 ROW_TRIALS = 3
 """Passes of one row through the weights each way; the best of each counts."""
+ROW_TIMING_BYTES = 256 << 20
+"""The one-row choice times the first weights up to about this many bytes: far more than any
+cache holds, so each comes from memory as in a step, while a model of many GB is not read
+six more times at every load."""
 
 
 class Products:
@@ -70,13 +74,20 @@ class Products:
             return self._packed_linear(x, packed, bias, "none", [None], "")
         return self._linear(x, weight.plain, bias)
 
-    def choose_row_path(self, weights: Sequence[Prepared]) -> None:
-        """Time one float32 row through all of `weights` (a step's products, each weight
-        read from memory as in a step, not hot in a cache as one timed alone would be) by
-        each way, and keep the faster for one row from now on."""
-        timed = [
-            w for w in weights if w.packed is not None and w.plain.dtype == self._torch.float32
-        ]
+    def choose_row_path(
+        self, weights: Sequence[Prepared], budget_bytes: int = ROW_TIMING_BYTES
+    ) -> None:
+        """Time one float32 row through the first of `weights` (a step's products, in its
+        order) up to `budget_bytes`, each read from memory as in a step (a weight timed alone
+        stays hot in a cache), by each way, and keep the faster for one row from now on."""
+        timed, size = [], 0
+        for weight in weights:
+            if weight.packed is None or weight.plain.dtype != self._torch.float32:
+                continue
+            timed.append(weight)
+            size += weight.plain.numel() * weight.plain.element_size()
+            if size >= budget_bytes:
+                break
         if not timed:
             return
         rows = {int(w.plain.shape[1]): self._torch.randn(1, w.plain.shape[1]) for w in timed}
