@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from batchserve.models.linears import ROW_TRIALS, Products
+from batchserve.models.linears import ROW_TRIALS, PackedForward, Products, pack_linears
 
 torch = pytest.importorskip("torch")
 
@@ -90,3 +90,24 @@ def test_the_one_row_timing_stops_at_its_budget_of_bytes():
     weights = [products.prepare(torch.randn(96, 64)) for _ in range(3)]
     products.choose_row_path(weights, budget_bytes=96 * 64 * 4 + 1)  # past the first weight
     assert watch.calls == {"plain": 2 * ROW_TRIALS, "packed": 2 * ROW_TRIALS}
+
+
+def test_an_encoders_linears_packed_give_its_outputs():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.BertConfig(
+        vocab_size=500, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=128, num_labels=2,
+    )  # fmt: skip
+    model = transformers.BertForSequenceClassification(config).eval()
+    ids = torch.randint(5, 500, (3, 17))
+    with torch.inference_mode():
+        want = model(input_ids=ids).logits
+    products = Products(torch, "cpu")
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert pack_linears(torch, model, products) == (len(linears) if products.packed else 0)
+    with torch.inference_mode():
+        got = model(input_ids=ids).logits
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    if products.packed:
+        assert all(isinstance(m.forward, PackedForward) for m in linears)

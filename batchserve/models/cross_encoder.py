@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import StartupError
+from .linears import Products, pack_linears
 from .retrieval import split_pair
 from .text_tokens import DIRECTIONS, TextTokens
 
@@ -41,6 +42,7 @@ class CrossEncoder:
             raise StartupError(f"cross-encoder {path}: no tokenizer.json in the folder")
         model = transformers.AutoModelForSequenceClassification.from_pretrained(str(folder))
         self.model = model.to(device).eval()
+        pack_linears(torch, self.model, Products(torch, device))
         config = self.model.config
         self.max_input_tokens = _max_tokens(folder, config)
         self.tokenizer = TextTokens(

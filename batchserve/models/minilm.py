@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import StartupError
+from .linears import Products, pack_linears
 from .text_tokens import DIRECTIONS, TextTokens
 
 MAX_TOKENS = 256
@@ -41,6 +42,7 @@ class MiniLM:
             tokenizers, str(path / "tokenizer.json"), self.max_input_tokens, pad_id=0
         )
         self.model = transformers.AutoModel.from_pretrained(str(path)).to(device).eval()
+        pack_linears(torch, self.model, Products(torch, device))
         self.device = device
         self.embedding_dim = int(self.model.config.hidden_size)
 
