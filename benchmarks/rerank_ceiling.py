@@ -3,7 +3,10 @@ and the best tail at the goal (benchmarks/retrieval.py's `rerank`, issue #42).
 
 `ms_per_pair`: the cross-encoder called directly (transformers, one torch thread, pinned to
 core 0) on the benchmark's pairs at several batch sizes, in CPU time of the calling thread,
-so that other work on the machine does not inflate it.
+so that other work on the machine does not inflate it; as transformers runs it, or with its
+linears by weights packed for oneDNN (`packed`, as batchserve's cross-encoder runs them:
+torch's plain `linear` is MKL's, which on an AMD CPU takes its AVX2 code). The ideal below
+takes the faster.
 
 `ideal_p99`: a server with no overhead at all, answering each request after its pairs' compute
 at that best rate, one request at a time in arrival order (for requests of equal size no order
@@ -30,10 +33,15 @@ RUNS = 400
 """Simulated benchmark runs whose median gives the windowed p99."""
 
 
-def ms_per_pair(folder: Path, sizes: tuple[int, ...] = (10, 20, 40)) -> dict[int, float]:
-    """CPU ms a pair at each batch size, the model called directly on core 0."""
+def ms_per_pair(
+    folder: Path, sizes: tuple[int, ...] = (10, 20, 40), *, packed: bool = False
+) -> dict[int, float]:
+    """CPU ms a pair at each batch size, the model called directly on core 0 (`packed`: its
+    linears by oneDNN-packed weights)."""
     import torch
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from batchserve.models.linears import Products, pack_linears
 
     affinity = os.sched_getaffinity(0)
     threads = torch.get_num_threads()
@@ -41,6 +49,8 @@ def ms_per_pair(folder: Path, sizes: tuple[int, ...] = (10, 20, 40)) -> dict[int
     torch.set_num_threads(1)
     try:
         model = AutoModelForSequenceClassification.from_pretrained(str(folder)).eval()
+        if packed:
+            pack_linears(torch, model, Products(torch, "cpu"))
         tokenizer = AutoTokenizer.from_pretrained(str(folder))
         pairs = [[QUERY, p] for k in range(max(sizes) // PASSAGES + 1) for p in passages(str(k))]
         result = {}
