@@ -18,6 +18,7 @@ from aiohttp.test_utils import TestClient
 
 from batchserve.clock import FakeClock
 from batchserve.config import Config
+from batchserve.doors import retrieval_api
 from batchserve.engine.core import Engine
 from batchserve.models.specs import ModelSpec
 from batchserve.server import create_app
@@ -111,6 +112,28 @@ async def test_embed_answers_vectors_in_order_cut_to_a_declared_size(served):
     )
     assert refused.status == 400
     assert "dimensions" in (await refused.json())["error"]["message"]
+
+
+@shared
+@pytest.mark.parametrize("count", [6, 7, 8])
+async def test_a_long_answer_is_written_in_slices_and_reads_as_one_list(served, monkeypatch, count):
+    """Past `ANSWER_SLICE` items an answer goes out in slices (chunked), the loop free between
+    them; the client reads the same list, in order: a multiple of the slice, one more, and a
+    short last slice."""
+    client, _ = served
+    monkeypatch.setattr(retrieval_api, "ANSWER_SLICE", 3)
+    texts = [f"text number {i} about cats" for i in range(count)]
+    answer = await client.post("/embed", json={"inputs": texts})
+    assert answer.status == 200
+    assert answer.headers["Transfer-Encoding"] == "chunked"
+    assert answer.headers["X-Request-Id"]
+    vectors = await answer.json()
+    assert len(vectors) == count
+    monkeypatch.setattr(retrieval_api, "ANSWER_SLICE", 512)
+    whole = await client.post("/embed", json={"inputs": texts})
+    assert "Transfer-Encoding" not in whole.headers
+    for sliced, one in zip(vectors, await whole.json(), strict=True):
+        assert sliced == pytest.approx(one, abs=1e-6)
 
 
 @shared
