@@ -303,8 +303,11 @@ class RetrievalApi:
 
 def _json(body: object, request_id: str) -> web.Response:
     """A 200 of any JSON value: TEI's answers are lists, not objects."""
-    headers = {"Content-Type": "application/json", "X-Request-Id": request_id}
-    return web.Response(body=orjson.dumps(body), headers=headers)
+    return web.Response(body=orjson.dumps(body), headers=_json_headers(request_id))
+
+
+def _json_headers(request_id: str) -> dict[str, str]:
+    return {"Content-Type": "application/json", "X-Request-Id": request_id}
 
 
 async def _json_in_slices(
@@ -312,9 +315,7 @@ async def _json_in_slices(
 ) -> web.StreamResponse:
     """A 200 of a long JSON list, written `ANSWER_SLICE` items at a time (chunked), yielding
     to the event loop after each."""
-    response = web.StreamResponse(
-        headers={"Content-Type": "application/json", "X-Request-Id": request_id}
-    )
+    response = web.StreamResponse(headers=_json_headers(request_id))
     await response.prepare(request)
     for start in range(0, len(items), ANSWER_SLICE):
         piece = orjson.dumps(items[start : start + ANSWER_SLICE])
