@@ -24,6 +24,7 @@ from .doors.uds import UnixSocketPath
 from .engine.core import Engine
 from .errors import StartupError
 from .live_config import read_config_file
+from .models import mkl_paths, weights
 from .observability.tracing import otlp_provider
 from .server import AppRunner, create_app
 
@@ -367,6 +368,13 @@ def _preload(config: Config) -> None:
             os.execve(sys.executable, sys.orig_argv, env)
 
 
+def _mkl_paths(config: Config) -> None:
+    """--mkl-intel-paths on: MKL's Intel kernels on an AMD CPU, before anything imports torch
+    (models/mkl_paths.py); a CPU device's model logs what was done, or why not."""
+    if config.mkl_intel_paths:
+        mkl_paths.apply(weights.cache_root(config.weights_cache))
+
+
 def main(argv: Sequence[str] | None = None, prog: str = "batchserve") -> int:
     """`batchserve` and `python -m batchserve`: 0 after a clean drain, 1 if it could not
     start (one line on stderr) or its engine failed."""
@@ -380,6 +388,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "batchserve") -> int:
         _route_access_log_to_stdout()
         if argv is None:  # the process's own command line: it may start again, preloaded
             _preload(config)
+            _mkl_paths(config)
         provider = otlp_provider() if config.trace else None
         try:
             engine = Engine(config, tracer_provider=provider)

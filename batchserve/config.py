@@ -162,6 +162,16 @@ class Config:
         " them installed and not loaded yet, as vLLM recommends on CPUs; a log line names"
         " them",
     )
+    mkl_intel_paths: bool = setting(
+        True,
+        help="on an AMD x86-64 CPU, the batchserve command lets MKL (the BLAS of torch's CPU"
+        " wheels) run the kernels it runs on Intel's CPUs, chosen by the CPU's features"
+        " (AVX-512 on Zen 4 and 5), instead of the generic AVX2 ones it takes on any other"
+        " vendor: float32 products 2.2x, float32 attention 2x, SmolLM2's float32 prefill 1.2x"
+        " on a Zen 5 core. It compiles a one-line C library with the system's cc once (kept"
+        " in --weights-cache's folder) and loads it before torch; the log says what it did."
+        " Off, or not AMD, no compiler: MKL's own choice",
+    )
     kv_cache_bytes: int = setting(
         256 * 2**20,
         help="bytes of KV cache a real generator preallocates on each device; its token budget"
@@ -664,9 +674,9 @@ FLAG_GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
     )),
     "generation": ("generation models and the CPU they run on", (
         "generator", "generate_mode", "max_tokens", "max_tokens_cap", "model_path",
-        "weights_cache", "dtype", "cpu_threads", "compile_layers", "preload", "kv_cache_bytes",
-        "prefix_caching", "prefix_cache_shared", "step_tokens", "prefill_step_tokens",
-        "grammar_cache_size", "grammar_compile_timeout_ms",
+        "weights_cache", "dtype", "cpu_threads", "compile_layers", "preload", "mkl_intel_paths",
+        "kv_cache_bytes", "prefix_caching", "prefix_cache_shared", "step_tokens",
+        "prefill_step_tokens", "grammar_cache_size", "grammar_compile_timeout_ms",
     )),
     "store": ("the status API's results, the Batch API's files and batches", (
         "result_ttl_s", "result_store", "result_store_size", "result_store_bytes", "batch_db",

@@ -23,6 +23,7 @@ from batchserve.models.cpu import (
     bound_kernel_caches,
     cpu_flags,
     cpu_model,
+    cpu_vendor,
     keep_freed_memory,
     plan_cores,
 )
@@ -174,6 +175,8 @@ def test_cpuinfo_without_flags_or_a_file_reads_as_none() -> None:
     assert cpu_flags(lambda: "processor\t: 0\n") == frozenset()
     assert cpu_model(cpuinfo()) == "Intel(R) Xeon(R) Processor"
     assert cpu_model(missing) == "unknown"
+    assert cpu_vendor(cpuinfo()) == "GenuineIntel"
+    assert cpu_vendor(missing) == ""
 
 
 TC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"

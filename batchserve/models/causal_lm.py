@@ -38,6 +38,7 @@ from dataclasses import replace
 from typing import Any
 
 from ..errors import StartupError
+from . import mkl_paths
 from .attention import (
     DecodePlan,
     PrefillPlan,
@@ -392,6 +393,8 @@ def load(device: str, settings: GeneratorSettings | None = None) -> CausalLM:
         bound_kernel_caches()
         keep_freed_memory()
         pin_compute(torch, settings.cpu_threads)
+        if (mkl := mkl_paths.outcome()) is not None:
+            log.info("%s", mkl)
     dtype = getattr(torch, resolve_dtype(torch, settings.dtype, device, cpu_flags()))
     folder, gguf = model_files(settings.model_path)
     try:

@@ -117,28 +117,31 @@ def _read_cpuinfo() -> str:
 
 def cpu_flags(read: Callable[[], str] = _read_cpuinfo) -> frozenset[str]:
     """The first processor's flags in /proc/cpuinfo (empty where there is none)."""
-    try:
-        text = read()
-    except OSError:
-        return frozenset()
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == "flags":
-            return frozenset(value.split())
-    return frozenset()
+    return frozenset(_cpuinfo_field("flags", read).split())
 
 
 def cpu_model(read: Callable[[], str] = _read_cpuinfo) -> str:
     """The first processor's model name in /proc/cpuinfo ("unknown" where there is none)."""
+    return _cpuinfo_field("model name", read) or "unknown"
+
+
+def cpu_vendor(read: Callable[[], str] = _read_cpuinfo) -> str:
+    """The first processor's vendor_id in /proc/cpuinfo (GenuineIntel, AuthenticAMD), or
+    empty where there is none."""
+    return _cpuinfo_field("vendor_id", read)
+
+
+def _cpuinfo_field(name: str, read: Callable[[], str]) -> str:
+    """The first processor's `name` line's value in /proc/cpuinfo, or empty."""
     try:
         text = read()
     except OSError:
-        return "unknown"
+        return ""
     for line in text.splitlines():
         key, _, value = line.partition(":")
-        if key.strip() == "model name":
+        if key.strip() == name:
             return value.strip()
-    return "unknown"
+    return ""
 
 
 def has_bf16(flags: Set[str]) -> bool:
