@@ -19,6 +19,9 @@ where it is installed, and `--shape DIR` times a model of that shape with random
 
 from __future__ import annotations
 
+import mkl_first  # noqa: F401  (before torch: MKL's kernels as the server runs them)
+
+# isort: split
 import argparse
 import statistics
 import time

@@ -13,6 +13,9 @@ each repeat; medians over repeats.
 
 from __future__ import annotations
 
+import mkl_first  # noqa: F401  (before torch: MKL's kernels as the server runs them)
+
+# isort: split
 import argparse
 import statistics
 import time

@@ -38,6 +38,7 @@ def ms_per_pair(
 ) -> dict[int, float]:
     """CPU ms a pair at each batch size, the model called directly on core 0 (`packed`: its
     linears by oneDNN-packed weights)."""
+    import mkl_first  # noqa: F401  (before torch: MKL's kernels as the server runs them)
     import torch
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
