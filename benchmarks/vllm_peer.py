@@ -46,7 +46,9 @@ from cpuinfo import describe
 from sse import events, piece
 from tokenizers import Tokenizer
 
+from batchserve.models import mkl_paths
 from batchserve.models.cpu import cpu_flags, has_bf16
+from batchserve.models.weights import cache_root
 
 ROOT = Path(__file__).resolve().parent.parent
 WEIGHTS = ROOT / "benchmarks/results/smollm2-fp32"
@@ -117,8 +119,12 @@ def alone(servers: dict[str, subprocess.Popen[bytes]], name: str) -> Iterator[No
             os.killpg(server.pid, signal.SIGCONT)
 
 
-def launch(name: str, setup: str, extra: list[str]) -> subprocess.Popen[bytes]:
-    """One server in `setup`, its log in benchmarks/results/, ready when /v1/models answers."""
+def launch(
+    name: str, setup: str, extra: list[str], peer_mkl: bool = False
+) -> subprocess.Popen[bytes]:
+    """One server in `setup`, its log in benchmarks/results/, ready when /v1/models answers;
+    `peer_mkl`: vLLM with the library that lets MKL run its Intel kernels on an AMD CPU
+    preloaded, as our launcher loads it (batchserve/models/mkl_paths.py)."""
     if answers(PORTS[name]):
         raise RuntimeError(f"port {PORTS[name]} answers already: a server left from a run?")
     port = str(PORTS[name])
@@ -133,8 +139,14 @@ def launch(name: str, setup: str, extra: list[str]) -> subprocess.Popen[bytes]:
             if setup == "same-threads"
             else f"0-{(os.cpu_count() or 1) - 1}",
         }
-        if setup == "recommended":
-            env["LD_PRELOAD"] = preloads()
+        preload = [preloads()] if setup == "recommended" else []
+        if peer_mkl:
+            compiler = mkl_paths.c_compiler()
+            if compiler is None:
+                raise SystemExit("--peer-mkl on needs a C compiler (cc)")
+            preload.append(str(mkl_paths.build(cache_root(None), compiler)))
+        if preload:
+            env["LD_PRELOAD"] = ":".join(part for part in preload if part)
         command = [str(PEER_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model",
                    str(WEIGHTS), "--served-model-name", "default", "--dtype", dtype,
                    "--max-model-len", "2048", "--port", port, *extra]  # fmt: skip
@@ -256,9 +268,10 @@ def run(args: argparse.Namespace) -> None:
     """Both servers up, then each workload's windows alternating between them."""
     setup, levels = args.setup, [int(level) for level in args.levels.split(",") if level]
     os.sched_setaffinity(0, {1} if setup == "same-threads" else set(range(os.cpu_count() or 1)))
-    print(f"setup {setup}; {describe()}", flush=True)
+    peer = "; vLLM given MKL's Intel kernels" if args.peer_mkl == "on" else ""
+    print(f"setup {setup}; {describe()}{peer}", flush=True)
     servers = {"batchserve": launch("batchserve", setup, args.ours.split())}
-    servers["vllm"] = launch("vllm", setup, args.peer.split())
+    servers["vllm"] = launch("vllm", setup, args.peer.split(), args.peer_mkl == "on")
     rows: dict[str, list[dict[str, dict]]] = {}
     try:
         for name in servers:  # warm both: first-call costs stay out
@@ -324,6 +337,13 @@ def main() -> None:
     parser.add_argument("--system-tokens", type=int, default=1000, help="shared prefix's size")
     parser.add_argument("--ours", default="", help="extra batchserve flags, space-separated")
     parser.add_argument("--peer", default="", help="extra vLLM flags, space-separated")
+    parser.add_argument(
+        "--peer-mkl",
+        choices=("on", "off"),
+        default="off",
+        help="on: vLLM with the library that lets MKL run its Intel kernels on an AMD CPU"
+        " preloaded (what our launcher does for us; vLLM's own setup does not)",
+    )
     args = parser.parse_args()
     if not PEER_PYTHON.exists() or not all(
         (WEIGHTS / name).exists() for name in ("config.json", "tokenizer.json")

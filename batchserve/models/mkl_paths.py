@@ -77,6 +77,11 @@ def build(folder: Path, compiler: str, run: Callable[..., object] = subprocess.r
     return target
 
 
+def c_compiler() -> str | None:
+    """$CC, else cc or gcc on the PATH."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
 def load(library: Path) -> None:
     """Into the global scope, where torch's libraries find the function first."""
     ctypes.CDLL(str(library), mode=os.RTLD_GLOBAL | os.RTLD_NOW)
@@ -103,7 +108,7 @@ def _apply(cache: Path | None) -> str:
     )  # fmt: skip
     if why is not None:
         return f"MKL keeps its own code choice: {why}"
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    compiler = c_compiler()
     if compiler is None:
         return "MKL keeps its generic AVX2 code on this AMD CPU: no C compiler (cc) to build" \
             " the library that lets it run its Intel paths"  # fmt: skip
