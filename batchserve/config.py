@@ -169,9 +169,9 @@ class Config:
         " (AVX-512 on Zen 4 and 5), instead of the generic AVX2 ones it takes on any other"
         " vendor: on a Zen 5, float32 products 2.2x, attention 2x in float32 and 2.8x in"
         " bfloat16, SmolLM2's prefill 1.2x in float32 and 1.6x in bfloat16. It compiles a"
-        " one-line C library with the system's cc once (kept in --weights-cache's folder)"
-        " and loads it before torch; a CPU device's model logs what it did. Off, or not AMD,"
-        " no compiler: MKL's own choice",
+        " one-line C library with the system's cc once (kept in --weights-cache's folder,"
+        " else built afresh in /tmp) and loads it before torch; a CPU device's model logs"
+        " what it did. Off, or not AMD, no compiler: MKL's own choice",
     )
     kv_cache_bytes: int = setting(
         256 * 2**20,

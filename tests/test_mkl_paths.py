@@ -103,3 +103,30 @@ def test_loaded_before_torch_mkl_takes_its_intel_path_and_multiplies_right(tmp_p
     if cpu_vendor() == "AuthenticAMD" and "avx512f" in cpu_flags():
         assert intel["path"] > own["path"]  # generic AVX2 -> an AVX-512 path
     assert intel["error"] < 1e-3
+
+
+def writes_output(command: list[str], **_: Any) -> None:
+    Path(command[command.index("-o") + 1]).write_bytes(b"library")
+
+
+def test_the_library_is_kept_in_the_cache_and_loaded_from_there(tmp_path: Path) -> None:
+    loaded: list[Path] = []
+    said = mkl_paths.built_and_loaded(tmp_path, "cc", writes_output, loaded.append)
+    assert loaded == [tmp_path / mkl_paths.NAME]
+    assert said == str(tmp_path / mkl_paths.NAME)
+
+
+def test_a_cache_that_cannot_be_written_falls_back_to_a_temporary_folder(tmp_path: Path) -> None:
+    (tmp_path / "home").write_text("a file where the cache's parent folder should be")
+    loaded: list[Path] = []
+    seen: list[bytes] = []
+
+    def load(library: Path) -> None:
+        loaded.append(library)
+        seen.append(library.read_bytes())  # there while it is loaded
+
+    said = mkl_paths.built_and_loaded(tmp_path / "home" / "cache", "cc", writes_output, load)
+    assert said == "built in a temporary folder"
+    assert seen == [b"library"]
+    assert not loaded[0].exists()  # removed once loaded
+    assert not loaded[0].is_relative_to(tmp_path)

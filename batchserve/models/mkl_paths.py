@@ -113,15 +113,29 @@ def _apply(cache: Path | None) -> str:
         return "MKL keeps its generic AVX2 code on this AMD CPU: no C compiler (cc) to build" \
             " the library that lets it run its Intel paths"  # fmt: skip
     try:
-        if cache is None:
-            with tempfile.TemporaryDirectory() as folder:
-                library = build(Path(folder), compiler)
-                load(library)
-        else:
-            library = build(cache, compiler)
-            load(library)
+        where = built_and_loaded(cache, compiler)
     except (OSError, subprocess.SubprocessError) as exc:
         return f"MKL keeps its generic AVX2 code on this AMD CPU: the library failed ({exc})"
-    return (
-        f"MKL runs its Intel code paths on this AMD CPU, chosen by the CPU's features ({library})"
-    )
+    return f"MKL runs its Intel code paths on this AMD CPU, chosen by the CPU's features ({where})"
+
+
+def built_and_loaded(
+    cache: Path | None,
+    compiler: str,
+    run: Callable[..., object] = subprocess.run,
+    loader: Callable[[Path], None] = load,
+) -> str:
+    """The library built and loaded: kept in `cache`, or, where that is None or cannot be
+    written (a read-only home in a container), built in a temporary folder removed once it
+    is loaded. Returns where it came from, in words."""
+    if cache is not None:
+        try:
+            library = build(cache, compiler, run)
+        except OSError:
+            pass  # the cache cannot be written: a temporary folder will do
+        else:
+            loader(library)
+            return str(library)
+    with tempfile.TemporaryDirectory() as folder:
+        loader(build(Path(folder), compiler, run))
+    return "built in a temporary folder"
