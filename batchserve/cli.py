@@ -24,7 +24,7 @@ from .doors.uds import UnixSocketPath
 from .engine.core import Engine
 from .errors import StartupError
 from .live_config import read_config_file
-from .models import mkl_paths, weights
+from .models import mkl_paths
 from .observability.tracing import otlp_provider
 from .server import AppRunner, create_app
 
@@ -370,9 +370,11 @@ def _preload(config: Config) -> None:
 
 def _mkl_paths(config: Config) -> None:
     """--mkl-intel-paths on: MKL's Intel kernels on an AMD CPU, before anything imports torch
-    (models/mkl_paths.py); a CPU device's model logs what was done, or why not."""
-    if config.mkl_intel_paths:
-        mkl_paths.apply(weights.cache_root(config.weights_cache))
+    (models/mkl_paths.py), where a model may run on a CPU device (`cpu` among --devices, or
+    a models file, whose entries name their own); its model logs what was done, or why not."""
+    devices = [name.strip().split(":")[0] for name in config.devices.split(",")]
+    if config.mkl_intel_paths and ("cpu" in devices or config.models is not None):
+        mkl_paths.apply()
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "batchserve") -> int:

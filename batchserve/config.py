@@ -164,14 +164,15 @@ class Config:
     )
     mkl_intel_paths: bool = setting(
         True,
-        help="on an AMD x86-64 CPU, the batchserve command lets MKL (the BLAS of torch's CPU"
+        help="on an AMD x86-64 CPU, where cpu is among --devices or a models file is given,"
+        " the batchserve command lets MKL (the BLAS of torch's CPU"
         " wheels) run the kernels it runs on Intel's CPUs, chosen by the CPU's features"
         " (AVX-512 on Zen 4 and 5), instead of the generic AVX2 ones it takes on any other"
         " vendor: on a Zen 5, float32 products 2.2x, attention 2x in float32 and 2.8x in"
         " bfloat16, SmolLM2's prefill 1.2x in float32 and 1.6x in bfloat16. It compiles a"
-        " one-line C library with the system's cc once (kept in --weights-cache's folder,"
-        " else built afresh in /tmp) and loads it before torch; a CPU device's model logs"
-        " what it did. Off, or not AMD, no compiler: MKL's own choice",
+        " one-line C library with the system's cc at each start (about 30 ms, in a private"
+        " temporary folder) and loads it before torch; the first CPU model logs what it did."
+        " Off, or not AMD, no compiler: MKL's own choice",
     )
     kv_cache_bytes: int = setting(
         256 * 2**20,

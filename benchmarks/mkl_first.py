@@ -9,6 +9,5 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from batchserve.models import mkl_paths
-from batchserve.models.weights import cache_root
 
-SAID = mkl_paths.apply(cache_root(None))
+SAID = mkl_paths.apply()

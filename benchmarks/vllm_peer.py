@@ -48,7 +48,6 @@ from tokenizers import Tokenizer
 
 from batchserve.models import mkl_paths
 from batchserve.models.cpu import cpu_flags, has_bf16
-from batchserve.models.weights import cache_root
 
 ROOT = Path(__file__).resolve().parent.parent
 WEIGHTS = ROOT / "benchmarks/results/smollm2-fp32"
@@ -144,7 +143,7 @@ def launch(
             compiler = mkl_paths.c_compiler()
             if compiler is None:
                 raise SystemExit("--peer-mkl on needs a C compiler (cc)")
-            preload.append(str(mkl_paths.build(cache_root(None), compiler)))
+            preload.append(str(mkl_paths.build(ROOT / "benchmarks/results", compiler)))
         if preload:
             env["LD_PRELOAD"] = ":".join(part for part in preload if part)
         command = [str(PEER_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model",

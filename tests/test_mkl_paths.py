@@ -1,19 +1,25 @@
 """MKL's Intel paths on AMD CPUs (#44, the CPU's best setup): wanted only on an AMD x86-64
-CPU before torch is imported, the library built once and renamed into place, and, built by
-the real compiler and loaded before torch in a fresh process, MKL's code path no worse (on
-an AMD CPU with AVX-512: better) with products that stay right."""
+CPU before torch is imported, applied by the launcher only where a model may run on a CPU,
+the library loaded from a private folder removed after, what was done logged once; and,
+built by the real compiler and loaded before torch in a fresh process, MKL's code path no
+worse (on an AMD CPU with AVX-512: better) with products that stay right."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from batchserve import cli
 from batchserve.cli import config_from_args
+from batchserve.config import Config
 from batchserve.models import mkl_paths
 from batchserve.models.cpu import cpu_flags, cpu_vendor
 
@@ -35,39 +41,93 @@ def test_the_flag_is_on_by_default_and_can_be_turned_off() -> None:
     assert config_from_args(["--mkl-intel-paths", "off"])[0].mkl_intel_paths is False
 
 
-def test_the_library_is_compiled_once_under_a_name_of_its_own_then_renamed(tmp_path: Path) -> None:
-    commands: list[list[str]] = []
+@pytest.mark.parametrize(
+    ("args", "applied"),
+    [
+        ([], False),  # the simulated default: no torch model
+        (["--devices", "cuda:0"], False),
+        (["--devices", "cpu"], True),
+        (["--devices", "cuda:0, cpu"], True),
+        (["--devices", "cpu", "--mkl-intel-paths", "off"], False),
+    ],
+)
+def test_the_launcher_applies_it_only_where_a_model_may_run_on_a_cpu(
+    args: list[str], applied: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[None] = []
+    monkeypatch.setattr(mkl_paths, "apply", lambda: calls.append(None) or "")
+    cli._mkl_paths(config_from_args(args)[0])
+    assert calls == ([None] if applied else [])
 
-    def compile_(command: list[str], **kwargs: Any) -> None:
-        commands.append(command)
-        assert kwargs["input"] == mkl_paths.SOURCE
-        output = Path(command[command.index("-o") + 1])
-        assert output.name != mkl_paths.NAME  # never the final name while being written
-        output.write_bytes(b"library")
 
-    library = mkl_paths.build(tmp_path / "cache", "cc", run=compile_)
-    assert library == tmp_path / "cache" / mkl_paths.NAME
-    assert library.read_bytes() == b"library"
-    assert mkl_paths.build(tmp_path / "cache", "cc", run=compile_) == library
-    assert len(commands) == 1
-    assert [p.name for p in (tmp_path / "cache").iterdir()] == [mkl_paths.NAME]
+def test_a_models_file_may_name_cpu_devices_so_the_launcher_applies_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[None] = []
+    monkeypatch.setattr(mkl_paths, "apply", lambda: calls.append(None) or "")
+    config = dataclasses.replace(Config(), models=str(tmp_path / "models.toml"))
+    cli._mkl_paths(config)
+    assert calls == [None]
 
 
-def test_a_failed_compile_leaves_nothing_behind(tmp_path: Path) -> None:
+def writes_output(command: list[str], **kwargs: Any) -> None:
+    assert kwargs["input"] == mkl_paths.SOURCE
+    Path(command[command.index("-o") + 1]).write_bytes(b"library")
+
+
+def test_the_library_is_loaded_from_a_private_folder_removed_after(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    loaded: list[tuple[Path, bytes]] = []
+    mkl_paths.built_and_loaded("cc", writes_output, lambda p: loaded.append((p, p.read_bytes())))
+    [(library, content)] = loaded
+    assert content == b"library"  # there while it is loaded
+    assert library.name == mkl_paths.NAME
+    assert library.parent.parent == tmp_path
+    assert list(tmp_path.iterdir()) == []  # and gone after
+
+
+def test_a_failed_compile_is_raised_and_leaves_nothing_behind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+
     def failing(command: list[str], **kwargs: Any) -> None:
         Path(command[command.index("-o") + 1]).write_bytes(b"half")
         raise subprocess.CalledProcessError(1, command)
 
     with pytest.raises(subprocess.CalledProcessError):
-        mkl_paths.build(tmp_path, "cc", run=failing)
+        mkl_paths.built_and_loaded("cc", failing, lambda _: pytest.fail("loaded half a file"))
     assert list(tmp_path.iterdir()) == []
 
 
-def test_a_process_that_imported_torch_is_left_as_it_is(tmp_path: Path) -> None:
+def test_what_was_done_is_logged_once_by_the_first_cpu_model(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(mkl_paths, "_record", mkl_paths._Record())
+    mkl_paths.report()  # not applied: nothing to say
+    monkeypatch.setattr(mkl_paths, "_apply", lambda: "MKL did something")
+    assert mkl_paths.apply() == "MKL did something"
+    with caplog.at_level(logging.INFO, logger="batchserve.models.mkl_paths"):
+        mkl_paths.report()
+        mkl_paths.report()
+    assert [r.getMessage() for r in caplog.records] == ["MKL did something"]
+
+
+def test_a_process_that_imported_torch_is_left_as_it_is(monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("torch")
-    said = mkl_paths.apply(tmp_path)
+    monkeypatch.setattr(mkl_paths, "_record", mkl_paths._Record())
+    said = mkl_paths.apply()
     assert "imported before" in said or "not an AMD" in said
-    assert list(tmp_path.iterdir()) == []
+    assert mkl_paths.outcome() == said
+
+
+def test_the_launchers_imports_leave_torch_unimported() -> None:
+    """Else the launcher would always be too late to load the library."""
+    probe = "import sys, batchserve.cli; print('torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "False"
 
 
 PROBE = """
@@ -103,30 +163,3 @@ def test_loaded_before_torch_mkl_takes_its_intel_path_and_multiplies_right(tmp_p
     if cpu_vendor() == "AuthenticAMD" and "avx512f" in cpu_flags():
         assert intel["path"] > own["path"]  # generic AVX2 -> an AVX-512 path
     assert intel["error"] < 1e-3
-
-
-def writes_output(command: list[str], **_: Any) -> None:
-    Path(command[command.index("-o") + 1]).write_bytes(b"library")
-
-
-def test_the_library_is_kept_in_the_cache_and_loaded_from_there(tmp_path: Path) -> None:
-    loaded: list[Path] = []
-    said = mkl_paths.built_and_loaded(tmp_path, "cc", writes_output, loaded.append)
-    assert loaded == [tmp_path / mkl_paths.NAME]
-    assert said == str(tmp_path / mkl_paths.NAME)
-
-
-def test_a_cache_that_cannot_be_written_falls_back_to_a_temporary_folder(tmp_path: Path) -> None:
-    (tmp_path / "home").write_text("a file where the cache's parent folder should be")
-    loaded: list[Path] = []
-    seen: list[bytes] = []
-
-    def load(library: Path) -> None:
-        loaded.append(library)
-        seen.append(library.read_bytes())  # there while it is loaded
-
-    said = mkl_paths.built_and_loaded(tmp_path / "home" / "cache", "cc", writes_output, load)
-    assert said == "built in a temporary folder"
-    assert seen == [b"library"]
-    assert not loaded[0].exists()  # removed once loaded
-    assert not loaded[0].is_relative_to(tmp_path)

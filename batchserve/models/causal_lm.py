@@ -393,8 +393,7 @@ def load(device: str, settings: GeneratorSettings | None = None) -> CausalLM:
         bound_kernel_caches()
         keep_freed_memory()
         pin_compute(torch, settings.cpu_threads)
-        if (mkl := mkl_paths.outcome()) is not None:
-            log.info("%s", mkl)
+        mkl_paths.report()
     dtype = getattr(torch, resolve_dtype(torch, settings.dtype, device, cpu_flags()))
     folder, gguf = model_files(settings.model_path)
     try:

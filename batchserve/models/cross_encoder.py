@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import StartupError
+from . import mkl_paths
 from .linears import Products, pack_linears
 from .retrieval import split_pair
 from .text_tokens import DIRECTIONS, TextTokens
@@ -85,6 +86,7 @@ def load(device: str, model_path: str | None = None) -> CrossEncoder:
             "batchserve.models.cross_encoder:load needs model_path (the model's folder)"
         )
     if device == "cpu":
+        mkl_paths.report()
         torch = _imports()[0]
         torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
     return CrossEncoder(model_path, device)

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import StartupError
+from . import mkl_paths
 from .linears import Products, pack_linears
 from .text_tokens import DIRECTIONS, TextTokens
 
@@ -70,6 +71,7 @@ class MiniLM:
 def load(device: str) -> MiniLM:
     """The per-device factory. On CPU, torch keeps one core free for the event loop."""
     if device == "cpu":
+        mkl_paths.report()
         torch = _imports()[0]
         torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
     return MiniLM(device)

@@ -4,25 +4,26 @@ torch's CPU wheels link Intel's MKL as their BLAS. MKL asks one exported functio
 `mkl_serv_intel_cpu_true`, whether the CPU is Intel's before it looks at the CPU's features:
 on any other vendor it takes its generic AVX2 code, even on an AMD EPYC with AVX-512 (Zen 4
 and 5). There its Intel path runs float32 products 2.2x as fast (sgemm 111 -> 247 GFLOP/s on
-one Zen 5 core) and torch's float32 attention 2x (the flash kernel's blocks are MKL
-products). A library that defines that function to say yes, loaded into the process's global
-scope before torch is, answers in its place (torch calls it through its symbol table); MKL
-then chooses among its kernels by the CPU's features as it does on Intel's, so it never
-runs an instruction the CPU lacks.
+one Zen 5 core) and torch's attention 2-2.8x (the flash kernel's blocks are MKL products). A
+library that defines that function to say yes, loaded into the process's global scope before
+torch is, answers in its place (torch calls it through its symbol table); MKL then chooses
+among its kernels by the CPU's features as it does on Intel's (seen: its AVX-512 path on a
+Zen 5 whose flags have avx512f).
 
-The library is one line of C, compiled once with the system's C compiler (the one
-`torch.compile` needs too) into batchserve's cache; `apply` decides, builds and loads it,
-and keeps what it did in words: a CPU device's model logs that as it loads (`outcome`), not
-the launcher, whose start-up errors are one line. The launcher calls it before anything
-imports torch; a process that imported torch already is left as it is.
+The library is one line of C, compiled at each start with the system's C compiler (the one
+`torch.compile` needs too; about 30 ms) in a private temporary folder, loaded, and the
+folder removed: a copy kept in a shared cache could be stale, half written by another
+server or planted by another user. `apply` decides, builds and loads it, and keeps what it
+did in words; a CPU device's model logs that as it loads (`report`), not the launcher,
+whose start-up errors are one line. The launcher calls it before anything imports torch; a
+process that imported torch already is left as it is.
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
-import hashlib
 import importlib.util
+import logging
 import os
 import platform
 import shutil
@@ -34,14 +35,23 @@ from pathlib import Path
 
 from .cpu import cpu_vendor
 
+log = logging.getLogger(__name__)
+
 SOURCE = b"int mkl_serv_intel_cpu_true(void) { return 1; }\n"
 """The whole library: MKL's vendor question, answered yes."""
-NAME = f"mkl-intel-paths-{hashlib.sha256(SOURCE).hexdigest()[:12]}.so"
+NAME = "mkl-intel-paths.so"
 COMPILE_TIMEOUT_S = 60.0
 
-_outcome: list[str] = []
-"""What `apply` did in this process, in words (at most one entry): the library is loaded
-once into a process, so its record is the process's too."""
+
+class _Record:
+    """What `apply` did in this process, in words, and whether `report` has logged it: the
+    library is loaded into the process, so its record is the process's too."""
+
+    said: str | None = None
+    reported = False
+
+
+_record = _Record()
 
 
 def reason_not(
@@ -50,30 +60,20 @@ def reason_not(
     """Why the library is not wanted here, or None: wanted."""
     if vendor != "AuthenticAMD" or machine != "x86_64":
         return f"not an AMD x86-64 CPU ({vendor or 'vendor unknown'}, {machine})"
-    if not torch_installed:
-        return "torch is not installed"
     if "torch" in modules:
         return "torch was imported before the launcher could load it"
+    if not torch_installed:
+        return "torch is not installed"
     return None
 
 
 def build(folder: Path, compiler: str, run: Callable[..., object] = subprocess.run) -> Path:
-    """The library in `folder`, compiled unless it is there already; written under a name of
-    its own and renamed into place, so that servers starting at once never load half a file."""
+    """The library compiled into `folder`."""
     target = folder / NAME
-    if target.exists():
-        return target
-    folder.mkdir(parents=True, exist_ok=True)
-    partial = folder / f".{NAME}.{os.getpid()}"
-    try:
-        run(
-            [compiler, "-shared", "-fPIC", "-O2", "-x", "c", "-", "-o", str(partial)],
-            input=SOURCE, check=True, capture_output=True, timeout=COMPILE_TIMEOUT_S,
-        )  # fmt: skip
-        partial.replace(target)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            partial.unlink()
+    run(
+        [compiler, "-shared", "-fPIC", "-O2", "-x", "c", "-", "-o", str(target)],
+        input=SOURCE, check=True, capture_output=True, timeout=COMPILE_TIMEOUT_S,
+    )  # fmt: skip
     return target
 
 
@@ -87,24 +87,40 @@ def load(library: Path) -> None:
     ctypes.CDLL(str(library), mode=os.RTLD_GLOBAL | os.RTLD_NOW)
 
 
+def built_and_loaded(
+    compiler: str,
+    run: Callable[..., object] = subprocess.run,
+    loader: Callable[[Path], None] = load,
+) -> None:
+    """The library built in a private temporary folder, loaded, and the folder removed (a
+    loaded library needs no file)."""
+    with tempfile.TemporaryDirectory(prefix="batchserve-mkl-") as folder:
+        loader(build(Path(folder), compiler, run))
+
+
+def apply() -> str:
+    """MKL's Intel paths for this process where they are wanted and can be had. Returns what
+    it did, in words, and keeps that for `report`."""
+    _record.said, _record.reported = _apply(), False
+    return _record.said
+
+
 def outcome() -> str | None:
     """What `apply` did in this process, in words; None: it was not called."""
-    return _outcome[0] if _outcome else None
+    return _record.said
 
 
-def apply(cache: Path | None) -> str:
-    """MKL's Intel paths for this process where they are wanted and can be had: the library
-    kept in `cache` (None: built in a temporary folder, removed once loaded). Returns what
-    it did, in words, and keeps that for `outcome`."""
-    said = _apply(cache)
-    _outcome[:] = [said]
-    return said
+def report() -> None:
+    """Logs what `apply` did in this process, once: each CPU model's load calls it."""
+    if _record.said is not None and not _record.reported:
+        log.info("%s", _record.said)
+        _record.reported = True
 
 
-def _apply(cache: Path | None) -> str:
+def _apply() -> str:
     why = reason_not(
         vendor=cpu_vendor(), machine=platform.machine(), modules=sys.modules,
-        torch_installed=importlib.util.find_spec("torch") is not None,
+        torch_installed="torch" in sys.modules or importlib.util.find_spec("torch") is not None,
     )  # fmt: skip
     if why is not None:
         return f"MKL keeps its own code choice: {why}"
@@ -113,29 +129,7 @@ def _apply(cache: Path | None) -> str:
         return "MKL keeps its generic AVX2 code on this AMD CPU: no C compiler (cc) to build" \
             " the library that lets it run its Intel paths"  # fmt: skip
     try:
-        where = built_and_loaded(cache, compiler)
+        built_and_loaded(compiler)
     except (OSError, subprocess.SubprocessError) as exc:
         return f"MKL keeps its generic AVX2 code on this AMD CPU: the library failed ({exc})"
-    return f"MKL runs its Intel code paths on this AMD CPU, chosen by the CPU's features ({where})"
-
-
-def built_and_loaded(
-    cache: Path | None,
-    compiler: str,
-    run: Callable[..., object] = subprocess.run,
-    loader: Callable[[Path], None] = load,
-) -> str:
-    """The library built and loaded: kept in `cache`, or, where that is None or cannot be
-    written (a read-only home in a container), built in a temporary folder removed once it
-    is loaded. Returns where it came from, in words."""
-    if cache is not None:
-        try:
-            library = build(cache, compiler, run)
-        except OSError:
-            pass  # the cache cannot be written: a temporary folder will do
-        else:
-            loader(library)
-            return str(library)
-    with tempfile.TemporaryDirectory() as folder:
-        loader(build(Path(folder), compiler, run))
-    return "built in a temporary folder"
+    return "MKL runs its Intel code paths on this AMD CPU, chosen by the CPU's features"
