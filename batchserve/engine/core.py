@@ -53,6 +53,7 @@ from .counting import Counted, Counting, worth_a_thread
 from .drain import Drain
 from .generating import GenerationPath
 from .intake import Intake, Phase, in_flight
+from .list_answers import all_answers
 from .recorder import Recorder
 from .requests import Caller
 from .versions import Versions, starting_models
@@ -278,16 +279,10 @@ class Engine:
             for request, expiry in admitted:  # answered with the list's refusal
                 self.settle(route, request, expiry, tenant, refusal)
             raise
-        outcomes = await asyncio.gather(
-            *(self._answer(route, request, expiry, tenant) for request, expiry in admitted),
-            return_exceptions=True,
+        return await all_answers(
+            admitted,
+            lambda request, expiry, outcome: self.settle(route, request, expiry, tenant, outcome),
         )
-        results: list[Result] = []
-        for outcome in outcomes:
-            if isinstance(outcome, BaseException):
-                raise outcome
-            results.append(outcome)
-        return results
 
     def submit(self, ask: Ask | str, caller: Caller | None = None) -> Ticket:
         """Queues one input and returns at once: the ticket tells its status and, awaited,
