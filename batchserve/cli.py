@@ -370,10 +370,11 @@ def _preload(config: Config) -> None:
 
 def _mkl_paths(config: Config) -> None:
     """--mkl-intel-paths on: MKL's Intel kernels on an AMD CPU, before anything imports torch
-    (models/mkl_paths.py), where a model may run on a CPU device (`cpu` among --devices, or
-    a models file, whose entries name their own); its model logs what was done, or why not."""
-    devices = [name.strip().split(":")[0] for name in config.devices.split(",")]
-    if config.mkl_intel_paths and ("cpu" in devices or config.models is not None):
+    (models/mkl_paths.py), where a model may run on a CPU device (--devices cpu, or a models
+    file, whose entries name their own); its model logs what was done, or why not. `cpu`
+    stands alone in a --devices spec (models/device_names.py), which is parsed later: for
+    cuda, parsing imports torch."""
+    if config.mkl_intel_paths and (config.devices.strip() == "cpu" or config.models is not None):
         mkl_paths.apply()
 
 

@@ -164,7 +164,7 @@ class Config:
     )
     mkl_intel_paths: bool = setting(
         True,
-        help="on an AMD x86-64 CPU, where cpu is among --devices or a models file is given,"
+        help="on an AMD x86-64 CPU, with --devices cpu or a models file,"
         " the batchserve command lets MKL (the BLAS of torch's CPU"
         " wheels) run the kernels it runs on Intel's CPUs, chosen by the CPU's features"
         " (AVX-512 on Zen 4 and 5), instead of the generic AVX2 ones it takes on any other"

@@ -14,9 +14,10 @@ gate and up 0.89 to 0.59 ms. The price is a second copy of those weights in memo
 One row of float32 (a lone stream's decode) is the exception that depends on the machine:
 there torch's plain `linear` is a matrix-vector product by its BLAS (MKL), which beat the
 blocked layout on an Intel Xeon (SmolLM2's step 7-10 % faster) and lost to it by 1.8x on an
-AMD EPYC, where MKL does not take its AVX-512 code. So once the model is loaded, one row is
-timed through its weights both ways (`choose_row_path`: the first 256 MiB of them, past any
-cache), and one float32 row takes the faster from then on.
+AMD EPYC, where MKL does not take its AVX-512 code unless the launcher lets it
+(models/mkl_paths.py). So once the model is loaded, one row is timed through its weights
+both ways (`choose_row_path`: the first 256 MiB of them, past any cache), and one float32
+row takes the faster from then on.
 """
 
 from __future__ import annotations
@@ -136,8 +137,9 @@ def pack_linears(torch: Any, model: Any, products: Products) -> int:
     `products` (packed for oneDNN on a CPU), its forward replaced on the instance; answers
     how many. For an encoder called as transformers' module (MiniLM, a cross-encoder),
     whose linears otherwise run torch's plain `linear`: MKL's, which on an AMD EPYC takes
-    its AVX2 code (a reranker of MiniLM-L6's shape, 10 pairs of 66 tokens on one core:
-    150 ms plain, 77 ms packed, the logits within 3e-7). The module keeps its weight."""
+    its AVX2 code unless the launcher lets it take its Intel kernels (mkl_paths.py). There,
+    a reranker of MiniLM-L6's shape, 10 pairs of 66 tokens on one core: 150 ms plain, 77 ms
+    packed, the logits within 3e-7. The module keeps its weight."""
     if not products.packed:
         return 0
     linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
